@@ -1,0 +1,357 @@
+"""The typed run configuration: frozen dataclasses, YAML with `base:` inheritance, dotted CLI overrides.
+
+Every key a user can set lives in one dataclass below, so the tree is the documentation. Loading goes
+YAML file(s) -> nested dict -> overrides -> dataclasses (type-checked) -> cross-field validation, and
+every failure is a `ConfigError` naming the key and the fix, raised before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from mmjax.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_attention_out")
+
+
+@dataclasses.dataclass(frozen=True)
+class TextConfig:
+    """Llama-style decoder."""
+
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 0  # 0 = dim // n_heads
+    mlp_dim: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """ViT encoder; images arrive as [H, W, C] floats normalised with `mean`/`std`."""
+
+    image_size: int = 48
+    patch_size: int = 16
+    channels: int = 3
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    mlp_dim: int = 384
+    norm_eps: float = 1e-6
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    std: tuple[float, ...] = (0.5, 0.5, 0.5)
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectorConfig:
+    """LLaVA-1.5 projector: Linear(vision -> hidden) -> GELU -> Linear(hidden -> text)."""
+
+    hidden_dim: int = 0  # 0 = text.dim
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 512
+    max_seq_len: int = 64
+    text: TextConfig = TextConfig()
+    vision: VisionConfig = VisionConfig()
+    projector: ProjectorConfig = ProjectorConfig()
+    compute_dtype: str = "auto"  # auto = bfloat16 on GPU/TPU, float32 on CPU
+    param_dtype: str = "float32"
+    scan_layers: bool = True
+    remat: str = "none"
+    attention_impl: str = "auto"
+
+    @property
+    def image_tokens(self) -> int:
+        """Placeholder tokens one image fills in the text sequence."""
+        return self.vision.num_patches
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes; one of them may be -1 (= the remaining devices)."""
+
+    data: int = -1
+    fsdp: int = 1
+    pipeline: int = 1
+    sequence: int = 1
+    tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    dataset: str = "shapes"  # built-in dataset name
+    cache_dir: str = "~/.cache/mmjax"
+    num_train: int = 20000
+    num_eval: int = 500
+    num_shards: int = 4
+    tokenizer: str = ""  # path to tokenizer.json; empty = the built-in dataset's tokenizer
+    max_images: int = 1  # image slots per row
+    shuffle: bool = True
+    num_workers: int = 0  # Grain worker processes; 0 = in-process
+    prefetch: int = 2  # batches buffered ahead of the train loop
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    schedule: str = "cosine"  # cosine | polynomial | constant
+    power: float = 1.0  # polynomial decay exponent
+    schedule_steps: int = 0  # 0 = train.steps
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_grad_norm: float = 1.0  # 0 = no clipping
+    loss_scale_init: float = 2.0**15  # fp16 only
+    loss_scale_growth_interval: int = 1000
+    loss_scale_factor: float = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2000
+    seed: int = 0
+    global_batch_size: int = 64
+    grad_accum_steps: int = 1
+    output_dir: str = "runs/tiny_shapes"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    every_steps: int = 500  # 0 = only at the end
+    num_examples: int = 500  # held-out examples scored (<= data.num_eval)
+    batch_size: int = 100
+    max_new_tokens: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ObserveConfig:
+    log_every: int = 50
+    progress: bool = True  # rich progress bar on stdout
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    observe: ObserveConfig = ObserveConfig()
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_yaml_tree(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a YAML config and merge it over the file its `base:` key names (relative to it)."""
+    path = Path(path).resolve()
+    if path in _seen:
+        raise ConfigError(f"{path}: `base:` chain loops back to itself ({' -> '.join(map(str, _seen))})")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass an existing file to --config")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(tree).__name__}")
+    base = tree.pop("base", None)
+    if base is None:
+        return tree
+    return deep_merge(load_yaml_tree(path.parent / base, _seen + (path,)), tree)
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def apply_override(tree: dict[str, Any], override: str) -> None:
+    """Apply one `a.b.c=value` override; the value is parsed as YAML (`1`, `true`, `[1,2]`, `0.5`)."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} is not of the form section.key=value")
+    dotted, raw = override.split("=", 1)
+    keys = dotted.strip().split(".")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {key} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def from_tree(cls: type, tree: Any, prefix: str = "") -> Any:
+    """Build dataclass `cls` from a nested dict, checking every key and value type."""
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {tree!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key {name}{hint}")
+        kwargs[key] = _coerce(hints[key], value, name)
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, name: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return from_tree(hint, value, f"{name}.")
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} must be a list, got {value!r}")
+        (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
+        return tuple(_coerce(item, v, name) for v in value)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            raise ConfigError(f"{name} must be one of {typing.get_args(hint)}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            try:
+                return _coerce(arg, value, name)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{name} has the wrong type: {value!r}")
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is type(None):
+        if value is not None:
+            raise ConfigError(f"{name} must be null")
+        return None
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(
+            f"{name} must be {hint.__name__}, got {type(value).__name__} {value!r}"
+            f"; write e.g. {name}={_example(hint)}"
+        )
+    return value
+
+
+def _example(hint: type) -> str:
+    return {int: "1", float: "0.5", bool: "true", str: "text"}.get(hint, "...")
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Resolve YAML + overrides into a validated `Config`."""
+    tree = load_yaml_tree(path) if path else {}
+    for override in overrides:
+        apply_override(tree, override)
+    cfg = from_tree(Config, tree)
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict (tuples as lists) for YAML/JSON output."""
+
+    def plain(x: Any) -> Any:
+        if dataclasses.is_dataclass(x):
+            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        if isinstance(x, tuple):
+            return [plain(v) for v in x]
+        return x
+
+    return plain(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-field validation (device-count checks live in mmjax.parallel.mesh, which knows the devices)
+
+
+def validate(cfg: Config) -> None:
+    m, t, v = cfg.model, cfg.model.text, cfg.model.vision
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    for name, value in [("model.compute_dtype", m.compute_dtype), ("model.param_dtype", m.param_dtype)]:
+        need(value in DTYPES, f"{name}={value!r} is not one of {DTYPES}")
+    need(m.param_dtype != "auto", "model.param_dtype must name a dtype (float32 recommended), not auto")
+    need(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r} is not one of {REMAT_POLICIES}")
+    need(m.attention_impl in ("auto", "xla", "reference"),
+         f"model.attention_impl={m.attention_impl!r} is not one of ('auto', 'xla', 'reference')")
+    for name, value in [("model.text.dim", t.dim), ("model.text.n_layers", t.n_layers),
+                        ("model.text.n_heads", t.n_heads), ("model.text.n_kv_heads", t.n_kv_heads),
+                        ("model.text.mlp_dim", t.mlp_dim), ("model.vision.dim", v.dim),
+                        ("model.vision.n_layers", v.n_layers), ("model.vision.n_heads", v.n_heads),
+                        ("model.vision.mlp_dim", v.mlp_dim), ("model.vocab_size", m.vocab_size),
+                        ("model.max_seq_len", m.max_seq_len), ("train.steps", cfg.train.steps),
+                        ("train.global_batch_size", cfg.train.global_batch_size),
+                        ("train.grad_accum_steps", cfg.train.grad_accum_steps),
+                        ("observe.log_every", cfg.observe.log_every),
+                        ("eval.batch_size", cfg.eval.batch_size), ("data.num_shards", cfg.data.num_shards)]:
+        need(value > 0, f"{name} must be positive, got {value}")
+    need(t.n_heads % t.n_kv_heads == 0,
+         f"model.text.n_heads={t.n_heads} must be a multiple of model.text.n_kv_heads={t.n_kv_heads}")
+    need(t.head_dim > 0 or t.dim % t.n_heads == 0,
+         f"model.text.dim={t.dim} is not divisible by model.text.n_heads={t.n_heads}; set model.text.head_dim")
+    need(t.resolved_head_dim % 2 == 0, f"RoPE needs an even head dim, got {t.resolved_head_dim}")
+    need(v.dim % v.n_heads == 0, f"model.vision.dim={v.dim} is not divisible by model.vision.n_heads={v.n_heads}")
+    need(v.image_size % v.patch_size == 0,
+         f"model.vision.image_size={v.image_size} is not a multiple of model.vision.patch_size={v.patch_size}")
+    need(len(v.mean) == v.channels and len(v.std) == v.channels,
+         f"model.vision.mean/std need {v.channels} values (one per channel)")
+    need(cfg.data.max_images * m.image_tokens < m.max_seq_len,
+         f"model.max_seq_len={m.max_seq_len} cannot hold data.max_images={cfg.data.max_images} images of "
+         f"{m.image_tokens} tokens each plus text; raise model.max_seq_len or model.vision.patch_size")
+    need(cfg.optim.schedule in ("cosine", "polynomial", "constant"),
+         f"optim.schedule={cfg.optim.schedule!r} is not one of cosine, polynomial, constant")
+    need(cfg.optim.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+    need(cfg.optim.schedule_steps >= 0, "optim.schedule_steps must be >= 0 (0 = train.steps)")
+    need(0.0 <= cfg.optim.min_lr_ratio <= 1.0, "optim.min_lr_ratio must be within [0, 1]")
+    need(cfg.train.global_batch_size % cfg.train.grad_accum_steps == 0,
+         f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
+         f"train.grad_accum_steps={cfg.train.grad_accum_steps}")
+    need(cfg.eval.num_examples <= cfg.data.num_eval,
+         f"eval.num_examples={cfg.eval.num_examples} exceeds data.num_eval={cfg.data.num_eval}")
+    need(cfg.data.num_workers >= 0, "data.num_workers must be >= 0")
+    sizes = dataclasses.asdict(cfg.mesh)
+    need(list(sizes.values()).count(-1) <= 1,
+         f"at most one mesh axis may be -1 (the rest of the devices), got {sizes}")
+    need(all(s == -1 or s > 0 for s in sizes.values()), f"mesh sizes must be positive or -1, got {sizes}")
