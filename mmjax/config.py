@@ -220,7 +220,7 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
 def from_tree(cls: type, tree: Any, prefix: str = "") -> Any:
     """Build dataclass `cls` from a nested dict, checking every key and value type."""
     if not isinstance(tree, dict):
-        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {tree!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {tree!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
@@ -256,6 +256,11 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
         raise ConfigError(f"{name} has the wrong type: {value!r}")
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if hint is type(None):
         if value is not None:
             raise ConfigError(f"{name} must be null")

@@ -1,0 +1,65 @@
+"""Create the model and train state directly in their shardings: nothing full-size on one device.
+
+`nnx.eval_shape` gives the parameter shapes and logical axis names without allocating; the rules
+turn names into `NamedSharding`s; `jax.jit(..., out_shardings=...)` then materialises every array
+already split across the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mmjax.config import Config
+from mmjax.engine.precision import initial_loss_scale
+from mmjax.engine.state import TrainState
+from mmjax.model import MLLM
+from mmjax.model.layers import resolve_dtype
+from mmjax.parallel.rules import param_logical_axes, shardings_for
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSetup:
+    graphdef: nnx.GraphDef
+    param_shardings: Any  # pure dict of NamedSharding, same tree as the params
+    make_params: Callable[[], Any]  # jitted: returns the sharded pure-dict params
+
+
+def model_setup(cfg: Config, mesh: Mesh, image_token_id: int) -> ModelSetup:
+    def build() -> Any:
+        model = MLLM(cfg.model, image_token_id=image_token_id, rngs=nnx.Rngs(params=cfg.train.seed))
+        return nnx.split(model, nnx.Param)
+
+    graphdef, abstract_params = nnx.eval_shape(lambda: build()[:2])
+    shardings = shardings_for(param_logical_axes(abstract_params), mesh)
+    make_params = jax.jit(lambda: build()[1].to_pure_dict(), out_shardings=shardings)
+    return ModelSetup(graphdef, shardings, make_params)
+
+
+def create_train_state(cfg: Config, mesh: Mesh, setup: ModelSetup,
+                       optimizer: optax.GradientTransformation) -> tuple[TrainState, Any]:
+    """(state, state_shardings): optimizer moments take their parameter's sharding, scalars replicate."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    params = setup.make_params()
+    abstract_opt = jax.eval_shape(optimizer.init, params)
+    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, setup.param_shardings,
+                                          transform_non_params=lambda _: replicated)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
+    compute_dtype = resolve_dtype(cfg.model.compute_dtype)
+    state = TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=opt_state,
+        rng=jax.random.key_data(jax.random.key(cfg.train.seed)),
+        loss_scale=initial_loss_scale(cfg, compute_dtype),
+    )
+    state = jax.device_put(state, jax.tree.map(lambda _: replicated, state).replace(
+        params=setup.param_shardings, opt_state=opt_shardings))
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    return state, shardings

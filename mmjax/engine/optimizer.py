@@ -1,0 +1,44 @@
+"""optax AdamW with warmup + decay schedules and global-norm clipping, built from `cfg.optim`."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from mmjax.config import Config
+
+
+def learning_rate_schedule(cfg: Config) -> optax.Schedule:
+    """Linear warmup to `optim.lr`, then cosine / polynomial decay to `lr * min_lr_ratio`, or constant.
+
+    Its length is `optim.schedule_steps` (default `train.steps`), so a finished run can be continued to
+    more steps without changing the learning rate it already saw.
+    """
+    o = cfg.optim
+    total = o.schedule_steps or cfg.train.steps
+    warmup = min(o.warmup_steps, total)
+    decay_steps = max(total - warmup, 1)
+    end = o.lr * o.min_lr_ratio
+    if o.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(o.lr, decay_steps, alpha=o.min_lr_ratio)
+    elif o.schedule == "polynomial":
+        decay = optax.polynomial_schedule(o.lr, end, o.power, decay_steps)
+    else:
+        decay = optax.constant_schedule(o.lr)
+    if warmup == 0:
+        return decay
+    ramp = optax.linear_schedule(o.lr / warmup, o.lr, warmup)
+    return optax.join_schedules([ramp, decay], [warmup])
+
+
+def _decay_mask(params):
+    """Weight decay on matrices only: norms, biases and other vectors are not decayed."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    o = cfg.optim
+    parts = [optax.clip_by_global_norm(o.clip_grad_norm)] if o.clip_grad_norm > 0 else []
+    parts.append(optax.adamw(learning_rate_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
+                             weight_decay=o.weight_decay, mask=_decay_mask))
+    return optax.chain(*parts)

@@ -1,0 +1,20 @@
+"""Train state: everything a checkpoint must hold to continue a run exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import optax
+
+from mmjax.engine.precision import LossScale
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer updates applied (skipped steps included)
+    params: Any  # pure dict of float32 arrays (nnx.merge(graphdef, params) rebuilds the model)
+    opt_state: optax.OptState
+    rng: jax.Array  # key for stochastic layers; split every step so resume replays the same stream
+    loss_scale: LossScale

@@ -1,0 +1,97 @@
+"""The jitted train step: loss over micro-batches, gradient accumulation, loss scaling, AdamW update."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from mmjax.engine.precision import all_finite
+from mmjax.engine.state import TrainState
+
+Batch = dict[str, jax.Array]
+MODEL_INPUTS = ("tokens", "positions", "segment_ids", "images", "image_valid")
+
+
+def loss_sums(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """(sum of masked token cross-entropies, number of loss tokens); float32 whatever the compute dtype."""
+    logits = model(*(batch[k] for k in MODEL_INPUTS))
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return jnp.sum(ce * mask), jnp.sum(mask)
+
+
+def split_micro_batches(batch: Batch, accum_steps: int) -> Batch:
+    """[B, ...] -> [accum, B/accum, ...], taking rows strided so each device's rows stay local."""
+
+    def split(x: jax.Array) -> jax.Array:
+        b = x.shape[0]
+        return x.reshape(b // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+                    schedule: optax.Schedule, accum_steps: int) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+    """Build `train_step(state, batch) -> (state, metrics)`; jit it with donated state.
+
+    Gradients are of the *sum* of token losses, divided once by the total token count, so any
+    accumulation split gives the same update as one big batch.
+    """
+
+    def scaled_loss(params: Any, batch: Batch, scale: jax.Array):
+        total, count = loss_sums(nnx.merge(graphdef, params), batch)
+        return total * scale, (total, count)
+
+    grad_fn = jax.grad(scaled_loss, has_aux=True)
+
+    def gradients(params: Any, batch: Batch, scale: jax.Array):
+        if accum_steps == 1:
+            grads, (total, count) = grad_fn(params, batch, scale)
+            return grads, total, count
+        micro = split_micro_batches(batch, accum_steps)
+
+        def body(carry, mb):
+            g_acc, t_acc, c_acc = carry
+            g, (t, c) = grad_fn(params, mb, scale)
+            return (jax.tree.map(jnp.add, g_acc, g), t_acc + t, c_acc + c), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (grads, total, count), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), micro)
+        return grads, total, count
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        scale = state.loss_scale.scale
+        grads, total, count = gradients(state.params, batch, scale)
+        denom = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: (g / (scale * denom)).astype(jnp.float32), grads)
+        finite = all_finite(grads)
+        grad_norm = optax.global_norm(grads)
+        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        # A step with non-finite gradients (fp16 overflow, or a bad batch) leaves params untouched.
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        rng, _ = jax.random.split(state.rng)
+        new_state = state.replace(
+            step=state.step + 1,
+            params=keep(new_params, state.params),
+            opt_state=keep(new_opt, state.opt_state),
+            rng=rng,
+            loss_scale=state.loss_scale.update(finite),
+        )
+        metrics = {
+            "train/loss": total / denom,
+            "train/grad_norm": grad_norm,
+            # optax's own count skips non-finite steps, so the rate in use is at step - skipped
+            "train/lr": schedule(state.step - state.loss_scale.skipped),
+            "train/loss_tokens": count,
+            "train/tokens": jnp.sum(batch["segment_ids"] > 0),
+            "train/loss_scale": scale,
+            "train/skipped_steps": new_state.loss_scale.skipped,
+        }
+        return new_state, metrics
+
+    return train_step

@@ -1,0 +1,76 @@
+"""Build the device mesh from `cfg.mesh` and check that the model and batch fit it.
+
+Axis order is (data, fsdp, pipeline, sequence, tensor): tensor is innermost, so on GPUs the
+tensor-parallel group is made of neighbouring devices (same NVLink island). All axes are `Auto`
+so GSPMD propagates shardings from the annotations; the mode is set explicitly because
+`jax.make_mesh` defaults to Explicit axes on jax 0.10.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from mmjax.config import Config, MeshConfig
+from mmjax.errors import ConfigError
+
+AXES = ("data", "fsdp", "pipeline", "sequence", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+
+def resolve_mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> dict[str, int]:
+    """Sizes of every mesh axis, with a -1 replaced by the remaining devices."""
+    sizes = dataclasses.asdict(mesh_cfg)
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if -1 in sizes.values():
+        if num_devices % known:
+            raise ConfigError(
+                f"mesh sizes {sizes} leave no integer size for the -1 axis with {num_devices} devices; "
+                f"make the fixed axes multiply to a divisor of {num_devices}")
+        sizes = {k: (num_devices // known if v == -1 else v) for k, v in sizes.items()}
+    if math.prod(sizes.values()) != num_devices:
+        raise ConfigError(
+            f"mesh sizes {sizes} multiply to {math.prod(sizes.values())} but {num_devices} devices are "
+            "present; set one mesh axis to -1 or make them multiply to the device count")
+    return sizes
+
+
+def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = resolve_mesh_shape(cfg.mesh, len(devices))
+    check_fits(cfg, sizes)
+    shape = tuple(sizes[a] for a in AXES)
+    grid = np.asarray(devices).reshape(shape)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def data_parallel_size(sizes: dict[str, int]) -> int:
+    return math.prod(sizes[a] for a in BATCH_AXES)
+
+
+def check_fits(cfg: Config, sizes: dict[str, int]) -> None:
+    """Sizes that must divide the model and batch dimensions they shard."""
+    dp = data_parallel_size(sizes)
+    per_step = cfg.train.global_batch_size // cfg.train.grad_accum_steps
+    if per_step % dp:
+        raise ConfigError(
+            f"train.global_batch_size={cfg.train.global_batch_size} / train.grad_accum_steps="
+            f"{cfg.train.grad_accum_steps} = {per_step} rows per micro-step is not divisible by the "
+            f"data-parallel size data x fsdp = {dp}; change the batch or the mesh")
+    t = sizes["tensor"]
+    text, vision = cfg.model.text, cfg.model.vision
+    for key, value in [("model.text.n_kv_heads", text.n_kv_heads), ("model.text.n_heads", text.n_heads),
+                       ("model.text.mlp_dim", text.mlp_dim), ("model.vocab_size", cfg.model.vocab_size),
+                       ("model.vision.n_heads", vision.n_heads), ("model.vision.mlp_dim", vision.mlp_dim)]:
+        if value % t:
+            raise ConfigError(f"{key}={value} is not divisible by mesh.tensor={t}; pick a tensor size dividing it")
+    if cfg.model.max_seq_len % sizes["sequence"]:
+        raise ConfigError(f"model.max_seq_len={cfg.model.max_seq_len} is not divisible by "
+                          f"mesh.sequence={sizes['sequence']}")
+    if sizes["pipeline"] != 1:
+        raise ConfigError("mesh.pipeline > 1 needs pipeline parallelism, which mmjax does not have yet; "
+                          "set mesh.pipeline=1")

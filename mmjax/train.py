@@ -1,0 +1,63 @@
+"""`python -m mmjax.train [--config FILE] [--print-config] [section.key=value ...]`
+
+Without --config the built-in default `configs/tiny_shapes.yaml` is used. A bad config exits with
+code 2 and one line naming the key; other mmjax errors exit 1 with their message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from mmjax.config import load_config, to_yaml
+from mmjax.errors import ConfigError, MmjaxError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_shapes.yaml"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m mmjax.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help=f"YAML config (default: {DEFAULT_CONFIG.name})")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 mesh.tensor=2")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config_path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
+        cfg = load_config(config_path, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Grain's multiprocess prefetch reads absl flags; parse them once so worker pools can start.
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS(sys.argv[:1])
+    from mmjax.engine.trainer import Trainer
+
+    try:
+        result = Trainer(cfg).run()
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except MmjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({k: round(v, 4) for k, v in result.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
