@@ -49,16 +49,10 @@ class Evaluator:
         self.batch_size = -(-batch_size // data_parallel) * data_parallel
 
     def run(self, params: Any) -> tuple[dict[str, float], list[str]]:
-        arrays = {k: np.asarray(self.eval_set.arrays[k]) for k in PROMPT_KEYS}
-        n = len(self.eval_set.answers)
         predictions: list[str] = []
-        for start in range(0, n, self.batch_size):
-            chunk = {k: v[start:start + self.batch_size] for k, v in arrays.items()}
-            rows = len(chunk["tokens"])
-            if rows < self.batch_size:  # pad with copies of the first row; their outputs are dropped
-                chunk = {k: np.concatenate([v, np.repeat(v[:1], self.batch_size - rows, 0)]) for k, v in chunk.items()}
-            chunk = {k: jax.device_put(v, batch_sharding(self.mesh, v.ndim)) for k, v in chunk.items()}
-            out = np.asarray(jax.device_get(self.generate(params, chunk)))[:rows]
+        for batch, rows in self.eval_set.batches(self.batch_size):
+            prompt = {k: jax.device_put(batch[k], batch_sharding(self.mesh, batch[k].ndim)) for k in PROMPT_KEYS}
+            out = np.asarray(jax.device_get(self.generate(params, prompt)))[:rows]
             predictions.extend(self.tokenizer.decode(row.tolist()) for row in out)
         scores = exact_match_scores(predictions, self.eval_set.answers, self.eval_set.qtypes)
         scores["eval/baseline_majority"] = float(self.eval_set.baseline_majority)

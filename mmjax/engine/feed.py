@@ -76,3 +76,6 @@ class DeviceFeed:
         while not self._queue.empty():
             self._queue.get_nowait()
         self._thread.join(timeout=5)
+        close = getattr(self._source, "close", None)
+        if close is not None:  # Grain worker processes exit cleanly instead of at interpreter teardown
+            close()

@@ -60,7 +60,7 @@ class Trainer:
         if cfg.observe.progress:
             sinks.append(ProgressSink(cfg.train.steps))
         writer = MetricWriter(sinks)
-        loader = iter(make_train_dataset(cfg, self.tokenizer, self.files, process_index=jax.process_index(),
+        loader = iter(make_train_dataset(cfg, self.tokenizer, files=self.files, process_index=jax.process_index(),
                                          process_count=jax.process_count()))
         feed = DeviceFeed(loader, self.mesh, depth=cfg.data.prefetch)
         buffer = MetricBuffer()

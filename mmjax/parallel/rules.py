@@ -13,6 +13,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mmjax.model.layers import logical_axes
+
 DEFAULT_RULES: dict[str, Any] = {
     "batch": ("data", "fsdp"),
     "length": None,
@@ -42,12 +44,8 @@ def logical_to_spec(names: tuple | None, rules: dict[str, Any] = DEFAULT_RULES) 
 
 
 def param_logical_axes(state: nnx.State) -> Any:
-    """Pure-dict tree of each parameter's logical axis names (tuple, or None if unannotated)."""
-
-    def names(variable: nnx.Variable) -> Any:
-        return variable.get_metadata("out_sharding", None)
-
-    return nnx.State(jax.tree.map(names, state, is_leaf=lambda x: isinstance(x, nnx.Variable))).to_pure_dict()
+    """Pure-dict tree of each parameter's logical axis names (a tuple; empty if unannotated)."""
+    return nnx.State(logical_axes(state)).to_pure_dict()
 
 
 def shardings_for(logical_tree: Any, mesh: Mesh, rules: dict[str, Any] = DEFAULT_RULES) -> Any:

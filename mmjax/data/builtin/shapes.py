@@ -1,0 +1,327 @@
+"""Built-in dataset "shapes": synthetic visual question answering a tiny MLLM can learn on CPU.
+
+Each image is a 3x3 grid of cells (one cell = one ViT patch at the default 48 px / patch 16) holding 1-3
+shapes in distinct cells, with distinct kinds and distinct colours, a little size/position jitter inside the
+cell, on a plain dark or light background with light noise. Each record asks one question, its type drawn
+uniformly from `QTYPES`:
+
+    color     What color is the triangle?          -> red | green | blue | yellow | purple | orange
+    shape     What shape is the red object?        -> circle | square | triangle | cross
+    count     How many shapes are there?           -> one | two | three
+    position  Where is the circle?                 -> top left | top | ... | center | ... | bottom right
+    exists    Is there a blue square?              -> yes | no (balanced; half the "no" share a colour or kind)
+
+24 answers in all; the most common (yes/no) is about 10% of records.
+
+Records are JSON (never pickle, so shards from untrusted storage are safe to read), LLaVA style:
+
+    {"id": "shapes-train-000042", "image": "<base64 PNG>", "qtype": "color",
+     "scene": "4:triangle:red;8:circle:blue",
+     "conversations": [{"role": "user", "content": "<image>\\nWhat color is the triangle?"},
+                       {"role": "assistant", "content": "red"}]}
+
+`scene` is the canonical description (cell:kind:colour, sorted by cell). The held-out split is a fixed
+hash-selected subset of all scenes (depending on the seed), so no eval scene ever occurs in train.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from array_record.python.array_record_module import ArrayRecordWriter
+from PIL import Image
+
+from mmjax.data.tokenizer import IMAGE_MARKER, TOKENIZER_FILE, train_bpe_tokenizer
+from mmjax.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+KINDS = ("circle", "square", "triangle", "cross")
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 35, 35),
+    "green": (35, 175, 60),
+    "blue": (40, 90, 240),
+    "yellow": (240, 220, 30),
+    "purple": (150, 55, 205),
+    "orange": (250, 140, 15),
+}
+COLOR_NAMES = tuple(COLORS)
+POSITIONS = ("top left", "top", "top right", "left", "center", "right", "bottom left", "bottom", "bottom right")
+NUMBERS = ("one", "two", "three")
+QTYPES = ("color", "shape", "count", "position", "exists")
+EVAL_FRACTION = 0.1  # share of the scene space held out for evaluation
+MANIFEST = "manifest.json"
+STATS = "stats.json"
+_WRITER_OPTIONS = "group_size:1"  # one record per chunk: fast random access for the shuffled pipeline
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapesFiles:
+    """Where a generated dataset lives; `stats_path` holds answer counts (train majority answer)."""
+
+    root: str
+    train_paths: tuple[str, ...]
+    eval_paths: tuple[str, ...]
+    tokenizer_path: str
+    stats_path: str
+
+    def stats(self) -> dict[str, Any]:
+        return json.loads(Path(self.stats_path).read_text())
+
+
+# ------------------------------------------------------------------------------------------------
+# Drawing
+
+
+def _masks(size: int) -> dict[str, np.ndarray]:
+    """Boolean [size, size] masks of each kind, filling the box."""
+    c = (size - 1) / 2
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+    thick = max(2, round(size / 3))
+    lo = (size - thick) // 2
+    cross = np.zeros((size, size), bool)
+    cross[lo:lo + thick, :] = True
+    cross[:, lo:lo + thick] = True
+    return {
+        "circle": (yy - c) ** 2 + (xx - c) ** 2 <= (size / 2) ** 2,
+        "square": np.ones((size, size), bool),
+        # apex at the top centre, base on the bottom row
+        "triangle": np.abs(xx - c) <= (yy + 1) * 0.5 + 0.25,
+        "cross": cross,
+    }
+
+
+class _Painter:
+    def __init__(self, image_size: int):
+        if image_size % 3 or image_size < 24:
+            raise ConfigError(f"the shapes dataset needs model.vision.image_size to be a multiple of 3 and >= 24 "
+                              f"(3x3 grid of cells), got {image_size}; 48 is the default")
+        self.image_size = image_size
+        self.cell = image_size // 3
+        self.min_size = max(5, round(self.cell * 0.55))
+        self.max_size = max(self.min_size, round(self.cell * 0.85))
+        self.masks = {s: _masks(s) for s in range(self.min_size, self.max_size + 1)}
+
+    def draw(self, rng: np.random.Generator, scene: tuple[tuple[int, int, int], ...]) -> np.ndarray:
+        n = self.image_size
+        dark = rng.random() < 0.5
+        level = int(rng.integers(15, 60) if dark else rng.integers(185, 235))
+        img = np.full((n, n, 3), level, np.int16)
+        for cell, kind, color in scene:
+            size = int(rng.integers(self.min_size, self.max_size + 1))
+            slack = self.cell - size  # >= 2 px, jitter inside the cell
+            oy = int(rng.integers(1, slack)) if slack > 1 else 0
+            ox = int(rng.integers(1, slack)) if slack > 1 else 0
+            y0 = (cell // 3) * self.cell + oy
+            x0 = (cell % 3) * self.cell + ox
+            rgb = np.asarray(COLORS[COLOR_NAMES[color]], np.int16) + rng.integers(-12, 13, 3, dtype=np.int16)
+            box = img[y0:y0 + size, x0:x0 + size]
+            box[self.masks[size][KINDS[kind]]] = rgb
+        img += rng.integers(-6, 7, (n, n, 1), dtype=np.int16)  # luminance noise (cheap to PNG-encode)
+        return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def encode_png(image: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+# ------------------------------------------------------------------------------------------------
+# Scenes and questions
+
+
+def scene_key(scene: tuple[tuple[int, int, int], ...]) -> str:
+    return ";".join(f"{cell}:{KINDS[k]}:{COLOR_NAMES[c]}" for cell, k, c in sorted(scene))
+
+
+def is_held_out(key: str, seed: int) -> bool:
+    """Whether a scene belongs to the held-out split (a fixed hash partition of the scene space)."""
+    digest = hashlib.blake2b(f"{seed}|{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < EVAL_FRACTION * 2**64
+
+
+def _sample_scene(rng: np.random.Generator) -> tuple[tuple[int, int, int], ...]:
+    # one draw: the shape count, then three independent random orders (cells, kinds, colours)
+    r = rng.random(1 + 9 + len(KINDS) + len(COLORS))
+    n = 1 + int(r[0] * 3)
+    cells = np.argsort(r[1:10])[:n].tolist()
+    kinds = np.argsort(r[10:10 + len(KINDS)])[:n].tolist()
+    colors = np.argsort(r[10 + len(KINDS):])[:n].tolist()
+    return tuple(sorted(zip(cells, kinds, colors)))
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+def _question(rng: np.random.Generator, scene: tuple[tuple[int, int, int], ...]) -> tuple[str, str, str]:
+    """(qtype, question, answer) for one scene."""
+    qtype = QTYPES[int(rng.integers(len(QTYPES)))]
+    cell, kind, color = scene[int(rng.integers(len(scene)))]
+    if qtype == "color":
+        return qtype, f"What color is the {KINDS[kind]}?", COLOR_NAMES[color]
+    if qtype == "shape":
+        return qtype, f"What shape is the {COLOR_NAMES[color]} object?", KINDS[kind]
+    if qtype == "count":
+        return qtype, "How many shapes are there?", NUMBERS[len(scene) - 1]
+    if qtype == "position":
+        return qtype, f"Where is the {KINDS[kind]}?", POSITIONS[cell]
+    # exists: balanced yes/no; half of the "no" questions share the colour or the kind with a shape present
+    present = {(k, c) for _, k, c in scene}
+    if rng.random() < 0.5:
+        k, c, answer = kind, color, "yes"
+    else:
+        absent = [(k, c) for k in range(len(KINDS)) for c in range(len(COLORS)) if (k, c) not in present]
+        kinds = {k for k, _ in present}
+        colors = {c for _, c in present}
+        hard = [(k, c) for k, c in absent if k in kinds or c in colors]
+        pool = hard if hard and rng.random() < 0.5 else absent
+        k, c = pool[int(rng.integers(len(pool)))]
+        answer = "no"
+    cname = COLOR_NAMES[c]
+    return qtype, f"Is there {_article(cname)} {cname} {KINDS[k]}?", answer
+
+
+def generate_records(split: str, num: int, *, image_size: int = 48, seed: int = 1234):
+    """Yield `num` records (dicts) of `split` ("train" or "eval"), a deterministic function of the args."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be train or eval, got {split!r}")
+    painter = _Painter(image_size)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, VERSION, 0 if split == "train" else 1]))
+    want_held_out = split == "eval"
+    made = 0
+    while made < num:
+        scene = _sample_scene(rng)
+        key = scene_key(scene)
+        if is_held_out(key, seed) != want_held_out:
+            continue
+        image = painter.draw(rng, scene)
+        qtype, question, answer = _question(rng, scene)
+        yield {
+            "id": f"shapes-{split}-{made:06d}",
+            "image": base64.b64encode(encode_png(image)).decode("ascii"),
+            "conversations": [
+                {"role": "user", "content": f"{question}\n{IMAGE_MARKER}"},
+                {"role": "assistant", "content": answer},
+            ],
+            "qtype": qtype,
+            "scene": key,
+        }
+        made += 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Files
+
+
+def dataset_dir(cache_dir: str | os.PathLike, **params: Any) -> Path:
+    blob = json.dumps({"version": VERSION, **params}, sort_keys=True).encode()
+    return Path(cache_dir).expanduser() / f"shapes-v{VERSION}-{hashlib.sha256(blob).hexdigest()[:12]}"
+
+
+def ensure_shapes_dataset(cache_dir: str | os.PathLike, *, num_train: int, num_eval: int, num_shards: int,
+                          image_size: int, seed: int = 1234, vocab_size: int = 512) -> ShapesFiles:
+    """Generate the dataset once under `<cache_dir>/shapes-v1-<hash of params>/` and return its files.
+
+    Writes into a temporary directory and renames it into place, so a killed run never leaves a half
+    dataset; a complete directory is reused. Also trains the BPE tokenizer on the dataset's text.
+    """
+    for name, value in [("data.num_train", num_train), ("data.num_eval", num_eval),
+                        ("data.num_shards", num_shards)]:
+        if value <= 0:
+            raise ConfigError(f"{name} must be positive, got {value}")
+    if num_shards > num_train:
+        raise ConfigError(f"data.num_shards={num_shards} exceeds data.num_train={num_train}; lower data.num_shards")
+    _Painter(image_size)  # validates image_size before any work
+    params = dict(num_train=num_train, num_eval=num_eval, num_shards=num_shards, image_size=image_size,
+                  seed=seed, vocab_size=vocab_size)
+    root = dataset_dir(cache_dir, **params)
+    if root.exists():
+        return _load_manifest(root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        start = time.perf_counter()
+        _build(tmp, params)
+        try:
+            os.rename(tmp, root)
+        except OSError:
+            if not root.exists():  # a concurrent writer finishing first is fine; anything else is not
+                raise
+        log.info("generated shapes dataset %s in %.1fs", root, time.perf_counter() - start)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return _load_manifest(root)
+
+
+def _build(out: Path, params: dict[str, Any]) -> None:
+    texts: list[str] = []
+    stats: dict[str, Any] = {"version": VERSION, "params": params}
+    manifest: dict[str, list[str]] = {}
+    for split, num, shards in [("train", params["num_train"], params["num_shards"]),
+                               ("eval", params["num_eval"], 1)]:
+        answers: Counter[str] = Counter()
+        qtypes: Counter[str] = Counter()
+        names = [f"{split}-{i:05d}-of-{shards:05d}.array_record" for i in range(shards)]
+        # contiguous shards: reading them in order gives generation order
+        bounds = [num * i // shards for i in range(shards + 1)]
+        records = generate_records(split, num, image_size=params["image_size"], seed=params["seed"])
+        for i, name in enumerate(names):
+            writer = ArrayRecordWriter(str(out / name), _WRITER_OPTIONS)
+            try:
+                for _ in range(bounds[i + 1] - bounds[i]):
+                    rec = next(records)
+                    writer.write(json.dumps(rec, separators=(",", ":")).encode())
+                    question, answer = (t["content"] for t in rec["conversations"])
+                    answers[answer] += 1
+                    qtypes[rec["qtype"]] += 1
+                    if split == "train":
+                        texts.extend(question.split(IMAGE_MARKER))
+                        texts.append(answer)
+            finally:
+                writer.close()
+        manifest[split] = names
+        stats[f"{split}_answer_counts"] = dict(sorted(answers.items()))
+        stats[f"{split}_qtype_counts"] = dict(sorted(qtypes.items()))
+    train_counts = stats["train_answer_counts"]
+    stats["majority_answer"] = max(sorted(train_counts), key=lambda a: train_counts[a])
+    stats["majority_share_train"] = train_counts[stats["majority_answer"]] / params["num_train"]
+    train_bpe_tokenizer(texts, params["vocab_size"], out)
+    (out / STATS).write_text(json.dumps(stats, indent=2) + "\n")
+    (out / MANIFEST).write_text(json.dumps({"version": VERSION, "params": params, **manifest}, indent=2) + "\n")
+
+
+def _load_manifest(root: Path) -> ShapesFiles:
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+        files = ShapesFiles(
+            root=str(root),
+            train_paths=tuple(str(root / n) for n in manifest["train"]),
+            eval_paths=tuple(str(root / n) for n in manifest["eval"]),
+            tokenizer_path=str(root / TOKENIZER_FILE),
+            stats_path=str(root / STATS),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"dataset directory {root} is incomplete or corrupt ({e}); delete it to regenerate") from e
+    missing = [p for p in (*files.train_paths, *files.eval_paths, files.tokenizer_path, files.stats_path)
+               if not Path(p).is_file()]
+    if missing:
+        raise DataError(f"dataset directory {root} lacks {missing[0]}; delete the directory to regenerate")
+    return files

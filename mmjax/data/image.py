@@ -1,0 +1,70 @@
+"""Image decoding and preprocessing: bytes -> uint8 HWC RGB -> normalised float32 square."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+
+import numpy as np
+from PIL import Image
+
+from mmjax.errors import DataError
+
+
+def decode_image(data: bytes, record_id: str = "?") -> np.ndarray:
+    """Decode PNG/JPEG/... bytes into a uint8 [H, W, 3] RGB array; errors name `record_id`."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+            if img.mode != "RGB":
+                img = img.convert("RGB")
+            array = np.asarray(img, dtype=np.uint8)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise DataError(f"record {record_id}: image bytes cannot be decoded ({type(e).__name__}: {e}); "
+                        "fix or drop this record") from e
+    if array.ndim != 3 or array.shape[0] == 0 or array.shape[1] == 0:
+        raise DataError(f"record {record_id}: decoded image has shape {array.shape}, expected [H, W, 3]")
+    return array
+
+
+def preprocess(image: np.ndarray, size: int, mean: Sequence[float], std: Sequence[float],
+               record_id: str = "?") -> np.ndarray:
+    """Resize keeping the aspect ratio (longer side = `size`), pad centred to `size`x`size`, normalise.
+
+    Returns float32 [size, size, C] = (pixel / 255 - mean) / std. Padding is the mean colour, so padded
+    pixels are exactly 0 after normalisation (as in LLaVA's "pad" aspect mode).
+    """
+    if image.ndim == 2:
+        image = image[:, :, None]
+    h, w, c = image.shape
+    mean = np.asarray(mean, np.float32)
+    std = np.asarray(std, np.float32)
+    if c != mean.shape[0] or c != std.shape[0]:
+        raise DataError(f"record {record_id}: image has {c} channels but mean/std have "
+                        f"{mean.shape[0]}/{std.shape[0]}; set model.vision.channels/mean/std to match")
+    if (h, w) != (size, size):
+        scale = size / max(h, w)
+        nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
+        if (nh, nw) != (h, w):
+            pil = Image.fromarray(image[:, :, 0] if c == 1 else image)
+            resized = np.asarray(pil.resize((nw, nh), Image.Resampling.BICUBIC), np.uint8)
+            image = resized.reshape(nh, nw, c)
+        pad_value = np.clip(np.round(mean * 255.0), 0, 255).astype(np.uint8)
+        canvas = np.empty((size, size, c), np.uint8)
+        canvas[...] = pad_value
+        top, left = (size - nh) // 2, (size - nw) // 2
+        canvas[top:top + nh, left:left + nw] = image
+        out = _normalise(canvas, mean, std)
+        # The pad colour is rounded to uint8; make padding exactly zero.
+        pad = np.ones((size, size), bool)
+        pad[top:top + nh, left:left + nw] = False
+        out[pad] = 0.0
+        return out
+    return _normalise(image, mean, std)
+
+
+def _normalise(image: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """(image / 255 - mean) / std as one multiply-add pass in float32."""
+    out = np.multiply(image, (1.0 / (255.0 * std)).astype(np.float32), dtype=np.float32)
+    out += (-mean / std).astype(np.float32)
+    return out

@@ -1,0 +1,289 @@
+"""Grain input pipeline: ArrayRecord shards of JSON records -> fixed-shape numpy batches.
+
+Batch contract (DESIGN.md section 3), B rows per process, S = model.max_seq_len, N = data.max_images:
+
+    tokens, targets  int32   [B, S]   targets[i] = tokens[i + 1]; the last column is <|pad|>
+    loss_mask        float32 [B, S]   1 where targets[i] is an assistant token (answer or its <|eos|>)
+    segment_ids      int32   [B, S]   1 on real tokens, 0 on padding (1..k once packing lands)
+    positions        int32   [B, S]   0.. within each segment, 0 on padding
+    images           float32 [B, N, H, W, C]  normalised (model.vision mean/std); zeros where invalid
+    image_valid      bool    [B, N]
+
+Each valid image fills exactly `model.image_tokens` `<|image|>` placeholders in `tokens`, in order.
+Batches are a deterministic function of the records, the config and `train.seed`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import grain
+import numpy as np
+
+from mmjax.config import Config
+from mmjax.data.builtin.shapes import ShapesFiles, ensure_shapes_dataset
+from mmjax.data.image import decode_image, preprocess
+from mmjax.data.tokenizer import Tokenizer
+from mmjax.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+SHAPES_SEED = 1234  # the built-in dataset's content seed; train.seed only changes the order
+
+
+@dataclasses.dataclass(frozen=True)
+class ExampleEncoder:
+    """Record bytes (JSON) -> one row of the batch contract. Picklable, so Grain workers can run it."""
+
+    tokenizer: Tokenizer
+    seq_len: int
+    image_tokens: int
+    max_images: int
+    image_size: int
+    channels: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    generation: bool = False  # prompt only (ends with <|assistant|>), for evaluation
+
+    @classmethod
+    def from_config(cls, cfg: Config, tokenizer: Tokenizer, *, generation: bool = False) -> ExampleEncoder:
+        v = cfg.model.vision
+        return cls(tokenizer, cfg.model.max_seq_len, cfg.model.image_tokens, cfg.data.max_images, v.image_size,
+                   v.channels, tuple(v.mean), tuple(v.std), generation)
+
+    def __call__(self, raw: bytes) -> dict[str, np.ndarray]:
+        return self.encode(parse_record(raw))
+
+    def encode(self, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        rid = str(record.get("id", "?"))
+        conversations = record.get("conversations")
+        if not isinstance(conversations, list) or not conversations:
+            raise DataError(f"record {rid}: needs a non-empty 'conversations' list")
+        images = _record_images(record, rid)
+        marker = self.tokenizer.image_marker
+        n_markers = sum(str(t.get("content", t.get("value", ""))).count(marker)
+                        for t in conversations if isinstance(t, Mapping))
+        if n_markers != len(images):
+            raise DataError(f"record {rid}: {n_markers} {marker} markers but {len(images)} images; "
+                            "each image needs exactly one marker in a user turn")
+        if len(images) > self.max_images:
+            raise DataError(f"record {rid}: {len(images)} images exceed data.max_images={self.max_images}; "
+                            f"raise data.max_images to at least {len(images)}")
+        try:
+            ids, mask = self.tokenizer.encode_chat(conversations, self.image_tokens,
+                                                   add_generation_prompt=self.generation)
+        except DataError as e:
+            raise DataError(f"record {rid}: {e}") from e
+        n, s = len(ids), self.seq_len
+        if n > s:
+            raise DataError(f"record {rid}: {n} tokens exceed model.max_seq_len={s}; raise model.max_seq_len "
+                            f"to at least {n}")
+        pad = self.tokenizer.pad_id
+        tokens = np.full(s, pad, np.int32)
+        tokens[:n] = ids
+        targets = np.full(s, pad, np.int32)
+        targets[: n - 1] = ids[1:]
+        loss_mask = np.zeros(s, np.float32)
+        loss_mask[: n - 1] = mask[1:]
+        segment_ids = np.zeros(s, np.int32)
+        segment_ids[:n] = 1
+        positions = np.zeros(s, np.int32)
+        positions[:n] = np.arange(n, dtype=np.int32)
+        pixels = np.zeros((self.max_images, self.image_size, self.image_size, self.channels), np.float32)
+        valid = np.zeros(self.max_images, bool)
+        for k, data in enumerate(images):
+            image = decode_image(data, rid)
+            if self.channels == 1:
+                image = np.round(image.astype(np.float32) @ np.float32([0.299, 0.587, 0.114]))[..., None]
+                image = image.astype(np.uint8)
+            pixels[k] = preprocess(image, self.image_size, self.mean, self.std, rid)
+            valid[k] = True
+        out = {"tokens": tokens, "targets": targets, "loss_mask": loss_mask, "segment_ids": segment_ids,
+               "positions": positions, "images": pixels, "image_valid": valid}
+        if self.generation:
+            out["prompt_len"] = np.int32(n)
+        return out
+
+
+def parse_record(raw: bytes) -> dict[str, Any]:
+    """JSON record bytes -> dict (JSON only: records from untrusted storage cannot run code)."""
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"record is not valid JSON ({e}); first bytes: {bytes(raw[:60])!r}") from e
+    if not isinstance(record, dict):
+        raise DataError(f"record must be a JSON object, got {type(record).__name__}: {bytes(raw[:60])!r}")
+    return record
+
+
+def _record_images(record: Mapping[str, Any], rid: str) -> list[bytes]:
+    value = record.get("images", record.get("image"))
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else [value]
+    out = []
+    for item in items:
+        if not isinstance(item, str):
+            raise DataError(f"record {rid}: images must be base64 strings, got {type(item).__name__}")
+        try:
+            out.append(base64.b64decode(item, validate=True))
+        except (binascii.Error, ValueError) as e:
+            raise DataError(f"record {rid}: image is not valid base64 ({e})") from e
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Train
+
+
+def make_train_dataset(cfg: Config, tokenizer: Tokenizer, *, process_index: int = 0, process_count: int = 1,
+                       files: ShapesFiles | None = None) -> grain.IterDataset:
+    """Endless, shuffled (per epoch) per-process batches; `iter()` gives a checkpointable DatasetIterator.
+
+    Every process sees the same global order and takes rows `process_index::process_count`, so the
+    processes' batches together form the global batch of `train.global_batch_size` rows.
+    """
+    if process_count <= 0 or not 0 <= process_index < process_count:
+        raise ConfigError(f"process_index={process_index} is not within process_count={process_count}")
+    gbs = cfg.train.global_batch_size
+    if gbs % process_count:
+        raise ConfigError(f"train.global_batch_size={gbs} is not divisible by the {process_count} processes; "
+                          f"use a multiple of {process_count}")
+    if files is None:
+        files = ensure_builtin_dataset(cfg)
+    paths = [str(p) for p in files.train_paths]
+    for p in paths:
+        if not Path(p).is_file():
+            raise DataError(f"train shard {p} does not exist")
+    ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths))
+    if cfg.data.shuffle:
+        ds = ds.shuffle(seed=cfg.train.seed)
+    ds = ds.repeat(None)  # endless; reshuffled every epoch from the same seed
+    ds = ds[process_index::process_count]
+    ds = ds.map(ExampleEncoder.from_config(cfg, tokenizer))
+    ds = ds.batch(gbs // process_count, drop_remainder=True)
+    if cfg.data.num_workers > 0:
+        # Workers own a strided slice of the (map-style) batch indices and are read round-robin, so the
+        # batch sequence does not depend on the worker count; the iterator state still does (record
+        # data.num_workers with the checkpoint).
+        _ensure_absl_flags()
+        it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+        return it_ds.mp_prefetch(grain.MultiprocessingOptions(
+            num_workers=cfg.data.num_workers, per_worker_buffer_size=max(1, cfg.data.prefetch)))
+    # In-process: a small thread pool overlaps loading with the (GIL-releasing) train step.
+    prefetch = max(0, cfg.data.prefetch)
+    return ds.to_iter_dataset(grain.ReadOptions(num_threads=min(prefetch, 2), prefetch_buffer_size=prefetch))
+
+
+def _ensure_absl_flags() -> None:
+    """grain's multiprocessing reads absl flags; parse them if the entry point has not (DESIGN section 7)."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+# ------------------------------------------------------------------------------------------------
+# Eval
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+    """Held-out prompts (right-padded to S, ending with <|assistant|>) and their reference answers."""
+
+    ids: list[str]
+    tokens: np.ndarray        # int32 [E, S]
+    segment_ids: np.ndarray   # int32 [E, S], 1 on the prompt, 0 on padding
+    positions: np.ndarray     # int32 [E, S]
+    prompt_lens: np.ndarray   # int32 [E]; generation writes from column prompt_lens[i]
+    images: np.ndarray        # float32 [E, N, H, W, C]
+    image_valid: np.ndarray   # bool [E, N]
+    answers: list[str]
+    qtypes: list[str]
+    majority_answer: str      # most common training answer
+    baseline_majority: float  # exact-match accuracy of always answering majority_answer
+
+    def __len__(self) -> int:
+        return len(self.answers)
+
+    def batches(self, batch_size: int) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+        """(batch, real rows) of fixed shape; the last batch is padded with empty rows (segment_ids 0)."""
+        keys = ("tokens", "segment_ids", "positions", "prompt_lens", "images", "image_valid")
+        for start in range(0, len(self), batch_size):
+            stop = min(start + batch_size, len(self))
+            batch = {}
+            for key in keys:
+                part = getattr(self, key)[start:stop]
+                if stop - start < batch_size:
+                    filler = np.zeros((batch_size - (stop - start), *part.shape[1:]), part.dtype)
+                    part = np.concatenate([part, filler])
+                batch[key] = part
+            yield batch, stop - start
+
+
+def load_eval_examples(cfg: Config, tokenizer: Tokenizer, files: ShapesFiles) -> EvalSet:
+    """The first `eval.num_examples` held-out records as generation prompts plus reference answers."""
+    n = cfg.eval.num_examples
+    source = grain.sources.ArrayRecordDataSource([str(p) for p in files.eval_paths])
+    if len(source) < n:
+        raise DataError(f"eval split {files.eval_paths} has {len(source)} records, fewer than "
+                        f"eval.num_examples={n}; lower eval.num_examples or raise data.num_eval")
+    encoder = ExampleEncoder.from_config(cfg, tokenizer, generation=True)
+    rows, ids, answers, qtypes = [], [], [], []
+    for i in range(n):
+        record = parse_record(source[i])
+        rid = str(record.get("id", f"eval[{i}]"))
+        turns = record.get("conversations") or []
+        last = turns[-1] if turns and isinstance(turns[-1], Mapping) else {}
+        if last.get("role", last.get("from")) not in ("assistant", "gpt"):
+            raise DataError(f"record {rid}: an eval record must end with the assistant's reference answer")
+        rows.append(encoder.encode(record))
+        ids.append(rid)
+        answers.append(str(last.get("content", last.get("value", ""))).strip())
+        qtypes.append(str(record.get("qtype", "")))
+    stats = files.stats()
+    train_counts = Counter(stats["train_answer_counts"])
+    majority = stats.get("majority_answer") or max(sorted(train_counts), key=lambda a: train_counts[a])
+    baseline = sum(a == majority for a in answers) / max(1, len(answers))
+    stacked = {k: np.stack([r[k] for r in rows]) for k in rows[0]} if rows else {}
+    return EvalSet(ids=ids, tokens=stacked["tokens"], segment_ids=stacked["segment_ids"],
+                   positions=stacked["positions"], prompt_lens=stacked["prompt_len"].astype(np.int32),
+                   images=stacked["images"], image_valid=stacked["image_valid"], answers=answers,
+                   qtypes=qtypes, majority_answer=majority, baseline_majority=baseline)
+
+
+# ------------------------------------------------------------------------------------------------
+# Dataset + tokenizer
+
+
+def ensure_builtin_dataset(cfg: Config) -> ShapesFiles:
+    if cfg.data.dataset != "shapes":
+        raise ConfigError(f"data.dataset={cfg.data.dataset!r} is not a built-in dataset; the built-ins are: shapes")
+    return ensure_shapes_dataset(cfg.data.cache_dir, num_train=cfg.data.num_train, num_eval=cfg.data.num_eval,
+                                 num_shards=cfg.data.num_shards, image_size=cfg.model.vision.image_size,
+                                 seed=SHAPES_SEED)
+
+
+def open_dataset(cfg: Config) -> tuple[ShapesFiles, Tokenizer]:
+    """Generate (or reuse) the configured dataset and load its tokenizer, checking it fits the model."""
+    files = ensure_builtin_dataset(cfg)
+    tokenizer = Tokenizer.from_file(cfg.data.tokenizer or files.tokenizer_path)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
+                          f"{cfg.model.vocab_size}; set model.vocab_size to at least {tokenizer.vocab_size}")
+    return files, tokenizer
+
+
+def answer_distribution(answers: Sequence[str]) -> dict[str, float]:
+    """Share of each answer, most common first (for reports and tests)."""
+    counts = Counter(answers)
+    total = max(1, len(answers))
+    return {a: c / total for a, c in counts.most_common()}

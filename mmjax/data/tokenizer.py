@@ -1,0 +1,241 @@
+"""Tokenizer and chat template.
+
+A tokenizer is a Hugging Face `tokenizers` file (`tokenizer.json`) plus an optional `tokenizer_config.json`
+beside it that names the special tokens the chat template uses. The built-in datasets train a small
+byte-level BPE with `train_bpe_tokenizer`; a real model's tokenizer loads the same way as long as its
+`tokenizer_config.json` names tokens for the roles below.
+
+Chat template (one row of training data):
+
+    <|bos|> <|user|> {user content} <|assistant|> {assistant content} <|eos|> <|user|> ... <|eos|>
+
+Every `<image>` marker in user content becomes `image_tokens` copies of `<|image|>`; the loss mask is 1 on
+assistant content and the `<|eos|>` that ends it, 0 elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from mmjax.errors import DataError
+
+IMAGE_MARKER = "<image>"  # LLaVA-style marker inside user content
+
+# role -> default token text; tokenizer_config.json may override each under "<role>_token".
+SPECIAL_TOKENS: dict[str, str] = {
+    "pad": "<|pad|>",
+    "bos": "<|bos|>",
+    "eos": "<|eos|>",
+    "image": "<|image|>",
+    "user": "<|user|>",
+    "assistant": "<|assistant|>",
+}
+
+CONFIG_FILE = "tokenizer_config.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+# Same template as Tokenizer.encode_chat, for tools that render chats as text (informational).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}{{ user_token }}{{ m['content'] | replace('<image>', image_token * image_tokens) }}"
+    "{% else %}{{ assistant_token }}{{ m['content'] }}{{ eos_token }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ assistant_token }}{% endif %}"
+)
+
+_ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, path: str | os.PathLike) -> Path:
+    """Train a byte-level BPE on `texts` and save `tokenizer.json` + `tokenizer_config.json`.
+
+    `path` is the directory to write into, or the `tokenizer.json` path itself. Byte-level pre-tokenizing
+    and decoding make `decode(encode(x)) == x` for any text. Returns the `tokenizer.json` path.
+    """
+    specials = list(SPECIAL_TOKENS.values())
+    min_size = len(pre_tokenizers.ByteLevel.alphabet()) + len(specials)
+    if vocab_size < min_size:
+        raise DataError(f"tokenizer vocab_size={vocab_size} is below the byte-level minimum {min_size}")
+    path = Path(path)
+    file = path if path.suffix == ".json" else path / TOKENIZER_FILE
+    file.parent.mkdir(parents=True, exist_ok=True)
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,  # ids 0..5 in SPECIAL_TOKENS order
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.save(str(file))
+    config = {f"{role}_token": text for role, text in SPECIAL_TOKENS.items()}
+    config.update({"image_marker": IMAGE_MARKER, "chat_template": CHAT_TEMPLATE})
+    (file.parent / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return file
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` with the chat template and special-token ids the data pipeline needs."""
+
+    def __init__(self, tok: tokenizers.Tokenizer, special: Mapping[str, str], image_marker: str = IMAGE_MARKER,
+                 source: str = "<memory>"):
+        self._tok = tok
+        # Text in records is data, not control: "<|eos|>" written in a question stays plain text.
+        self._tok.encode_special_tokens = True
+        self._special = dict(special)
+        self._image_marker = image_marker
+        self._source = source
+        self._ids: dict[str, int] = {}
+        for role, text in self._special.items():
+            tid = tok.token_to_id(text)
+            if tid is None:
+                raise DataError(
+                    f"tokenizer {source} lacks the special token {text!r} ({role}); add it to the tokenizer or "
+                    f"name an existing token as \"{role}_token\" in {CONFIG_FILE}"
+                )
+            self._ids[role] = tid
+        self._special_ids = frozenset(self._ids.values())
+
+    # -- loading -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> Tokenizer:
+        """Load `tokenizer.json` (or a directory holding it) and the `tokenizer_config.json` beside it."""
+        path = Path(path).expanduser()
+        file = path / TOKENIZER_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise DataError(f"tokenizer file {file} does not exist; set data.tokenizer to a tokenizer.json path "
+                            "or leave it empty to use the built-in dataset's tokenizer")
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises plain Exception subclasses for bad JSON/models
+            raise DataError(f"tokenizer file {file} is not a valid tokenizers JSON file: {e}") from e
+        special = dict(SPECIAL_TOKENS)
+        image_marker = IMAGE_MARKER
+        config_file = file.parent / CONFIG_FILE
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise DataError(f"{config_file} is not valid JSON: {e}") from e
+            if not isinstance(config, dict):
+                raise DataError(f"{config_file} must hold a JSON object")
+            for role in special:
+                value = config.get(f"{role}_token")
+                if isinstance(value, dict):  # HF style {"content": "<s>", ...}
+                    value = value.get("content")
+                if value is not None:
+                    if not isinstance(value, str):
+                        raise DataError(f"{config_file}: {role}_token must be a string, got {value!r}")
+                    special[role] = value
+            image_marker = config.get("image_marker", IMAGE_MARKER)
+        return cls(tok, special, image_marker, source=str(file))
+
+    def __getstate__(self) -> dict[str, Any]:  # picklable for Grain worker processes
+        return {"json": self._tok.to_str(), "special": self._special, "marker": self._image_marker,
+                "source": self._source}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(tokenizers.Tokenizer.from_str(state["json"]), state["special"], state["marker"],
+                      state["source"])
+
+    # -- ids -----------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def image_id(self) -> int:
+        return self._ids["image"]
+
+    @property
+    def bos_id(self) -> int:
+        return self._ids["bos"]
+
+    @property
+    def eos_id(self) -> int:
+        return self._ids["eos"]
+
+    @property
+    def pad_id(self) -> int:
+        return self._ids["pad"]
+
+    @property
+    def user_id(self) -> int:
+        return self._ids["user"]
+
+    @property
+    def assistant_id(self) -> int:
+        return self._ids["assistant"]
+
+    @property
+    def image_marker(self) -> str:
+        return self._image_marker
+
+    # -- text ----------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text (no special tokens added; special-token text is not interpreted)."""
+        return self._tok.encode(text, add_special_tokens=False).ids if text else []
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids` up to the first `<|eos|>`, special tokens dropped."""
+        ids = [int(i) for i in ids]
+        if self.eos_id in ids:
+            ids = ids[: ids.index(self.eos_id)]
+        return self._tok.decode([i for i in ids if i not in self._special_ids], skip_special_tokens=True)
+
+    def encode_chat(self, conversations: Sequence[Mapping[str, Any]], image_tokens: int, *,
+                    add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+        """Token ids and loss mask (1 = assistant content and its eos) of a conversation.
+
+        Turns are `{"role": "user"|"assistant", "content": str}` (LLaVA's `{"from": "human"|"gpt",
+        "value": str}` works too). With `add_generation_prompt` a trailing assistant turn is dropped and
+        the ids end with `<|assistant|>`, ready for generation.
+        """
+        turns = [_turn(t, i) for i, t in enumerate(conversations)]
+        if add_generation_prompt and turns and turns[-1][0] == "assistant":
+            turns = turns[:-1]
+        ids = [self.bos_id]
+        mask = [0]
+        for role, content in turns:
+            if role == "user":
+                ids.append(self.user_id)
+                pieces = content.split(self._image_marker)
+                for k, piece in enumerate(pieces):
+                    if k:
+                        ids.extend([self.image_id] * image_tokens)
+                    ids.extend(self.encode(piece))
+                mask.extend([0] * (len(ids) - len(mask)))
+            else:
+                ids.append(self.assistant_id)
+                mask.append(0)
+                answer = self.encode(content) + [self.eos_id]
+                ids.extend(answer)
+                mask.extend([1] * len(answer))
+        if add_generation_prompt:
+            ids.append(self.assistant_id)
+            mask.append(0)
+        return ids, mask
+
+
+def _turn(turn: Any, index: int) -> tuple[str, str]:
+    if not isinstance(turn, Mapping):
+        raise DataError(f"conversation turn {index} must be an object with role/content, got {turn!r:.80}")
+    role = turn.get("role", turn.get("from"))
+    content = turn.get("content", turn.get("value"))
+    if role not in _ROLE_ALIASES:
+        raise DataError(f"conversation turn {index} has role {role!r}; expected user/assistant (or human/gpt)")
+    if not isinstance(content, str):
+        raise DataError(f"conversation turn {index} content must be a string, got {type(content).__name__}")
+    return _ROLE_ALIASES[role], content

@@ -1,0 +1,160 @@
+"""Llama-style decoder: fused-QKV GQA attention with RoPE, SwiGLU MLP, RMSNorm, optional KV cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+import kernels
+from mmjax.config import ModelConfig
+from mmjax.model.layers import RMSNorm, dense, make_stack, normal, param, rope, run_stack
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer keys/values [layers, B, max_len, n_kv_heads, head_dim] and lengths [B].
+
+    `lengths[b]` is the number of tokens cached for row b, i.e. the next slot to write. Slot j holds the
+    token at position j (prompts are right-padded and start at position 0).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+        t = cfg.text
+        d, kv, g = t.resolved_head_dim, t.n_kv_heads, t.n_heads // t.n_kv_heads
+        self.n_heads, self.n_kv, self.head_dim = t.n_heads, kv, d
+        self.rope_theta = t.rope_theta
+        self.attention_impl = cfg.attention_impl
+        self.compute_dtype = compute_dtype
+        w = normal(0.02)
+        norm = dict(eps=t.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.attn_norm = RMSNorm(t.dim, **norm)
+        # Per kv group: its g query heads, then k, then v (so a TP shard of kv_heads is self-contained).
+        self.qkv = param(rngs, w, (t.dim, kv, g + 2, d), ("embed", "kv_heads", None, "head_dim"), param_dtype)
+        self.out = param(rngs, w, (t.n_heads, d, t.dim), ("heads", "head_dim", "embed"), param_dtype)
+        self.mlp_norm = RMSNorm(t.dim, **norm)
+        self.gate_up = param(rngs, w, (t.dim, 2, t.mlp_dim), ("embed", None, "mlp"), param_dtype)
+        self.down = param(rngs, w, (t.mlp_dim, t.dim), ("mlp", "embed"), param_dtype)
+
+    def qkv_proj(self, x, positions):
+        b, s, _ = x.shape
+        qkv = dense(x, self.qkv[...], "bse,ekgd->bskgd", self.compute_dtype)
+        g = self.n_heads // self.n_kv
+        q = qkv[:, :, :, :g].reshape(b, s, self.n_heads, self.head_dim)
+        k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
+        return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
+
+    def finish(self, x, attn):
+        attn = checkpoint_name(attn, "attention_out")
+        x = x + dense(attn, self.out[...], "bshd,hde->bse", self.compute_dtype)
+        h = dense(self.mlp_norm(x), self.gate_up[...], "bse,ecm->bscm", self.compute_dtype)
+        h = jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
+        return x + dense(h, self.down[...], "bsm,me->bse", self.compute_dtype)
+
+    def __call__(self, x, positions, segment_ids, block_ids):
+        """Training / prefill forward over the sequence itself; also returns this layer's k, v."""
+        q, k, v = self.qkv_proj(self.attn_norm(x), positions)
+        attn = kernels.attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                                 q_positions=positions, kv_positions=positions, causal=True,
+                                 q_block_ids=block_ids, kv_block_ids=block_ids, impl=self.attention_impl)
+        return self.finish(x, attn), (k, v)
+
+    def decode(self, x, lengths, k_cache, v_cache):
+        """One new token per row (x [B,1,E]) at position/slot lengths[b]; returns x and updated caches."""
+        b = x.shape[0]
+        positions = lengths[:, None]
+        q, k, v = self.qkv_proj(self.attn_norm(x), positions)
+        rows = jnp.arange(b)
+        k_cache = k_cache.at[rows, lengths].set(k[:, 0].astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[rows, lengths].set(v[:, 0].astype(v_cache.dtype), mode="drop")
+        slots = jnp.broadcast_to(jnp.arange(k_cache.shape[1], dtype=jnp.int32), (b, k_cache.shape[1]))
+        kv_seg = (slots <= lengths[:, None]).astype(jnp.int32)
+        attn = kernels.attention(q, k_cache, v_cache, q_segment_ids=jnp.ones((b, 1), jnp.int32),
+                                 kv_segment_ids=kv_seg, q_positions=positions, kv_positions=slots,
+                                 causal=True, impl=self.attention_impl)
+        return self.finish(x, attn), (k_cache, v_cache)
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+        t = cfg.text
+        self.cfg = cfg
+        self.compute_dtype = compute_dtype
+        self.scan = cfg.scan_layers
+        self.remat = cfg.remat
+        self.embedding = param(rngs, normal(0.02), (cfg.vocab_size, t.dim), ("vocab", "embed"), param_dtype)
+        self.layers = make_stack(
+            lambda r: DecoderLayer(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=r),
+            t.n_layers, rngs, scan=cfg.scan_layers)
+        self.final_norm = RMSNorm(t.dim, eps=t.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.lm_head = None if t.tie_embeddings else param(
+            rngs, normal(0.02), (t.dim, cfg.vocab_size), ("embed", "vocab"), param_dtype)
+
+    def embed(self, tokens):
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.compute_dtype)
+
+    def logits(self, x):
+        x = self.final_norm(x)
+        if self.lm_head is None:
+            w, spec = self.embedding[...], "bse,ve->bsv"
+        else:
+            w, spec = self.lm_head[...], "bse,ev->bsv"
+        return jnp.einsum(spec, x, w.astype(self.compute_dtype), preferred_element_type=jnp.float32)
+
+    def __call__(self, x, positions, segment_ids, block_ids=None, *, return_kv: bool = False):
+        """x [B,S,E] embeddings -> logits [B,S,V] float32 (and per-layer (k, v) [L,B,S,KV,D] if asked)."""
+        if block_ids is None:
+            block_ids = jnp.zeros_like(segment_ids)
+
+        def body(layer, h, _):
+            h, kv = layer(h, positions, segment_ids, block_ids)
+            return h, (kv if return_kv else None)
+
+        x, kv = run_stack(self.layers, body, x, scan=self.scan, remat_policy=self.remat)
+        logits = self.logits(x)
+        return (logits, kv) if return_kv else logits
+
+    # -- KV cache -------------------------------------------------------------------------------
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        t = self.cfg.text
+        shape = (t.n_layers, batch, max_len, t.n_kv_heads, t.resolved_head_dim)
+        return KVCache(k=jnp.zeros(shape, self.compute_dtype), v=jnp.zeros(shape, self.compute_dtype),
+                       lengths=jnp.zeros((batch,), jnp.int32))
+
+    def prefill(self, x, positions, segment_ids, block_ids, cache: KVCache) -> tuple[Any, KVCache]:
+        """Right-padded prompts (one segment per row from position 0): logits and the filled cache."""
+        s = x.shape[1]
+        if s > cache.max_len:
+            raise ValueError(f"prompt length {s} exceeds the KV cache length {cache.max_len}")
+        logits, (k, v) = self(x, positions, segment_ids, block_ids, return_kv=True)
+        k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, 0, 0, 0, 0))
+        v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, 0, 0, 0, 0))
+        lengths = jnp.sum(segment_ids != 0, axis=1).astype(jnp.int32)
+        return logits, KVCache(k=k, v=v, lengths=lengths)
+
+    def decode_step(self, tokens, cache: KVCache) -> tuple[Any, KVCache]:
+        """tokens [B] at position cache.lengths -> logits [B,V] float32 and the cache with them added."""
+        x = self.embed(tokens[:, None])
+        lengths = cache.lengths
+
+        def body(layer, h, kv):
+            h, kv = layer.decode(h, lengths, *kv)
+            return h, kv
+
+        x, (k, v) = run_stack(self.layers, body, x, (cache.k, cache.v), scan=self.scan)
+        return self.logits(x)[:, 0], KVCache(k=k, v=v, lengths=lengths + 1)

@@ -1,0 +1,169 @@
+"""Building blocks: parameters with logical axis names, norms, RoPE, dense helpers, layer stacks.
+
+Logical axis names live in each `nnx.Param`'s `out_sharding` metadata (flax >= 0.12; created with
+`eager_sharding=False` so no mesh is needed here). Extract them with `nnx.get_partition_spec(state)`
+(a `PartitionSpec` of logical names per leaf, or mesh axes under `nnx.logical_axis_rules(...)`), or
+with `logical_axes(state)` below (plain tuples). Mapping names to mesh axes is `mmjax.parallel`'s job.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Names = tuple[str | None, ...]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(name: str):
+    """'auto' -> bfloat16 on GPU/TPU, float32 on CPU; otherwise the named dtype."""
+    if name == "auto":
+        return jnp.bfloat16 if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else jnp.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of 'auto', {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def param(rngs: nnx.Rngs | None, init: Callable, shape: Sequence[int], names: Names, dtype) -> nnx.Param:
+    """An `nnx.Param` initialised by `init(key, shape, dtype)` carrying logical axis `names`."""
+    shape = tuple(int(s) for s in shape)
+    names = tuple(names)
+    if len(names) != len(shape):
+        raise ValueError(f"logical axis names {names} do not match the rank of shape {shape}")
+    key = rngs.params() if rngs is not None else None
+    return nnx.Param(init(key, shape, dtype), out_sharding=names, eager_sharding=False)
+
+
+def normal(stddev: float = 0.02) -> Callable:
+    return nnx.initializers.normal(stddev)
+
+
+def ones(key, shape, dtype):
+    del key
+    return jnp.ones(shape, dtype)
+
+
+def zeros(key, shape, dtype):
+    del key
+    return jnp.zeros(shape, dtype)
+
+
+def logical_axes(tree: Any) -> Any:
+    """Tree of logical-axis-name tuples (None for leaves without names), same structure as `tree`."""
+
+    def names(x):
+        if isinstance(x, nnx.Variable):
+            return tuple(x.get_metadata().get("out_sharding") or ())
+        return None
+
+    return jax.tree.map(names, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def dense(x, w, spec: str, dtype, bias=None):
+    """einsum(spec, x, w) in `dtype` (params cast at use), plus an optional bias."""
+    y = jnp.einsum(spec, x.astype(dtype), w.astype(dtype))
+    if bias is not None:
+        y = y + bias.astype(dtype)
+    return y
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype, rngs: nnx.Rngs | None = None):
+        self.scale = param(None, ones, (dim,), ("embed",), param_dtype)
+        self.eps = eps
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(self.compute_dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype, rngs: nnx.Rngs | None = None):
+        self.scale = param(None, ones, (dim,), ("embed",), param_dtype)
+        self.bias = param(None, zeros, (dim,), ("embed",), param_dtype)
+        self.eps = eps
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return y.astype(self.compute_dtype)
+
+
+def rope(x, positions, theta: float):
+    """Rotary embedding (HF Llama `rotate_half` layout) of x [B,S,H,D] at integer positions [B,S]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B,S,1,D/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer stacks: stacked + lax.scan (scan=True) or a python loop (scan=False), with remat.
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "save_attention_out": jax.checkpoint_policies.save_only_these_names("attention_out"),
+}
+
+
+def remat(fn: Callable, policy: str, *, prevent_cse: bool = True) -> Callable:
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {policy!r}; choose one of {tuple(REMAT_POLICIES)}")
+    if policy == "none":
+        return fn
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy], prevent_cse=prevent_cse)
+
+
+def make_stack(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs, *, scan: bool):
+    """n layers: one module with every param stacked on a leading "layers" axis, or an nnx.List."""
+    if not scan:
+        return nnx.List([make_layer(rngs) for _ in range(n)])
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(r):
+        return make_layer(r)
+
+    return make(rngs)
+
+
+def run_stack(layers, body: Callable, carry, xs=None, *, scan: bool, remat_policy: str = "none"):
+    """Apply `body(layer, carry, x_l) -> (carry, y_l)` over the layers; returns (carry, stacked ys).
+
+    `xs` is a pytree whose leaves have a leading layers axis (e.g. a KV cache) or None. Layers must be
+    stateless in the forward pass (only Params), which holds for every model here.
+    """
+
+    def pure(graphdef, params, carry, x):
+        return body(nnx.merge(graphdef, params), carry, x)
+
+    if scan:
+        graphdef, params = nnx.split(layers)
+        step = remat(lambda c, px: pure(graphdef, px[0], c, px[1]), remat_policy, prevent_cse=False)
+        return jax.lax.scan(step, carry, (params, xs))
+    ys = []
+    for i, layer in enumerate(layers):
+        graphdef, params = nnx.split(layer)
+        step = remat(lambda p, c, x, g=graphdef: pure(g, p, c, x), remat_policy)
+        x_i = None if xs is None else jax.tree.map(lambda a, i=i: a[i], xs)
+        carry, y = step(params, carry, x_i)
+        ys.append(y)
+    ys = None if all(y is None for y in ys) else jax.tree.map(lambda *a: jnp.stack(a), *ys)
+    return carry, ys

@@ -1,0 +1,69 @@
+"""The multimodal LLM: ViT -> projector -> merge into placeholder tokens -> decoder.
+
+Batch contract: tokens/positions/segment_ids int32 [B,S]; images float32 [B,N,H,W,C]; image_valid bool
+[B,N]. Every valid image fills exactly T = cfg.image_tokens consecutive `image_token_id` placeholders,
+in image order; invalid images have none. Image tokens get block id (rank of their image among the
+row's valid images) + 1, so they attend bidirectionally within their image; other tokens get block 0.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from mmjax.config import ModelConfig
+from mmjax.model.decoder import Decoder, KVCache
+from mmjax.model.layers import resolve_dtype
+from mmjax.model.projector import Projector
+from mmjax.model.vision import VisionEncoder
+
+
+class MLLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, image_token_id: int, rngs: nnx.Rngs):
+        if not 0 <= image_token_id < cfg.vocab_size:
+            raise ValueError(f"image_token_id={image_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
+        self.cfg = cfg
+        self.image_token_id = int(image_token_id)
+        self.compute_dtype = resolve_dtype(cfg.compute_dtype)
+        self.param_dtype = resolve_dtype(cfg.param_dtype)
+        kw = dict(param_dtype=self.param_dtype, compute_dtype=self.compute_dtype, rngs=rngs)
+        self.vision = VisionEncoder(cfg, **kw)
+        self.projector = Projector(cfg, **kw)
+        self.decoder = Decoder(cfg, **kw)
+
+    def embed(self, tokens, images, image_valid):
+        """Token embeddings with projected image features merged in, and the attention block ids."""
+        b, n = images.shape[:2]
+        t = self.cfg.image_tokens
+        x = self.decoder.embed(tokens)
+        img = self.projector(self.vision(images.astype(self.compute_dtype)))  # [B,N,T,D]
+        img = img.reshape(b, n * t, img.shape[-1]).astype(x.dtype)
+        is_img = tokens == self.image_token_id
+        idx = jnp.cumsum(is_img, axis=1, dtype=jnp.int32) - 1  # k-th placeholder of the row
+        idx = jnp.clip(idx, 0, n * t - 1)
+        rank = idx // t  # which valid image (in order) this placeholder belongs to
+        # Slot of the rank-th valid image: stable sort puts valid slots first, in slot order.
+        order = jnp.argsort(~image_valid.astype(bool), axis=1, stable=True).astype(jnp.int32)
+        slot = jnp.take_along_axis(order, rank, axis=1)
+        flat = slot * t + idx % t
+        gathered = jnp.take_along_axis(img, flat[:, :, None], axis=1)
+        x = jnp.where(is_img[:, :, None], gathered, x)
+        block_ids = jnp.where(is_img, rank + 1, 0).astype(jnp.int32)
+        return x, block_ids
+
+    def __call__(self, tokens, positions, segment_ids, images, image_valid):
+        """Training forward: logits [B,S,vocab] float32."""
+        x, block_ids = self.embed(tokens, images, image_valid)
+        return self.decoder(x, positions, segment_ids, block_ids)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        return self.decoder.init_cache(batch, max_len)
+
+    def prefill(self, tokens, positions, segment_ids, images, image_valid, cache: KVCache):
+        """Right-padded prompts -> (logits [B,S,V] float32, cache with lengths = non-pad tokens per row)."""
+        x, block_ids = self.embed(tokens, images, image_valid)
+        return self.decoder.prefill(x, positions, segment_ids, block_ids, cache)
+
+    def decode_step(self, tokens, cache: KVCache):
+        """tokens [B] -> (logits [B,V] float32, cache advanced by one token per row)."""
+        return self.decoder.decode_step(tokens, cache)

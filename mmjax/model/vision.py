@@ -1,0 +1,87 @@
+"""ViT encoder: linear patch embedding, learned positions, pre-norm blocks, final LayerNorm."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+import kernels
+from mmjax.config import ModelConfig
+from mmjax.model.layers import LayerNorm, dense, make_stack, normal, param, run_stack, zeros
+
+
+class VisionLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+        v = cfg.vision
+        d = v.dim // v.n_heads
+        self.compute_dtype = compute_dtype
+        self.attention_impl = cfg.attention_impl
+        w = normal(0.02)
+        norm = dict(eps=v.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.attn_norm = LayerNorm(v.dim, **norm)
+        self.qkv = param(rngs, w, (v.dim, 3, v.n_heads, d), ("embed", None, "heads", "head_dim"), param_dtype)
+        self.qkv_bias = param(None, zeros, (3, v.n_heads, d), (None, "heads", "head_dim"), param_dtype)
+        self.out = param(rngs, w, (v.n_heads, d, v.dim), ("heads", "head_dim", "embed"), param_dtype)
+        self.out_bias = param(None, zeros, (v.dim,), ("embed",), param_dtype)
+        self.mlp_norm = LayerNorm(v.dim, **norm)
+        self.fc1 = param(rngs, w, (v.dim, v.mlp_dim), ("embed", "mlp"), param_dtype)
+        self.fc1_bias = param(None, zeros, (v.mlp_dim,), ("mlp",), param_dtype)
+        self.fc2 = param(rngs, w, (v.mlp_dim, v.dim), ("mlp", "embed"), param_dtype)
+        self.fc2_bias = param(None, zeros, (v.dim,), ("embed",), param_dtype)
+
+    def __call__(self, x, ones, positions):
+        qkv = dense(self.attn_norm(x), self.qkv[...], "bse,ecnd->bscnd", self.compute_dtype, self.qkv_bias[...])
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        attn = kernels.attention(q, k, v, q_segment_ids=ones, kv_segment_ids=ones, q_positions=positions,
+                                 kv_positions=positions, causal=False, impl=self.attention_impl)
+        attn = checkpoint_name(attn, "attention_out")
+        x = x + dense(attn, self.out[...], "bsnd,nde->bse", self.compute_dtype, self.out_bias[...])
+        h = jax.nn.gelu(dense(self.mlp_norm(x), self.fc1[...], "bse,em->bsm", self.compute_dtype,
+                              self.fc1_bias[...]), approximate=False)
+        return x + dense(h, self.fc2[...], "bsm,me->bse", self.compute_dtype, self.fc2_bias[...])
+
+
+class VisionEncoder(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+        v = cfg.vision
+        self.vcfg = v
+        self.compute_dtype = compute_dtype
+        self.scan = cfg.scan_layers
+        self.remat = cfg.remat
+        patch_in = v.patch_size * v.patch_size * v.channels
+        self.patch_embed = param(rngs, normal(0.02), (patch_in, v.dim), (None, "embed"), param_dtype)
+        self.patch_bias = param(None, zeros, (v.dim,), ("embed",), param_dtype)
+        self.pos_embed = param(rngs, normal(0.02), (v.num_patches, v.dim), (None, "embed"), param_dtype)
+        self.layers = make_stack(
+            lambda r: VisionLayer(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=r),
+            v.n_layers, rngs, scan=cfg.scan_layers)
+        self.final_norm = LayerNorm(v.dim, eps=v.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype)
+
+    def patchify(self, images):
+        """[B,N,H,W,C] -> [B*N, num_patches, p*p*C] (row-major patch order, (py, px, c) inside a patch)."""
+        b, n, h, w, c = images.shape
+        p = self.vcfg.patch_size
+        x = images.reshape(b * n, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
+        return x.reshape(b * n, (h // p) * (w // p), p * p * c)
+
+    def __call__(self, images):
+        """images [B,N,H,W,C] float (normalised) -> [B,N,num_patches,vision_dim]."""
+        b, n = images.shape[:2]
+        v = self.vcfg
+        if images.shape[2:] != (v.image_size, v.image_size, v.channels):
+            raise ValueError(f"images have shape {images.shape}, expected [B, N, {v.image_size}, "
+                             f"{v.image_size}, {v.channels}] (model.vision.image_size/channels)")
+        x = dense(self.patchify(images), self.patch_embed[...], "bsp,pe->bse", self.compute_dtype,
+                  self.patch_bias[...])
+        x = x + self.pos_embed[...].astype(self.compute_dtype)
+        s = x.shape[1]
+        ones = jnp.ones((b * n, s), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b * n, s))
+
+        def body(layer, h, _):
+            return layer(h, ones, positions), None
+
+        x, _ = run_stack(self.layers, body, x, scan=self.scan, remat_policy=self.remat)
+        return self.final_norm(x).reshape(b, n, s, v.dim)

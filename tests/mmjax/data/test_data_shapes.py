@@ -1,0 +1,119 @@
+import base64
+import io
+import json
+import os
+from collections import Counter
+
+import grain
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmjax.data.builtin import shapes
+from mmjax.data.builtin.shapes import (COLORS, KINDS, NUMBERS, POSITIONS, ensure_shapes_dataset, generate_records,
+                                       is_held_out)
+from mmjax.errors import ConfigError
+
+
+def _read(paths):
+    src = grain.sources.ArrayRecordDataSource([str(p) for p in paths])
+    return [json.loads(src[i]) for i in range(len(src))]
+
+
+def _image(record):
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(record["image"]))))
+
+
+def test_generator_is_deterministic():
+    a = list(generate_records("train", 30, seed=7))
+    b = list(generate_records("train", 30, seed=7))
+    c = list(generate_records("train", 30, seed=8))
+    assert a == b
+    assert [r["image"] for r in a] != [r["image"] for r in c]
+    assert len({r["id"] for r in a}) == 30
+
+
+def test_record_format_and_answers_match_scene():
+    for rec in generate_records("train", 300, seed=3):
+        assert set(rec) == {"id", "image", "conversations", "qtype", "scene"}
+        user, assistant = rec["conversations"]
+        assert user["role"] == "user" and user["content"].startswith("<image>\n")
+        assert assistant["role"] == "assistant"
+        question, answer = user["content"][len("<image>\n"):], assistant["content"]
+        scene = [s.split(":") for s in rec["scene"].split(";")]
+        cells = {kind: int(cell) for cell, kind, _ in scene}
+        colors = {kind: color for _, kind, color in scene}
+        assert len(set(colors.values())) == len(scene) == len(cells)  # distinct kinds and colours
+        q = rec["qtype"]
+        if q == "color":
+            assert answer == colors[question.split()[-1].rstrip("?")]
+        elif q == "shape":
+            assert {c: k for k, c in colors.items()}[question.split()[-2]] == answer
+        elif q == "count":
+            assert answer == NUMBERS[len(scene) - 1]
+        elif q == "position":
+            assert answer == POSITIONS[cells[question.split()[-1].rstrip("?")]]
+        else:
+            color, kind = question.rstrip("?").split()[-2:]
+            assert answer == ("yes" if colors.get(kind) == color else "no")
+        # the pixels agree with the scene: each shape's cell holds pixels near its colour
+        img = _image(rec).astype(int)
+        assert img.shape == (48, 48, 3) and img.dtype == np.int64
+        for cell, kind, color in scene:
+            r, c = divmod(int(cell), 3)
+            patch = img[r * 16:(r + 1) * 16, c * 16:(c + 1) * 16]
+            near = np.abs(patch - np.array(COLORS[color])).max(-1) <= 20
+            assert near.sum() >= 20, (rec["id"], cell, kind, color)
+
+
+def test_answer_distribution_is_rich_and_balanced():
+    recs = list(generate_records("train", 3000, seed=1234))
+    answers = Counter(r["conversations"][1]["content"] for r in recs)
+    assert len(answers) >= 10
+    assert answers.most_common(1)[0][1] / len(recs) <= 0.2
+    assert set(answers) == set(COLORS) | set(KINDS) | set(NUMBERS) | set(POSITIONS) | {"yes", "no"}
+    qtypes = Counter(r["qtype"] for r in recs)
+    assert set(qtypes) == {"color", "shape", "count", "position", "exists"}
+    assert min(qtypes.values()) > 0.15 * len(recs)
+    assert 0.4 < answers["yes"] / (answers["yes"] + answers["no"]) < 0.6
+
+
+def test_files_splits_are_disjoint_and_stats(shapes_files):
+    train, held = _read(shapes_files.train_paths), _read(shapes_files.eval_paths)
+    assert len(train) == 400 and len(held) == 40 and len(shapes_files.train_paths) == 2
+    train_scenes = {r["scene"] for r in train}
+    assert not train_scenes & {r["scene"] for r in held}
+    assert all(is_held_out(r["scene"], 1234) for r in held)
+    assert not any(is_held_out(s, 1234) for s in train_scenes)
+    stats = shapes_files.stats()
+    counts = Counter(r["conversations"][1]["content"] for r in train)
+    assert stats["train_answer_counts"] == dict(counts)
+    assert stats["majority_answer"] == counts.most_common(1)[0][0]
+    assert os.path.isfile(os.path.join(shapes_files.root, "tokenizer_config.json"))
+
+
+def test_ensure_reuses_and_separates_params(tmp_path):
+    kw = dict(num_train=20, num_eval=5, num_shards=1, image_size=48)
+    a = ensure_shapes_dataset(tmp_path, **kw)
+    mtime = os.path.getmtime(a.train_paths[0])
+    assert ensure_shapes_dataset(tmp_path, **kw) == a
+    assert os.path.getmtime(a.train_paths[0]) == mtime
+    b = ensure_shapes_dataset(tmp_path, **{**kw, "seed": 5})
+    assert b.root != a.root
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([os.path.basename(a.root), os.path.basename(b.root)])
+
+
+def test_interrupted_generation_leaves_nothing(tmp_path, monkeypatch):
+    def boom(out, params):
+        (out / "train-00000-of-00001.array_record").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shapes, "_build", boom)
+    with pytest.raises(KeyboardInterrupt):
+        ensure_shapes_dataset(tmp_path, num_train=10, num_eval=2, num_shards=1, image_size=48)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_image_size():
+    with pytest.raises(ConfigError, match="image_size"):
+        ensure_shapes_dataset("/nonexistent", num_train=10, num_eval=2, num_shards=1, image_size=50)
