@@ -48,7 +48,7 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path, cache_dir):
     """Same data, same init: 1 step with 4 micro-batches equals 1 step over the whole batch (float32)."""
     # eps=1 makes Adam's first update ~linear in the gradient, so equal params mean equal gradients
     base = TINY + [f"data.cache_dir={cache_dir}", "model.compute_dtype=float32", "train.steps=1",
-                   "optim.eps=1.0", "optim.lr=1.0", "optim.warmup_steps=0"]
+                   "optim.eps=1.0", "optim.lr=1.0", "optim.warmup_steps=0", "train.global_batch_size=32"]
     params = []
     for accum in (1, 4):
         cfg = load_config(None, base + [f"train.grad_accum_steps={accum}", f"train.output_dir={tmp_path}/a{accum}"])
