@@ -10,10 +10,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from mmjax.engine.steps import MODEL_INPUTS
 from mmjax.parallel.rules import batch_sharding
 from serving.generate import greedy_generate
 
-PROMPT_KEYS = ("tokens", "positions", "segment_ids", "images", "image_valid")
 
 
 def make_generate_fn(graphdef: nnx.GraphDef, *, max_new_tokens: int, eos_id: int, pad_id: int) -> Callable:
@@ -51,7 +51,7 @@ class Evaluator:
     def run(self, params: Any) -> tuple[dict[str, float], list[str]]:
         predictions: list[str] = []
         for batch, rows in self.eval_set.batches(self.batch_size):
-            prompt = {k: jax.device_put(batch[k], batch_sharding(self.mesh, batch[k].ndim)) for k in PROMPT_KEYS}
+            prompt = {k: jax.device_put(batch[k], batch_sharding(self.mesh, batch[k].ndim)) for k in MODEL_INPUTS}
             out = np.asarray(jax.device_get(self.generate(params, prompt)))[:rows]
             predictions.extend(self.tokenizer.decode(row.tolist()) for row in out)
         scores = exact_match_scores(predictions, self.eval_set.answers, self.eval_set.qtypes)
