@@ -56,6 +56,9 @@ class VisionConfig:
     norm_eps: float = 1e-6
     mean: tuple[float, ...] = (0.5, 0.5, 0.5)
     std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    # "learned" (CLIP/SigLIP style, what converted checkpoints carry) or "sincos2d" (fixed 2-D sin/cos,
+    # MAE/big_vision style: patch positions are distinct from step 0, which a from-scratch tower needs)
+    pos_embed: str = "learned"
 
     @property
     def num_patches(self) -> int:
@@ -106,6 +109,7 @@ class DataConfig:
     num_train: int = 20000
     num_eval: int = 500
     num_shards: int = 4
+    questions_per_image: int = 1  # shapes: question/answer turns per train image (eval records hold one)
     tokenizer: str = ""  # path to tokenizer.json; empty = the built-in dataset's tokenizer
     max_images: int = 1  # image slots per row
     shuffle: bool = True
@@ -338,6 +342,10 @@ def validate(cfg: Config) -> None:
          f"model.text.dim={t.dim} is not divisible by model.text.n_heads={t.n_heads}; set model.text.head_dim")
     need(t.resolved_head_dim % 2 == 0, f"RoPE needs an even head dim, got {t.resolved_head_dim}")
     need(v.dim % v.n_heads == 0, f"model.vision.dim={v.dim} is not divisible by model.vision.n_heads={v.n_heads}")
+    need(v.pos_embed in ("learned", "sincos2d"),
+         f"model.vision.pos_embed={v.pos_embed!r} is not one of: learned, sincos2d")
+    need(v.pos_embed != "sincos2d" or v.dim % 4 == 0,
+         f"model.vision.pos_embed=sincos2d needs model.vision.dim divisible by 4, got {v.dim}")
     need(v.image_size % v.patch_size == 0,
          f"model.vision.image_size={v.image_size} is not a multiple of model.vision.patch_size={v.patch_size}")
     need(len(v.mean) == v.channels and len(v.std) == v.channels,

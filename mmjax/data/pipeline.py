@@ -269,7 +269,7 @@ def ensure_builtin_dataset(cfg: Config) -> ShapesFiles:
         raise ConfigError(f"data.dataset={cfg.data.dataset!r} is not a built-in dataset; the built-ins are: shapes")
     return ensure_shapes_dataset(cfg.data.cache_dir, num_train=cfg.data.num_train, num_eval=cfg.data.num_eval,
                                  num_shards=cfg.data.num_shards, image_size=cfg.model.vision.image_size,
-                                 seed=SHAPES_SEED)
+                                 seed=SHAPES_SEED, questions_per_image=cfg.data.questions_per_image)
 
 
 def open_dataset(cfg: Config) -> tuple[ShapesFiles, Tokenizer]:

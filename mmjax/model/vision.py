@@ -12,6 +12,15 @@ from mmjax.config import ModelConfig
 from mmjax.model.layers import LayerNorm, dense, make_stack, normal, param, run_stack, zeros
 
 
+def sincos2d(grid: int, dim: int, temperature: float = 10000.0) -> jax.Array:
+    """Fixed [grid*grid, dim] position embedding: sin/cos of the row and column at dim/4 frequencies each."""
+    y, x = jnp.meshgrid(jnp.arange(grid, dtype=jnp.float32), jnp.arange(grid, dtype=jnp.float32), indexing="ij")
+    omega = 1.0 / temperature ** (jnp.arange(dim // 4, dtype=jnp.float32) / (dim // 4))
+    y = y.reshape(-1, 1) * omega
+    x = x.reshape(-1, 1) * omega
+    return jnp.concatenate([jnp.sin(x), jnp.cos(x), jnp.sin(y), jnp.cos(y)], axis=1)
+
+
 class VisionLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
         v = cfg.vision
@@ -53,7 +62,8 @@ class VisionEncoder(nnx.Module):
         patch_in = v.patch_size * v.patch_size * v.channels
         self.patch_embed = param(rngs, normal(0.02), (patch_in, v.dim), (None, "embed"), param_dtype)
         self.patch_bias = param(None, zeros, (v.dim,), ("embed",), param_dtype)
-        self.pos_embed = param(rngs, normal(0.02), (v.num_patches, v.dim), (None, "embed"), param_dtype)
+        if v.pos_embed == "learned":
+            self.pos_embed = param(rngs, normal(0.02), (v.num_patches, v.dim), (None, "embed"), param_dtype)
         self.layers = make_stack(
             lambda r: VisionLayer(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=r),
             v.n_layers, rngs, scan=cfg.scan_layers)
@@ -75,7 +85,8 @@ class VisionEncoder(nnx.Module):
                              f"{v.image_size}, {v.channels}] (model.vision.image_size/channels)")
         x = dense(self.patchify(images), self.patch_embed[...], "bsp,pe->bse", self.compute_dtype,
                   self.patch_bias[...])
-        x = x + self.pos_embed[...].astype(self.compute_dtype)
+        pos = self.pos_embed[...] if v.pos_embed == "learned" else sincos2d(v.image_size // v.patch_size, v.dim)
+        x = x + pos.astype(self.compute_dtype)
         s = x.shape[1]
         ones = jnp.ones((b * n, s), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b * n, s))

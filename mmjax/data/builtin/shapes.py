@@ -2,8 +2,9 @@
 
 Each image is a 3x3 grid of cells (one cell = one ViT patch at the default 48 px / patch 16) holding 1-3
 shapes in distinct cells, with distinct kinds and distinct colours, a little size/position jitter inside the
-cell, on a plain dark background with light noise. Each record asks one question, its type drawn
-uniformly from `QTYPES`:
+cell, on a plain dark background with light noise. An eval record asks one question, its type drawn
+uniformly from `QTYPES`; a train record asks `questions_per_image` of them (distinct types, a multi-turn
+chat about the same image):
 
     color     What color is the triangle?          -> red | green | blue | yellow | purple | orange
     shape     What shape is the red object?        -> circle | square | triangle | cross
@@ -49,7 +50,7 @@ from mmjax.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
-VERSION = 2
+VERSION = 3
 KINDS = ("circle", "square", "triangle", "cross")
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 35, 35),
@@ -112,7 +113,7 @@ class _Painter:
                               f"(3x3 grid of cells), got {image_size}; 48 is the default")
         self.image_size = image_size
         self.cell = image_size // 3
-        self.min_size = max(5, round(self.cell * 0.55))
+        self.min_size = max(5, round(self.cell * 0.7))
         self.max_size = max(self.min_size, round(self.cell * 0.85))
         self.masks = {s: _masks(s) for s in range(self.min_size, self.max_size + 1)}
 
@@ -170,24 +171,42 @@ def _article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
-def _question(rng: np.random.Generator, scene: tuple[tuple[int, int, int], ...]) -> tuple[str, str, str]:
-    """(qtype, question, answer) for one scene."""
-    qtype = QTYPES[int(rng.integers(len(QTYPES)))]
-    cell, kind, color = scene[int(rng.integers(len(scene)))]
-    if qtype == "color":
-        return qtype, f"What color is the {KINDS[kind]}?", COLOR_NAMES[color]
-    if qtype == "shape":
-        return qtype, f"What shape is the {COLOR_NAMES[color]} object?", KINDS[kind]
+def _question(rng: np.random.Generator, scene: tuple[tuple[int, int, int], ...], qtype: str,
+              bound: set[tuple[int, int, int]]) -> tuple[str, str, str, tuple[int, int, int] | None] | None:
+    """(qtype, question, answer, object it binds) of type `qtype`, or None if the text would give it away.
+
+    `bound` holds the objects whose kind *and* colour earlier turns revealed. A question whose answer
+    follows from those ("What shape is the red object?" after "What color is the triangle? red", or "Is
+    there a blue triangle?" once the triangle is known to be red; kinds and colours are distinct within a
+    scene) is never asked: every answer must come from the image.
+    """
+    free = [o for o in scene if o not in bound]
     if qtype == "count":
-        return qtype, "How many shapes are there?", NUMBERS[len(scene) - 1]
+        return qtype, "How many shapes are there?", NUMBERS[len(scene) - 1], None
     if qtype == "position":
-        return qtype, f"Where is the {KINDS[kind]}?", POSITIONS[cell]
+        cell, kind, _ = scene[int(rng.integers(len(scene)))]
+        return qtype, f"Where is the {KINDS[kind]}?", POSITIONS[cell], None
+    if qtype in ("color", "shape"):
+        if not free:
+            return None
+        obj = free[int(rng.integers(len(free)))]
+        _, kind, color = obj
+        if qtype == "color":
+            return qtype, f"What color is the {KINDS[kind]}?", COLOR_NAMES[color], obj
+        return qtype, f"What shape is the {COLOR_NAMES[color]} object?", KINDS[kind], obj
     # exists: balanced yes/no; half of the "no" questions share the colour or the kind with a shape present
     present = {(k, c) for _, k, c in scene}
+    known_kinds = {k for _, k, _ in bound}
+    known_colors = {c for _, _, c in bound}
     if rng.random() < 0.5:
-        k, c, answer = kind, color, "yes"
+        if not free:
+            return None
+        obj = free[int(rng.integers(len(free)))]
+        k, c, answer = obj[1], obj[2], "yes"
     else:
-        absent = [(k, c) for k in range(len(KINDS)) for c in range(len(COLORS)) if (k, c) not in present]
+        obj = None
+        absent = [(k, c) for k in range(len(KINDS)) for c in range(len(COLORS))
+                  if (k, c) not in present and k not in known_kinds and c not in known_colors]
         kinds = {k for k, _ in present}
         colors = {c for _, c in present}
         hard = [(k, c) for k, c in absent if k in kinds or c in colors]
@@ -195,13 +214,39 @@ def _question(rng: np.random.Generator, scene: tuple[tuple[int, int, int], ...])
         k, c = pool[int(rng.integers(len(pool)))]
         answer = "no"
     cname = COLOR_NAMES[c]
-    return qtype, f"Is there {_article(cname)} {cname} {KINDS[k]}?", answer
+    return qtype, f"Is there {_article(cname)} {cname} {KINDS[k]}?", answer, obj
 
 
-def generate_records(split: str, num: int, *, image_size: int = 48, seed: int = 1234):
-    """Yield `num` records (dicts) of `split` ("train" or "eval"), a deterministic function of the args."""
+def _questions(rng: np.random.Generator, scene: tuple[tuple[int, int, int], ...],
+               k: int) -> list[tuple[str, str, str]]:
+    """Up to k questions of distinct types, in random order, about one scene (see `_question`)."""
+    bound: set[tuple[int, int, int]] = set()
+    out = []
+    for i in rng.permutation(len(QTYPES))[:k]:
+        qa = _question(rng, scene, QTYPES[int(i)], bound)
+        if qa is None:
+            continue
+        *text, obj = qa
+        if obj is not None:
+            bound.add(obj)
+        out.append(tuple(text))
+    return out
+
+
+def generate_records(split: str, num: int, *, image_size: int = 48, seed: int = 1234,
+                     questions_per_image: int = 1):
+    """Yield `num` records (dicts) of `split` ("train" or "eval"), a deterministic function of the args.
+
+    Train records hold `questions_per_image` question/answer turns about their image (more supervised
+    tokens per image encoded, which is what a from-scratch ViT is short of); eval records always hold one,
+    so each eval example scores exactly one answer.
+    """
     if split not in ("train", "eval"):
         raise ValueError(f"split must be train or eval, got {split!r}")
+    if not 1 <= questions_per_image <= len(QTYPES):
+        raise ConfigError(f"data.questions_per_image must be in [1, {len(QTYPES)}] (one per question type), "
+                          f"got {questions_per_image}")
+    k = questions_per_image if split == "train" else 1
     painter = _Painter(image_size)
     rng = np.random.default_rng(np.random.SeedSequence([seed, VERSION, 0 if split == "train" else 1]))
     want_held_out = split == "eval"
@@ -212,15 +257,17 @@ def generate_records(split: str, num: int, *, image_size: int = 48, seed: int = 
         if is_held_out(key, seed) != want_held_out:
             continue
         image = painter.draw(rng, scene)
-        qtype, question, answer = _question(rng, scene)
+        qas = _questions(rng, scene, k)
+        conversations = []
+        for i, (_, question, answer) in enumerate(qas):
+            conversations.append({"role": "user", "content": f"{IMAGE_MARKER}\n{question}" if i == 0 else question})
+            conversations.append({"role": "assistant", "content": answer})
         yield {
             "id": f"shapes-{split}-{made:06d}",
             "image": base64.b64encode(encode_png(image)).decode("ascii"),
-            "conversations": [
-                {"role": "user", "content": f"{IMAGE_MARKER}\n{question}"},
-                {"role": "assistant", "content": answer},
-            ],
-            "qtype": qtype,
+            "conversations": conversations,
+            "qtype": qas[0][0],
+            "qtypes": [q[0] for q in qas],
             "scene": key,
         }
         made += 1
@@ -236,7 +283,8 @@ def dataset_dir(cache_dir: str | os.PathLike, **params: Any) -> Path:
 
 
 def ensure_shapes_dataset(cache_dir: str | os.PathLike, *, num_train: int, num_eval: int, num_shards: int,
-                          image_size: int, seed: int = 1234, vocab_size: int = 512) -> ShapesFiles:
+                          image_size: int, seed: int = 1234, vocab_size: int = 512,
+                          questions_per_image: int = 1) -> ShapesFiles:
     """Generate the dataset once under `<cache_dir>/shapes-v1-<hash of params>/` and return its files.
 
     Writes into a temporary directory and renames it into place, so a killed run never leaves a half
@@ -250,7 +298,7 @@ def ensure_shapes_dataset(cache_dir: str | os.PathLike, *, num_train: int, num_e
         raise ConfigError(f"data.num_shards={num_shards} exceeds data.num_train={num_train}; lower data.num_shards")
     _Painter(image_size)  # validates image_size before any work
     params = dict(num_train=num_train, num_eval=num_eval, num_shards=num_shards, image_size=image_size,
-                  seed=seed, vocab_size=vocab_size)
+                  seed=seed, vocab_size=vocab_size, questions_per_image=questions_per_image)
     root = dataset_dir(cache_dir, **params)
     if root.exists():
         return _load_manifest(root)
@@ -283,19 +331,21 @@ def _build(out: Path, params: dict[str, Any]) -> None:
         names = [f"{split}-{i:05d}-of-{shards:05d}.array_record" for i in range(shards)]
         # contiguous shards: reading them in order gives generation order
         bounds = [num * i // shards for i in range(shards + 1)]
-        records = generate_records(split, num, image_size=params["image_size"], seed=params["seed"])
+        records = generate_records(split, num, image_size=params["image_size"], seed=params["seed"],
+                                   questions_per_image=params["questions_per_image"])
         for i, name in enumerate(names):
             writer = ArrayRecordWriter(str(out / name), _WRITER_OPTIONS)
             try:
                 for _ in range(bounds[i + 1] - bounds[i]):
                     rec = next(records)
                     writer.write(json.dumps(rec, separators=(",", ":")).encode())
-                    question, answer = (t["content"] for t in rec["conversations"])
-                    answers[answer] += 1
-                    qtypes[rec["qtype"]] += 1
-                    if split == "train":
-                        texts.extend(question.split(IMAGE_MARKER))
-                        texts.append(answer)
+                    turns = [t["content"] for t in rec["conversations"]]
+                    for question, answer, qtype in zip(turns[::2], turns[1::2], rec["qtypes"]):
+                        answers[answer] += 1
+                        qtypes[qtype] += 1
+                        if split == "train":
+                            texts.extend(question.split(IMAGE_MARKER))
+                            texts.append(answer)
             finally:
                 writer.close()
         manifest[split] = names
@@ -303,7 +353,7 @@ def _build(out: Path, params: dict[str, Any]) -> None:
         stats[f"{split}_qtype_counts"] = dict(sorted(qtypes.items()))
     train_counts = stats["train_answer_counts"]
     stats["majority_answer"] = max(sorted(train_counts), key=lambda a: train_counts[a])
-    stats["majority_share_train"] = train_counts[stats["majority_answer"]] / params["num_train"]
+    stats["majority_share_train"] = train_counts[stats["majority_answer"]] / sum(train_counts.values())
     train_bpe_tokenizer(texts, params["vocab_size"], out)
     (out / STATS).write_text(json.dumps(stats, indent=2) + "\n")
     (out / MANIFEST).write_text(json.dumps({"version": VERSION, "params": params, **manifest}, indent=2) + "\n")

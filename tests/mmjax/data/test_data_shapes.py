@@ -33,29 +33,52 @@ def test_generator_is_deterministic():
     assert len({r["id"] for r in a}) == 30
 
 
-def test_record_format_and_answers_match_scene():
-    for rec in generate_records("train", 300, seed=3):
-        assert set(rec) == {"id", "image", "conversations", "qtype", "scene"}
-        user, assistant = rec["conversations"]
-        assert user["role"] == "user" and user["content"].startswith("<image>\n")
-        assert assistant["role"] == "assistant"
-        question, answer = user["content"][len("<image>\n"):], assistant["content"]
+def _revealed(question: str, answer: str, qtype: str) -> tuple[str, str] | None:
+    """The (kind, colour) pair a question/answer turn names together, if any."""
+    words = question.rstrip("?").split()
+    if qtype == "color":
+        return words[-1], answer
+    if qtype == "shape":
+        return answer, words[-2]
+    if qtype == "exists" and answer == "yes":
+        return words[-1], words[-2]
+    return None
+
+
+@pytest.mark.parametrize("questions", [1, 4])
+def test_record_format_and_answers_match_scene(questions):
+    for rec in generate_records("train", 300, seed=3, questions_per_image=questions):
+        assert set(rec) == {"id", "image", "conversations", "qtype", "qtypes", "scene"}
+        turns = rec["conversations"]
+        assert 1 <= len(rec["qtypes"]) <= questions and len(turns) == 2 * len(rec["qtypes"])
+        assert len(set(rec["qtypes"])) == len(rec["qtypes"]) and rec["qtype"] == rec["qtypes"][0]
+        assert turns[0]["content"].startswith("<image>\n")
+        assert all("<image>" not in t["content"] for t in turns[1:])
+        assert [t["role"] for t in turns] == ["user", "assistant"] * len(rec["qtypes"])
         scene = [s.split(":") for s in rec["scene"].split(";")]
         cells = {kind: int(cell) for cell, kind, _ in scene}
         colors = {kind: color for _, kind, color in scene}
         assert len(set(colors.values())) == len(scene) == len(cells)  # distinct kinds and colours
-        q = rec["qtype"]
-        if q == "color":
-            assert answer == colors[question.split()[-1].rstrip("?")]
-        elif q == "shape":
-            assert {c: k for k, c in colors.items()}[question.split()[-2]] == answer
-        elif q == "count":
-            assert answer == NUMBERS[len(scene) - 1]
-        elif q == "position":
-            assert answer == POSITIONS[cells[question.split()[-1].rstrip("?")]]
-        else:
-            color, kind = question.rstrip("?").split()[-2:]
-            assert answer == ("yes" if colors.get(kind) == color else "no")
+        known: list[tuple[str, str]] = []
+        for user, assistant, q in zip(turns[::2], turns[1::2], rec["qtypes"]):
+            question, answer = user["content"].removeprefix("<image>\n"), assistant["content"]
+            words = question.rstrip("?").split()
+            if q == "color":
+                assert answer == colors[words[-1]]
+                assert words[-1] not in {k for k, _ in known}  # not given away by an earlier turn
+            elif q == "shape":
+                assert {c: k for k, c in colors.items()}[words[-2]] == answer
+                assert words[-2] not in {c for _, c in known}
+            elif q == "count":
+                assert answer == NUMBERS[len(scene) - 1]
+            elif q == "position":
+                assert answer == POSITIONS[cells[words[-1]]]
+            else:
+                color, kind = words[-2:]
+                assert answer == ("yes" if colors.get(kind) == color else "no")
+                assert kind not in {k for k, _ in known} and color not in {c for _, c in known}
+            if (pair := _revealed(question, answer, q)) is not None:
+                known.append(pair)
         # the pixels agree with the scene: each shape's cell holds pixels near its colour
         img = _image(rec).astype(int)
         assert img.shape == (48, 48, 3) and img.dtype == np.int64
@@ -117,3 +140,8 @@ def test_interrupted_generation_leaves_nothing(tmp_path, monkeypatch):
 def test_bad_image_size():
     with pytest.raises(ConfigError, match="image_size"):
         ensure_shapes_dataset("/nonexistent", num_train=10, num_eval=2, num_shards=1, image_size=50)
+
+
+def test_questions_per_image_out_of_range_names_the_key():
+    with pytest.raises(ConfigError, match="data.questions_per_image"):
+        next(generate_records("train", 1, questions_per_image=6))
