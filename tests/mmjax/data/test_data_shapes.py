@@ -73,6 +73,9 @@ def test_record_format_and_answers_match_scene(questions):
                 assert answer == NUMBERS[len(scene) - 1]
             elif q == "position":
                 assert answer == POSITIONS[cells[words[-1]]]
+            elif q == "shapes":
+                assert answer.replace(",", "").replace(" and", "").split() == [k for k in KINDS if k in cells]
+                assert user is turns[-2]  # always the last turn
             else:
                 color, kind = words[-2:]
                 assert answer == ("yes" if colors.get(kind) == color else "no")
@@ -94,10 +97,13 @@ def test_answer_distribution_is_rich_and_balanced():
     answers = Counter(r["conversations"][1]["content"] for r in recs)
     assert len(answers) >= 10
     assert answers.most_common(1)[0][1] / len(recs) <= 0.2
-    assert set(answers) == set(COLORS) | set(KINDS) | set(NUMBERS) | set(POSITIONS) | {"yes", "no"}
+    singles = set(COLORS) | set(KINDS) | set(NUMBERS) | set(POSITIONS) | {"yes", "no"}
+    lists = {a for a in answers if " and " in a}
+    assert set(answers) == singles | lists
+    assert len(lists) == 10  # 6 pairs + 4 triples of the 4 kinds, in canonical order
     qtypes = Counter(r["qtype"] for r in recs)
-    assert set(qtypes) == {"color", "shape", "count", "position", "exists"}
-    assert min(qtypes.values()) > 0.15 * len(recs)
+    assert set(qtypes) == {"color", "shape", "count", "position", "exists", "shapes"}
+    assert min(qtypes.values()) > 0.12 * len(recs)
     assert 0.4 < answers["yes"] / (answers["yes"] + answers["no"]) < 0.6
 
 
@@ -144,4 +150,4 @@ def test_bad_image_size():
 
 def test_questions_per_image_out_of_range_names_the_key():
     with pytest.raises(ConfigError, match="data.questions_per_image"):
-        next(generate_records("train", 1, questions_per_image=6))
+        next(generate_records("train", 1, questions_per_image=7))
