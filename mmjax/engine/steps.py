@@ -18,7 +18,7 @@ MODEL_INPUTS = ("tokens", "positions", "segment_ids", "images", "image_valid")
 
 def loss_sums(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
     """(sum of masked token cross-entropies, number of loss tokens); float32 whatever the compute dtype."""
-    logits = model(*(batch[k] for k in MODEL_INPUTS))
+    logits = model(*(batch.get(k) for k in MODEL_INPUTS))  # text-only batches have no images
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
     mask = batch["loss_mask"].astype(jnp.float32)
     return jnp.sum(ce * mask), jnp.sum(mask)
