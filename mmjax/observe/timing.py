@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import queue
+import re
 import threading
 import time
 from typing import Callable
@@ -93,9 +94,18 @@ _collectors: list["CompileTimes"] = []
 _listener_installed = False
 
 
+MIN_REPORTED_S = 0.05  # jax compiles many tiny helpers (dtype casts, seeds); their times are noise
+
+
+def _function_name(fun_name: str) -> str:
+    """`jit(train_step)` (backend compile) and `train_step` (tracing) -> `train_step`; `<lambda>` -> `lambda`."""
+    name = re.sub(r"^(jit|pjit)\((.*)\)$", r"\2", fun_name)
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "unknown"
+
+
 def _listener(event: str, duration: float, **kwargs) -> None:
     if event in _COMPILE_EVENTS and _collectors:
-        name = str(kwargs.get("fun_name", "unknown"))
+        name = _function_name(str(kwargs.get("fun_name", "unknown")))
         for c in list(_collectors):
             c._add(name, duration)
 
@@ -119,7 +129,7 @@ class CompileTimes:
     def drain(self) -> dict[str, float]:
         """{"time/compile/<function>": seconds} for functions compiled since the last call."""
         with self._lock:
-            out = {f"time/compile/{k}": v for k, v in self._pending.items()}
+            out = {f"time/compile/{k}": v for k, v in self._pending.items() if v >= MIN_REPORTED_S}
             self._pending.clear()
         return out
 
