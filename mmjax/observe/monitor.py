@@ -100,7 +100,9 @@ class TrainMonitor:
 
     def before_step(self, step: int, state: Any) -> None:
         if self.profiler is not None:
+            start = time.perf_counter()
             self.profiler.before_step(step, state)
+            self._excluded += time.perf_counter() - start  # trace start-up is not step time
 
     def after_step(self, step: int, state: Any, metrics: dict[str, jax.Array]) -> None:
         self.buffer.add(metrics)
@@ -111,9 +113,11 @@ class TrainMonitor:
                 self._halt_if_unhealthy(*self._pending_check, state=state, now=step)
             self._pending_check = (step, {k: metrics[k] for k in ("train/loss", "health/nan_count",
                                                                   "health/inf_count")})
-        if self.profiler is not None and self.profiler.after_step(step, state) is not None:
-            self.timer.reset()
-            self._reset_interval()  # tracing overhead is not step time
+        if self.profiler is not None:
+            start = time.perf_counter()
+            if self.profiler.after_step(step, state) is not None:
+                self._excluded += time.perf_counter() - start  # writing and summarising the trace
+                self.timer.reset()
 
     def _halt_if_unhealthy(self, bad_step: int, metrics: dict[str, jax.Array], *, state: Any, now: int) -> None:
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -149,6 +153,7 @@ class TrainMonitor:
         if not self.dynamic_loss_scale:
             values.pop("train/loss_scale", None)
         values["time/step"] = elapsed / max(steps, 1)
+        self.timer.drain(timeout=1.0)  # the steps are done (flush synced); let the timer thread catch up
         values.update(self.timer.percentiles())
         values["data/wait_time"] = self._wait / max(steps, 1)
         if self._fills:
