@@ -163,7 +163,7 @@ class ObserveConfig:
     tensorboard_dir: str = ""  # "" = <train.output_dir>/tensorboard
     wandb_project: str = "mmjax"
     wandb_mode: str = "offline"  # offline (no network; `wandb sync` later) | online | disabled
-    prometheus_port: int = 9400  # /metrics on this port (0 = any free port, logged)
+    prometheus_port: int = 9400  # /metrics on this port + process index (0 = any free port, logged)
     prometheus_addr: str = "0.0.0.0"
     peak_flops_per_device: float = 0.0  # for train/mfu; 0 = look up the device kind (none on CPU)
     step_time_window: int = 100  # steps behind time/step_p50 and time/step_p90

@@ -34,13 +34,13 @@ class Trainer:
         # Hook: save_fn(state, step) writes a checkpoint; observe.nan_policy=halt calls it before stopping.
         self.save_fn: Any = None
         self.monitor = TrainMonitor(cfg)  # its watchdog reports what start-up waits for if it hangs
-        self.monitor.phase("starting the JAX backend and building the device mesh (multi-host: waits for every process)")
+        self.monitor.phase("the JAX backend and the device mesh (multi-host: every process must join)")
         self.mesh = make_mesh(cfg)
         self.mesh_sizes = resolve_mesh_shape(cfg.mesh, self.mesh.devices.size)
-        self.monitor.phase("preparing the dataset and tokenizer")
+        self.monitor.phase("the dataset and tokenizer to be prepared")
         self.files, self.tokenizer = open_dataset(cfg)
 
-        self.monitor.phase("initialising the model and optimizer state")
+        self.monitor.phase("the model and optimizer state to be initialised")
         self.setup = model_setup(cfg, self.mesh, image_token_id=self.tokenizer.image_id)
         self.optimizer = make_optimizer(cfg)
         self.schedule = learning_rate_schedule(cfg)
@@ -49,7 +49,7 @@ class Trainer:
                                   skip_nonfinite=cfg.observe.nan_policy != "warn")
         self._train_step = jax.jit(step_fn, out_shardings=(state_shardings, None), donate_argnums=0)
 
-        self.monitor.phase("loading the evaluation set")
+        self.monitor.phase("the evaluation set to load")
         eval_set = load_eval_examples(cfg, self.tokenizer, self.files)
         generate = make_generate_fn(self.setup.graphdef, max_new_tokens=cfg.eval.max_new_tokens,
                                     eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
@@ -89,7 +89,7 @@ class Trainer:
                     monitor.log(step, self.state)  # the only host sync of the interval
                 every = cfg.eval.every_steps
                 if (every and step % every == 0) or step == cfg.train.steps:
-                    with monitor.excluded("evaluating"):  # eval time is not train step time
+                    with monitor.excluded("the evaluation to finish"):  # eval time is not train step time
                         eval_start = time.perf_counter()
                         last_eval, _ = self.evaluator.run(self.state.params)
                         last_eval["time/eval"] = time.perf_counter() - eval_start

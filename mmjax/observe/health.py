@@ -61,7 +61,7 @@ def thread_stacks() -> str:
 class Watchdog:
     """Reports (and dumps stacks) when no progress happens within the current phase's timeout."""
 
-    TRAINING = "waiting for the next train step to complete"
+    TRAINING = "the next train step to complete"
 
     def __init__(self, train_timeout_s: float, startup_timeout_s: float, dump_dir: str | Path | None = None,
                  poll_s: float | None = None):
@@ -70,7 +70,7 @@ class Watchdog:
         self.dump_dir = Path(dump_dir) if dump_dir else None
         self.reports: list[str] = []  # what fired, for callers and tests
         self._lock = threading.Lock()
-        self._label = "starting up"
+        self._label = "start-up"
         self._timeout = startup_timeout_s
         self._last = time.monotonic()
         self._reported = False
@@ -83,7 +83,7 @@ class Watchdog:
         self._thread.start()
 
     def enter(self, label: str, timeout_s: float | None = None) -> None:
-        """Start a phase: from now on a report says it waits for `label` (default timeout: start-up's)."""
+        """Start a phase: a report now says it waits for `label` (default timeout: start-up's)."""
         with self._lock:
             self._label = label
             self._timeout = self.startup_timeout_s if timeout_s is None else timeout_s
@@ -132,9 +132,9 @@ class Watchdog:
         if self.dump_dir is not None:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
             path = self.dump_dir / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}.txt"
-            path.write_text(f"no progress for {idle:.0f}s while {label}\n\n{stacks}")
+            path.write_text(f"no progress for {idle:.0f}s; waiting for: {label}\n\n{stacks}")
             where = f"; stacks also in {path}"
-        message = f"watchdog: no progress for {idle:.0f}s while {label}{where}"
+        message = f"watchdog: no progress for {idle:.0f}s; waiting for: {label}{where}"
         self.reports.append(message)
         log.error("%s\n%s", message, stacks)
 

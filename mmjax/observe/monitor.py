@@ -1,7 +1,7 @@
 """`TrainMonitor`: everything the train loop reports, behind a few calls, so the loop stays readable.
 
     monitor = TrainMonitor(cfg)                  # first thing: the start-up watchdog runs from here
-    monitor.phase("building the mesh")           # what start-up waits for, named in hang reports
+    monitor.phase("the device mesh")             # what start-up waits for, named in hang reports
     monitor.open(output_dir, mesh, total_steps, dynamic_loss_scale=..., save_fn=...)
     for step ...:
         batch = next(feed); monitor.data(feed)   # data/wait_time, data/buffer_fill
@@ -65,7 +65,7 @@ class TrainMonitor:
 
     def idle(self) -> None:
         """Set-up is done and nothing is expected until `open` (no hang reports meanwhile)."""
-        self.watchdog.enter("idle between set-up and run()", 0.0)
+        self.watchdog.enter("run() to be called (no timeout)", 0.0)
 
     @contextlib.contextmanager
     def waiting_for(self, label: str) -> Iterator[None]:

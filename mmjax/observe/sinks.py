@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Protocol
 
+import jax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -173,8 +174,9 @@ def build_sinks(cfg: Config, output_dir: Path, total_steps: int, start_step: int
     o = cfg.observe
     sinks: list[Sink] = []
     for name in dict.fromkeys(o.sinks):  # keep order, drop repeats
-        if name == "prometheus":
-            sinks.append(PrometheusSink(o.prometheus_port, o.prometheus_addr))
+        if name == "prometheus":  # one port per process, so processes sharing a host do not collide
+            port = o.prometheus_port + jax.process_index() if o.prometheus_port else 0
+            sinks.append(PrometheusSink(port, o.prometheus_addr))
         elif not is_main_process:
             continue
         elif name == "jsonl":

@@ -35,15 +35,15 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def inject(monkeypatch, nan_at=(), stall_at=None, stall_s=0.0):
-    """Wrap the train dataset: batch k (1-based = step k) gets NaN images / the loader sleeps before batch k."""
+def inject(monkeypatch, nan_at=(), stalls=None):
+    """Wrap the train dataset: batch k (1-based = step k) gets NaN images / the loader sleeps stalls[k] s before it."""
     real = trainer_module.make_train_dataset
 
     def faulty(*args, **kwargs):
         def stalled_loader():
             for k, batch in enumerate(real(*args, **kwargs), start=1):
-                if k == stall_at:
-                    time.sleep(stall_s)
+                if k in (stalls or {}):
+                    time.sleep(stalls[k])
                 if k in nan_at:
                     batch = dict(batch, images=np.full_like(batch["images"], np.nan))
                 yield batch
@@ -70,8 +70,9 @@ def test_30_step_run_writes_every_field_serves_prometheus_and_survives_nan_and_s
         f"data.cache_dir={cache_dir}", f"train.output_dir={out}", "train.steps=30", "observe.log_every=1",
         "eval.every_steps=0", "observe.peak_flops_per_device=1e12", "observe.profile_steps=[[3,4]]",
         "observe.sinks=[jsonl,tensorboard,prometheus]", f"observe.prometheus_port={port}",
-        "observe.prometheus_addr=127.0.0.1", "observe.watchdog_timeout_s=1.5", "observe.nan_policy=skip"])
-    inject(monkeypatch, nan_at=(8,), stall_at=20, stall_s=4.0)
+        "observe.prometheus_addr=127.0.0.1", "observe.watchdog_timeout_s=1.5", "observe.startup_timeout_s=1.0",
+        "observe.nan_policy=skip"])
+    inject(monkeypatch, nan_at=(8,), stalls={1: 2.5, 20: 4.0})
 
     scraped: list[int] = []
     done = threading.Event()
@@ -118,9 +119,11 @@ def test_30_step_run_writes_every_field_serves_prometheus_and_survives_nan_and_s
     assert finite_params(trainer.state) and np.isfinite(train[30]["train/loss"])
     # the stalled loader: the watchdog dumped every thread's stack, naming what the loop waited for
     dumps = [p.read_text() for p in out.glob("stacks-*.txt")]
-    stalled = [d for d in dumps if "stalled_loader" in d and "waiting for the next train step" in d]
+    stalled = [d for d in dumps if "stalled_loader" in d and "waiting for: the next train step" in d]
     assert stalled, dumps
     assert 'Thread "mmjax-device-feed"' in stalled[0]
+    # ... and at start-up, the report says what start-up was waiting for
+    assert any("stalled_loader" in d and "waiting for: the first batch from the data loader" in d for d in dumps)
     # Prometheus answered real scrapes during the run, with the step rising
     assert len(set(scraped)) >= 3 and scraped == sorted(scraped) and max(scraped) >= 25, scraped
     # TensorBoard events hold the same losses as the JSONL
