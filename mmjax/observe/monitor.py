@@ -144,9 +144,7 @@ class TrainMonitor:
         steps = len(self.buffer)
         values = self.buffer.flush()
         elapsed = max(time.perf_counter() - self._interval_start - self._excluded, 1e-9)
-        tokens = values.pop("train/tokens", 0.0)
-        pairs = values.pop("train/attention_pairs", 0.0)
-        images = values.pop("train/images", 0.0)
+        tokens, pairs, images = (values.pop(k, 0.0) for k in INTERNAL)
         values["train/tokens_per_sec"] = tokens / elapsed
         if self.peak:
             values["train/mfu"] = self.flops.step_flops(tokens, pairs, images) / elapsed / (self.n_devices * self.peak)

@@ -13,6 +13,7 @@ import queue
 import re
 import threading
 import time
+import weakref
 from typing import Callable
 
 import jax
@@ -90,7 +91,7 @@ class StepTimer:
 
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
-_collectors: list["CompileTimes"] = []
+_collectors: "weakref.WeakSet[CompileTimes]" = weakref.WeakSet()  # a dropped Trainer's collector goes too
 _listener_installed = False
 
 
@@ -120,7 +121,7 @@ class CompileTimes:
         if not _listener_installed:  # jax has no public unregister; one process-wide listener fans out
             jax.monitoring.register_event_duration_secs_listener(_listener)
             _listener_installed = True
-        _collectors.append(self)
+        _collectors.add(self)
 
     def _add(self, name: str, seconds: float) -> None:
         with self._lock:
@@ -134,5 +135,4 @@ class CompileTimes:
         return out
 
     def close(self) -> None:
-        if self in _collectors:
-            _collectors.remove(self)
+        _collectors.discard(self)
