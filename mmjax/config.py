@@ -84,6 +84,7 @@ class ModelConfig:
     scan_layers: bool = True
     remat: str = "none"
     attention_impl: str = "auto"
+    text_only: bool = False  # decoder only: no vision tower or projector; batches carry no images
 
     @property
     def image_tokens(self) -> int:
@@ -154,8 +155,22 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ObserveConfig:
+    """Metrics, sinks, health checks and profiles (docs/metrics.md lists every metric)."""
+
     log_every: int = 50
-    progress: bool = True  # rich progress bar on stdout
+    progress: bool = True  # false drops the progress sink even when `sinks` lists it (CI logs, tests)
+    sinks: tuple[str, ...] = ("jsonl", "progress")  # any of: jsonl, progress, tensorboard, wandb, prometheus
+    tensorboard_dir: str = ""  # "" = <train.output_dir>/tensorboard
+    wandb_project: str = "mmjax"
+    wandb_mode: str = "offline"  # offline (no network; `wandb sync` later) | online | disabled
+    prometheus_port: int = 9400  # /metrics on this port + process index (0 = any free port, logged)
+    prometheus_addr: str = "0.0.0.0"
+    peak_flops_per_device: float = 0.0  # for train/mfu; 0 = look up the device kind (none on CPU)
+    step_time_window: int = 100  # steps behind time/step_p50 and time/step_p90
+    nan_policy: str = "skip"  # non-finite loss/grads: skip the update | halt (checkpoint, stop) | warn (apply it)
+    watchdog_timeout_s: float = 900.0  # dump all thread stacks when no step completes for this long; 0 = off
+    startup_timeout_s: float = 300.0  # report what start-up waits for (devices, first batch, compile) after this
+    profile_steps: tuple[tuple[int, ...], ...] = ()  # [[first, last], ...] step ranges traced with jax.profiler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,9 +365,23 @@ def validate(cfg: Config) -> None:
          f"model.vision.image_size={v.image_size} is not a multiple of model.vision.patch_size={v.patch_size}")
     need(len(v.mean) == v.channels and len(v.std) == v.channels,
          f"model.vision.mean/std need {v.channels} values (one per channel)")
-    need(cfg.data.max_images * m.image_tokens < m.max_seq_len,
+    need(m.text_only or cfg.data.max_images * m.image_tokens < m.max_seq_len,
          f"model.max_seq_len={m.max_seq_len} cannot hold data.max_images={cfg.data.max_images} images of "
          f"{m.image_tokens} tokens each plus text; raise model.max_seq_len or model.vision.patch_size")
+    o = cfg.observe
+    sinks = ("jsonl", "progress", "tensorboard", "wandb", "prometheus")
+    for sink in o.sinks:
+        need(sink in sinks, f"observe.sinks: unknown sink {sink!r}; choose from {', '.join(sinks)}")
+    need(o.nan_policy in ("skip", "halt", "warn"), f"observe.nan_policy={o.nan_policy!r} is not one of skip, halt, warn")
+    need(o.wandb_mode in ("offline", "online", "disabled"),
+         f"observe.wandb_mode={o.wandb_mode!r} is not one of offline, online, disabled")
+    need(0 <= o.prometheus_port < 65536, f"observe.prometheus_port={o.prometheus_port} is not a TCP port")
+    need(o.step_time_window > 0, "observe.step_time_window must be positive")
+    need(o.watchdog_timeout_s >= 0 and o.startup_timeout_s >= 0,
+         "observe.watchdog_timeout_s and observe.startup_timeout_s must be >= 0 (0 = off)")
+    for r in o.profile_steps:
+        need(len(r) == 2 and 1 <= r[0] <= r[1],
+             f"observe.profile_steps entry {list(r)} must be [first, last] with 1 <= first <= last, e.g. [[10, 12]]")
     need(cfg.optim.schedule in ("cosine", "polynomial", "constant"),
          f"optim.schedule={cfg.optim.schedule!r} is not one of cosine, polynomial, constant")
     need(cfg.optim.warmup_steps >= 0, "optim.warmup_steps must be >= 0")

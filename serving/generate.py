@@ -20,8 +20,8 @@ def greedy_generate(model: nnx.Module, prompt: dict[str, jax.Array], *, max_new_
     tokens = prompt["tokens"]
     batch, length = tokens.shape
     cache = model.init_cache(batch, length + max_new_tokens)
-    logits, cache = model.prefill(tokens, prompt["positions"], prompt["segment_ids"], prompt["images"],
-                                  prompt["image_valid"], cache)
+    logits, cache = model.prefill(tokens, prompt["positions"], prompt["segment_ids"], prompt.get("images"),
+                                  prompt.get("image_valid"), cache)  # text-only prompts have no images
     last = jnp.take_along_axis(logits, (cache.lengths - 1)[:, None, None], axis=1)[:, 0]
     first = jnp.argmax(last, axis=-1).astype(jnp.int32)
     done = first == eos_id

@@ -51,7 +51,8 @@ class Evaluator:
     def run(self, params: Any) -> tuple[dict[str, float], list[str]]:
         predictions: list[str] = []
         for batch, rows in self.eval_set.batches(self.batch_size):
-            prompt = {k: jax.device_put(batch[k], batch_sharding(self.mesh, batch[k].ndim)) for k in MODEL_INPUTS}
+            prompt = {k: jax.device_put(batch[k], batch_sharding(self.mesh, batch[k].ndim))
+                      for k in MODEL_INPUTS if k in batch}  # text-only batches have no images
             out = np.asarray(jax.device_get(self.generate(params, prompt)))[:rows]
             predictions.extend(self.tokenizer.decode(row.tolist()) for row in out)
         scores = exact_match_scores(predictions, self.eval_set.answers, self.eval_set.qtypes)

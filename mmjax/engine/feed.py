@@ -34,6 +34,7 @@ class DeviceFeed:
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._stop = threading.Event()
         self.last_wait = 0.0
+        self.last_fill = 0.0  # share of the queue filled when the last batch was asked for (data/buffer_fill)
         # Loader state *after* the last batch handed out (not after the prefetched ones): what a
         # checkpoint must store to resume exactly.
         self.loader_state: Any = None
@@ -61,6 +62,7 @@ class DeviceFeed:
         return self
 
     def __next__(self) -> dict[str, jax.Array]:
+        self.last_fill = self._queue.qsize() / self._queue.maxsize
         start = time.perf_counter()
         item: Any = self._queue.get()
         self.last_wait = time.perf_counter() - start

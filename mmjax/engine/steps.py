@@ -18,10 +18,18 @@ MODEL_INPUTS = ("tokens", "positions", "segment_ids", "images", "image_valid")
 
 def loss_sums(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
     """(sum of masked token cross-entropies, number of loss tokens); float32 whatever the compute dtype."""
-    logits = model(*(batch[k] for k in MODEL_INPUTS))
+    logits = model(*(batch.get(k) for k in MODEL_INPUTS))  # text-only batches have no images
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
     mask = batch["loss_mask"].astype(jnp.float32)
     return jnp.sum(ce * mask), jnp.sum(mask)
+
+
+def nonfinite_counts(loss: jax.Array, grads: Any) -> tuple[jax.Array, jax.Array]:
+    """(NaN count, Inf count) over the loss and every gradient element (float32: exact below 2^24)."""
+    leaves = [loss, *jax.tree.leaves(grads)]
+    nan = sum(jnp.sum(jnp.isnan(x), dtype=jnp.float32) for x in leaves)
+    inf = sum(jnp.sum(jnp.isinf(x), dtype=jnp.float32) for x in leaves)
+    return nan, inf
 
 
 def split_micro_batches(batch: Batch, accum_steps: int) -> Batch:
@@ -35,11 +43,14 @@ def split_micro_batches(batch: Batch, accum_steps: int) -> Batch:
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                    schedule: optax.Schedule, accum_steps: int) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    schedule: optax.Schedule, accum_steps: int,
+                    skip_nonfinite: bool = True) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """Build `train_step(state, batch) -> (state, metrics)`; jit it with donated state.
 
     Gradients are of the *sum* of token losses, divided once by the total token count, so any
-    accumulation split gives the same update as one big batch.
+    accumulation split gives the same update as one big batch. `skip_nonfinite=False`
+    (`observe.nan_policy=warn`) applies updates even when gradients are not finite; fp16 loss scaling
+    always skips them.
     """
 
     def scaled_loss(params: Any, batch: Batch, scale: jax.Array):
@@ -68,12 +79,15 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         grads, total, count = gradients(state.params, batch, scale)
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: (g / (scale * denom)).astype(jnp.float32), grads)
+        loss = total / denom
+        nan_count, inf_count = nonfinite_counts(loss, grads)
         finite = all_finite(grads)
         grad_norm = optax.global_norm(grads)
         updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
         # A step with non-finite gradients (fp16 overflow, or a bad batch) leaves params untouched.
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        guard = finite if (skip_nonfinite or state.loss_scale.dynamic) else jnp.asarray(True)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(guard, n, o), new, old)
         rng, _ = jax.random.split(state.rng)
         new_state = state.replace(
             step=state.step + 1,
@@ -83,7 +97,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             loss_scale=state.loss_scale.update(finite),
         )
         metrics = {
-            "train/loss": total / denom,
+            "train/loss": loss,
             "train/grad_norm": grad_norm,
             # optax's own count skips non-finite steps, so the rate in use is at step - skipped
             "train/lr": schedule(state.step - state.loss_scale.skipped),
@@ -91,6 +105,13 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             "train/tokens": jnp.sum(batch["segment_ids"] > 0),
             "train/loss_scale": scale,
             "train/skipped_steps": new_state.loss_scale.skipped,
+            # for train/mfu (mmjax.observe.flops): causal (query, key) pairs = sum(position + 1) per token
+            "train/attention_pairs": jnp.sum(jnp.where(batch["segment_ids"] > 0, batch["positions"] + 1, 0)
+                                             .astype(jnp.float32)),
+            "train/images": (jnp.sum(batch["image_valid"]).astype(jnp.float32) if "image_valid" in batch
+                             else jnp.zeros((), jnp.float32)),
+            "health/nan_count": nan_count,
+            "health/inf_count": inf_count,
         }
         return new_state, metrics
 

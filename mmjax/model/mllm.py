@@ -4,6 +4,9 @@ Batch contract: tokens/positions/segment_ids int32 [B,S]; images float32 [B,N,H,
 [B,N]. Every valid image fills exactly T = cfg.image_tokens consecutive `image_token_id` placeholders,
 in image order; invalid images have none. Image tokens get block id (rank of their image among the
 row's valid images) + 1, so they attend bidirectionally within their image; other tokens get block 0.
+
+With `model.text_only` the model is the decoder alone (no vision tower or projector parameters) and
+takes no images: `images`/`image_valid` must be None.
 """
 
 from __future__ import annotations
@@ -27,12 +30,21 @@ class MLLM(nnx.Module):
         self.compute_dtype = resolve_dtype(cfg.compute_dtype)
         self.param_dtype = resolve_dtype(cfg.param_dtype)
         kw = dict(param_dtype=self.param_dtype, compute_dtype=self.compute_dtype, rngs=rngs)
-        self.vision = VisionEncoder(cfg, **kw)
-        self.projector = Projector(cfg, **kw)
+        self.text_only = cfg.text_only
+        self.vision = None if cfg.text_only else VisionEncoder(cfg, **kw)
+        self.projector = None if cfg.text_only else Projector(cfg, **kw)
         self.decoder = Decoder(cfg, **kw)
 
-    def embed(self, tokens, images, image_valid):
+    def embed(self, tokens, images=None, image_valid=None):
         """Token embeddings with projected image features merged in, and the attention block ids."""
+        if self.text_only:
+            if images is not None:
+                raise ValueError("model.text_only=true builds no vision tower, but the batch has images; "
+                                 "use a text dataset or set model.text_only=false")
+            return self.decoder.embed(tokens), jnp.zeros_like(tokens, dtype=jnp.int32)
+        if images is None or image_valid is None:
+            raise ValueError("this model has a vision tower and needs `images` and `image_valid` "
+                             "(set model.text_only=true for a decoder-only model)")
         b, n = images.shape[:2]
         t = self.cfg.image_tokens
         x = self.decoder.embed(tokens)
@@ -51,7 +63,7 @@ class MLLM(nnx.Module):
         block_ids = jnp.where(is_img, rank + 1, 0).astype(jnp.int32)
         return x, block_ids
 
-    def __call__(self, tokens, positions, segment_ids, images, image_valid):
+    def __call__(self, tokens, positions, segment_ids, images=None, image_valid=None):
         """Training forward: logits [B,S,vocab] float32."""
         x, block_ids = self.embed(tokens, images, image_valid)
         return self.decoder(x, positions, segment_ids, block_ids)

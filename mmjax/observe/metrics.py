@@ -6,7 +6,8 @@ import jax
 import numpy as np
 
 # How each step metric combines over a log interval; anything else is averaged.
-SUMMED = ("train/loss_tokens", "train/tokens")
+SUMMED = ("train/loss_tokens", "train/tokens", "train/attention_pairs", "train/images", "health/nan_count",
+          "health/inf_count")
 LAST = ("train/skipped_steps", "train/loss_scale", "train/lr")
 
 
@@ -41,3 +42,22 @@ class MetricBuffer:
             else:
                 out[key] = float(values.mean())
         return out
+
+
+def memory_metrics(devices: list[jax.Device] | None = None) -> dict[str, float]:
+    """Bytes in use and peak bytes in use per local device (`memory/<id>/...`), where the backend reports them.
+
+    CPU reports nothing (memory_stats() is None), so there the dict is empty.
+    """
+    out: dict[str, float] = {}
+    for d in devices if devices is not None else jax.local_devices():
+        try:
+            stats = d.memory_stats()
+        except Exception:  # some backends raise instead of returning None
+            stats = None
+        if not stats:
+            continue
+        for src, dst in (("bytes_in_use", "bytes_in_use"), ("peak_bytes_in_use", "peak_bytes_in_use")):
+            if src in stats:
+                out[f"memory/{d.id}/{dst}"] = float(stats[src])
+    return out

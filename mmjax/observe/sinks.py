@@ -1,14 +1,27 @@
-"""Where `(step, metrics)` goes: a JSONL file (the stable record) and a rich progress bar."""
+"""Where `(step, metrics)` goes: JSONL (the stable record), a rich progress bar, TensorBoard, W&B, Prometheus.
+
+`observe.sinks` picks them; `build_sinks` makes them. The optional ones import their package only when
+chosen, and a missing package is a `ConfigError` that names the extra to install (`mmjax[track]`).
+"""
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
 import math
+import re
 from pathlib import Path
 from typing import Any, Protocol
 
+import jax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from mmjax.config import Config, to_dict
+from mmjax.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
@@ -42,7 +55,7 @@ class JsonlSink:
 class ProgressSink:
     """A live progress bar for local runs; log intervals and evals print a line above it."""
 
-    KEYS = ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "time/step")
+    KEYS = ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "train/mfu", "time/step")
 
     def __init__(self, total_steps: int, start_step: int = 0, console: Console | None = None):
         self.console = console or Console()
@@ -78,3 +91,100 @@ class MetricWriter:
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+def _require(module: str, sink: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"observe.sinks includes {sink!r}, which needs the {module.split('.')[0]!r} package "
+                          f"({e}); install it with: pip install 'mmjax[track]'") from None
+
+
+class TensorBoardSink:
+    """Scalars as TensorBoard event files (tensorboardX writer; read them with `tensorboard --logdir`)."""
+
+    def __init__(self, logdir: str | Path):
+        tbx = _require("tensorboardX", "tensorboard")
+        self.logdir = Path(logdir)
+        self._writer = tbx.SummaryWriter(str(self.logdir))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self._writer.add_scalar(key, float(value), global_step=int(step))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbSink:
+    """Weights & Biases run; `observe.wandb_mode=offline` needs no network (upload later with `wandb sync`)."""
+
+    def __init__(self, directory: str | Path, project: str, mode: str, config: dict[str, Any] | None = None,
+                 name: str | None = None):
+        wandb = _require("wandb", "wandb")
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(project=project, dir=str(directory), mode=mode, config=config, name=name,
+                               reinit="finish_previous")
+        self.run_dir = Path(self._run.dir).parent if mode != "disabled" else None
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self._run.log({k: float(v) for k, v in metrics.items()}, step=int(step))
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def prometheus_name(key: str) -> str:
+    """`train/loss` -> `mmjax_train_loss` (Prometheus names allow [a-zA-Z0-9_:] only)."""
+    return "mmjax_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+class PrometheusSink:
+    """Serves the latest value of every metric at http://<addr>:<port>/metrics (`mmjax_step` = last logged step)."""
+
+    def __init__(self, port: int, addr: str = "0.0.0.0"):
+        self._prom = _require("prometheus_client", "prometheus")
+        self.registry = self._prom.CollectorRegistry()
+        self._gauges: dict[str, Any] = {}
+        self._step = self._prom.Gauge("mmjax_step", "last train step whose metrics were logged",
+                                      registry=self.registry)
+        self._server, self._thread = self._prom.start_http_server(port, addr=addr, registry=self.registry)
+        self.port = self._server.server_port
+        log.info("prometheus metrics at http://%s:%d/metrics", addr, self.port)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            gauge = self._gauges.get(key)
+            if gauge is None:
+                gauge = self._gauges[key] = self._prom.Gauge(prometheus_name(key), f"mmjax metric {key}",
+                                                             registry=self.registry)
+            gauge.set(float(value))
+        self._step.set(int(step))
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def build_sinks(cfg: Config, output_dir: Path, total_steps: int, start_step: int = 0,
+                is_main_process: bool = True) -> list[Sink]:
+    """The sinks `observe.sinks` names. Files and W&B only on process 0; each process serves its own Prometheus."""
+    o = cfg.observe
+    sinks: list[Sink] = []
+    for name in dict.fromkeys(o.sinks):  # keep order, drop repeats
+        if name == "prometheus":  # one port per process, so processes sharing a host do not collide
+            port = o.prometheus_port + jax.process_index() if o.prometheus_port else 0
+            sinks.append(PrometheusSink(port, o.prometheus_addr))
+        elif not is_main_process:
+            continue
+        elif name == "jsonl":
+            sinks.append(JsonlSink(output_dir / "metrics.jsonl"))
+        elif name == "progress" and o.progress:
+            sinks.append(ProgressSink(total_steps, start_step))
+        elif name == "tensorboard":
+            sinks.append(TensorBoardSink(o.tensorboard_dir or output_dir / "tensorboard"))
+        elif name == "wandb":
+            sinks.append(WandbSink(output_dir, o.wandb_project, o.wandb_mode, to_dict(cfg), name=output_dir.name))
+    return sinks

@@ -1,0 +1,185 @@
+"""Training throughput on synthetic batches: tokens/s, MFU, memory, compile time and a profile summary.
+
+The data pipeline is left out on purpose (it has its own benchmark): every step trains on the same
+device-resident batch of full-length rows, so the number is the train step's speed alone. MFU uses
+`mmjax.observe.flops` (6N + causal attention pairs + vision encoder), the same accounting as `train/mfu`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from mmjax.config import Config
+from mmjax.engine.feed import to_global_batch
+from mmjax.engine.init import create_train_state, model_setup
+from mmjax.engine.optimizer import learning_rate_schedule, make_optimizer
+from mmjax.engine.steps import make_train_step
+from mmjax.observe.flops import peak_flops_per_device, training_flops
+from mmjax.observe.metrics import memory_metrics
+from mmjax.observe.profile import Profiler
+from mmjax.parallel.mesh import make_mesh
+
+log = logging.getLogger(__name__)
+
+
+def synthetic_batch(cfg: Config, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Full rows of random tokens (one segment each); with a vision tower, one image per row at the start."""
+    m = cfg.model
+    s = m.max_seq_len
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, m.vocab_size - 1, (batch_size, s), dtype=np.int32)
+    batch = {
+        "tokens": tokens,
+        "targets": np.roll(tokens, -1, axis=1),
+        "loss_mask": np.ones((batch_size, s), np.float32),
+        "segment_ids": np.ones((batch_size, s), np.int32),
+        "positions": np.broadcast_to(np.arange(s, dtype=np.int32), (batch_size, s)).copy(),
+    }
+    if not m.text_only:
+        v = m.vision
+        batch["tokens"][:, 1:1 + m.image_tokens] = image_token_id(cfg)
+        batch["images"] = rng.standard_normal((batch_size, 1, v.image_size, v.image_size, v.channels), np.float32)
+        batch["image_valid"] = np.ones((batch_size, 1), bool)
+    return batch
+
+
+def image_token_id(cfg: Config) -> int:
+    return cfg.model.vocab_size - 1
+
+
+def _is_oom(e: BaseException) -> bool:
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
+def run_train_bench(cfg: Config, *, steps: int = 20, warmup: int = 3, profile_steps: int = 2,
+                    out_dir: str | Path | None = None) -> dict[str, Any]:
+    """Compile, warm up, time `steps` train steps, then profile `profile_steps` more; returns the result dict."""
+    mesh = make_mesh(cfg)
+    setup = model_setup(cfg, mesh, image_token_id=image_token_id(cfg))
+    optimizer, schedule = make_optimizer(cfg), learning_rate_schedule(cfg)
+    state, shardings = create_train_state(cfg, mesh, setup, optimizer)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    step_fn = jax.jit(make_train_step(setup.graphdef, optimizer, schedule, cfg.train.grad_accum_steps),
+                      out_shardings=(shardings, None), donate_argnums=0)
+    host = synthetic_batch(cfg, cfg.train.global_batch_size, cfg.train.seed)
+    batch = to_global_batch(host, mesh)
+
+    start = time.perf_counter()
+    compiled = step_fn.lower(state, batch).compile()
+    compile_s = time.perf_counter() - start
+    memory_analysis = None
+    try:
+        ma = compiled.memory_analysis()
+        memory_analysis = {k: int(getattr(ma, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
+                                                            "temp_size_in_bytes", "generated_code_size_in_bytes")
+                           if hasattr(ma, k)}
+    except Exception as e:  # not every backend implements it
+        log.info("memory_analysis unavailable: %s", e)
+
+    losses = []
+    for _ in range(warmup):
+        state, metrics = compiled(state, batch)
+    jax.block_until_ready(state)
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = compiled(state, batch)
+        losses.append(metrics["train/loss"])
+    jax.block_until_ready(state)
+    elapsed = time.perf_counter() - start
+    losses = [float(x) for x in jax.device_get(losses)]
+
+    step_s = elapsed / steps
+    tokens = float(np.sum(host["segment_ids"] > 0))
+    pairs = float(np.sum((host["positions"] + 1) * (host["segment_ids"] > 0)))
+    images = float(np.sum(host.get("image_valid", 0)))
+    flops = training_flops(cfg.model).step_flops(tokens, pairs, images)
+    device = jax.devices()[0]
+    peak = peak_flops_per_device(device, cfg.observe.peak_flops_per_device)
+    n_dev = mesh.devices.size
+    result: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device.device_kind, "devices": n_dev, "platform": device.platform,
+        "versions": {"jax": jax.__version__, "python": platform.python_version()},
+        "model": {"params": n_params, "text_only": cfg.model.text_only, "dim": cfg.model.text.dim,
+                  "layers": cfg.model.text.n_layers, "vocab": cfg.model.vocab_size, "remat": cfg.model.remat,
+                  "compute_dtype": cfg.model.compute_dtype, "attention_impl": cfg.model.attention_impl},
+        "batch": {"rows": cfg.train.global_batch_size, "seq_len": cfg.model.max_seq_len,
+                  "images_per_step": images, "grad_accum_steps": cfg.train.grad_accum_steps},
+        "steps_timed": steps, "warmup_steps": warmup,
+        "step_time_s": step_s,
+        "tokens_per_sec": tokens / step_s,
+        "tokens_per_sec_per_device": tokens / step_s / n_dev,
+        "model_tflop_per_step": flops / 1e12,
+        "achieved_tflops_per_device": flops / step_s / n_dev / 1e12,
+        "peak_tflops_per_device": peak / 1e12 if peak else None,
+        "mfu": flops / step_s / (n_dev * peak) if peak else None,
+        "compile_s": compile_s,
+        "compiled_memory": memory_analysis,
+        "memory": memory_metrics(),
+        "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+    }
+    if profile_steps > 0:
+        profiler = Profiler([(steps + warmup + 1, steps + warmup + profile_steps)],
+                            Path(out_dir or "/tmp/mmjax_bench") / "profile")
+        for i in range(steps + warmup + 1, steps + warmup + profile_steps + 1):
+            profiler.before_step(i, state)
+            state, metrics = compiled(state, batch)
+            summary = profiler.after_step(i, state)
+        result["profile"] = summary
+    return result
+
+
+def format_result(r: dict[str, Any]) -> str:
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+    mem = max((v for k, v in r["memory"].items() if k.endswith("peak_bytes_in_use")), default=None)
+    lines = [
+        f"device            {r['device']} x{r['devices']}",
+        f"model             {r['model']['params'] / 1e9:.3f}B params, text_only={r['model']['text_only']}, "
+        f"remat={r['model']['remat']}",
+        f"batch             {r['batch']['rows']} x {r['batch']['seq_len']}",
+        f"step time         {1e3 * r['step_time_s']:.1f} ms",
+        f"tokens/s          {r['tokens_per_sec']:,.0f}",
+        f"MFU               {mfu}  ({r['achieved_tflops_per_device']:.0f} TFLOP/s per device)",
+        f"compile           {r['compile_s']:.1f} s",
+        f"peak memory       {mem / 2**30:.1f} GiB" if mem else "peak memory       n/a",
+    ]
+    p = r.get("profile")
+    if p and p.get("devices"):
+        overlap = "n/a (no collectives)" if p["nccl_overlap_pct"] is None else f"{p['nccl_overlap_pct']:.1f}%"
+        lines.append(f"profile           compute {100 * p['compute_share']:.1f}%, communication "
+                     f"{100 * p['communication_share']:.1f}%, overlapped {100 * p['overlapped_share']:.1f}%, "
+                     f"idle {100 * p['idle_share']:.1f}%, NCCL overlap {overlap}")
+        for k in p["top_kernels"][:8]:
+            lines.append(f"  {100 * k['share']:5.1f}%  {k['count']:5d}x  {k['name'][:90]}")
+    return "\n".join(lines)
+
+
+def with_overrides(cfg: Config, **model_fields: Any) -> Config:
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model_fields))
+
+
+def run_with_remat_fallback(cfg: Config, remats: tuple[str, ...], **kwargs: Any) -> dict[str, Any]:
+    """`run_train_bench` with `model.remat` = each of `remats` in turn until one fits in device memory."""
+    errors = []
+    for remat in remats or (cfg.model.remat,):
+        try:
+            result = run_train_bench(with_overrides(cfg, remat=remat), **kwargs)
+            result["out_of_memory_with"] = errors
+            return result
+        except Exception as e:
+            if not _is_oom(e):
+                raise
+            log.warning("remat=%s does not fit in device memory; trying the next policy", remat)
+            errors.append(remat)
+            jax.clear_caches()
+    raise MemoryError(f"no remat policy of {remats} fits in device memory")
