@@ -46,8 +46,8 @@ class Trainer:
         eval_set = load_eval_examples(cfg, self.tokenizer, self.files)
         generate = make_generate_fn(self.setup.graphdef, max_new_tokens=cfg.eval.max_new_tokens,
                                     eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
-        self.evaluator = Evaluator(eval_set, self.tokenizer, generate, self.mesh, cfg.eval.batch_size,
-                                   data_parallel_size(self.mesh_sizes))
+        self.evaluator = None if eval_set is None else Evaluator(  # None: user data without data.eval_paths
+            eval_set, self.tokenizer, generate, self.mesh, cfg.eval.batch_size, data_parallel_size(self.mesh_sizes))
         n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params))
         log.info("model: %.2fM parameters; mesh %s", n_params / 1e6, self.mesh_sizes)
 
@@ -85,10 +85,11 @@ class Trainer:
                     values["train/tokens_per_sec"] = values.pop("train/tokens") / elapsed
                     values["time/step"] = elapsed / steps_done
                     values["data/wait_time"] = wait / steps_done
+                    values.update(loader.stats.interval_metrics())  # loader rate, padding, skipped
                     writer.write(step, values)
                     wait, interval_start = 0.0, time.perf_counter()
                 every = cfg.eval.every_steps
-                if (every and step % every == 0) or step == cfg.train.steps:
+                if self.evaluator is not None and ((every and step % every == 0) or step == cfg.train.steps):
                     eval_start = time.perf_counter()
                     last_eval, _ = self.evaluator.run(self.state.params)
                     last_eval["time/eval"] = time.perf_counter() - eval_start
