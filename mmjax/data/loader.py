@@ -350,19 +350,22 @@ class PackingIterator(grain.DatasetIterator):
                                 f"{self._next} (a bug; please report it with the data config)")
             self._next += 1
             self.stats.seen += 1
-            if SKIP_KEY not in ex:
+            bad = SKIP_KEY in ex
+            if bad:
+                self.stats.skipped += 1
+                self._last_skip = str(ex[SKIP_KEY])
+                log.warning("skipped bad record (%d of %d so far): %s", self.stats.skipped, self.stats.seen,
+                            self._last_skip)
+            if self.stats.skipped:
+                self._check_skips()
+            if not bad:
                 return ex
-            self.stats.skipped += 1
-            self._last_skip = str(ex[SKIP_KEY])
-            log.warning("skipped bad record (%d of %d so far): %s", self.stats.skipped, self.stats.seen,
-                        self._last_skip)
-            self._check_skips()
 
     def _check_skips(self) -> None:
         seen, skipped = self.stats.seen, self.stats.skipped
         if seen >= MIN_SEEN_FOR_SKIP_CHECK and skipped > self.max_skip_fraction * seen:
             raise DataError(f"{skipped} of the first {seen} records were bad ({skipped / seen:.1%} > "
-                            f"data.max_skip_fraction={self.max_skip_fraction}); last: {self._last_skip}. Fix the "
+                            f"data.max_skip_fraction={self.max_skip_fraction}); last: {self._last_skip or '?'}. Fix the "
                             "data (tools/prepare_data.py reports bad records) or raise data.max_skip_fraction")
 
     def _place(self, rows: list[_Row], ex: dict[str, Any]) -> bool:
