@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 1
 MIN_SEEN_FOR_SKIP_CHECK = 32  # the skip share is only judged once this many records were seen
 SKIP_KEY = "skipped"
+CHUNK = 16  # consecutive examples a worker encodes and ships at once (at most the batch rows)
 
 
 def derive_seed(seed: int, *keys: Any) -> int:
@@ -157,19 +158,69 @@ def record_order(source: RecordSource, *, seed: int, shuffle: bool, window: int)
 
 
 @dataclasses.dataclass(frozen=True)
+class PackSpec:
+    rows: int                  # rows per (process-local) batch
+    seq_len: int               # tokens per row
+    max_images: int            # image slots per row
+    image_shape: tuple[int, ...]  # [H, W, C]
+    pad_id: int
+    packing: bool = False      # False: one sequence per row
+    best_fit: bool = False
+    lookahead: int = 64        # examples held back (carried to the next batch) before a batch is closed
+
+
+SKIP_BYTES = 400  # a skip marker's message, as fixed-size bytes (so chunks stack into shared memory)
+
+
+@dataclasses.dataclass(frozen=True)
 class LoadAndEncode:
-    """(stream position, record index) -> encoded example or skip marker; runs in the workers."""
+    """(stream position, record index) -> one fixed-shape example (or skip marker); runs in the workers.
+
+    Fixed shapes (tokens padded to S, images to N slots, with their lengths) let a chunk of consecutive
+    examples be stacked by grain's batch into shared memory, so 336 px float images cross from the
+    worker processes without pickling. `unpack` turns a chunk back into variable-length examples.
+    """
 
     source: RecordSource
     encode: Callable[[dict[str, Any]], dict[str, np.ndarray]]
+    spec: PackSpec
 
-    def __call__(self, position: int, record_index: int) -> dict[str, Any]:
+    def __call__(self, position: int, record_index: int) -> dict[str, np.ndarray]:
+        spec = self.spec
+        out = {"tokens": np.full(spec.seq_len, spec.pad_id, np.int32), "length": np.int32(0),
+               "loss_mask": np.zeros(spec.seq_len, np.float32),
+               "images": np.zeros((spec.max_images, *spec.image_shape), np.float32), "num_images": np.int32(0),
+               "cache_hits": np.int32(0), "cache_queries": np.int32(0), "position": np.int64(position),
+               SKIP_KEY: np.bytes_(b"")}
         try:
-            example = self.encode(self.source.read(int(record_index)))
+            ex = self.encode(self.source.read(int(record_index)))
         except DataError as e:
-            return {SKIP_KEY: str(e), "position": np.int64(position)}
-        example["position"] = np.int64(position)
-        return example
+            out[SKIP_KEY] = np.bytes_(str(e).encode()[:SKIP_BYTES])
+            return out
+        n, k = len(ex["tokens"]), len(ex["images"])
+        out["tokens"][:n], out["loss_mask"][:n], out["images"][:k] = ex["tokens"], ex["loss_mask"], ex["images"]
+        out["length"], out["num_images"] = np.int32(n), np.int32(k)
+        out["cache_hits"], out["cache_queries"] = ex["cache_hits"], ex["cache_queries"]
+        return out
+
+
+def unpack(chunk: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    """A stacked chunk (or one example) of `LoadAndEncode` outputs -> variable-length example dicts."""
+    if np.ndim(chunk["position"]) == 0:
+        chunk = {k: np.asarray(v)[None] for k, v in chunk.items()}
+    out = []
+    for i in range(len(chunk["position"])):
+        skip = bytes(chunk[SKIP_KEY][i])
+        ex: dict[str, Any] = {"position": int(chunk["position"][i])}
+        if skip:
+            ex[SKIP_KEY] = skip.decode(errors="replace")
+        else:
+            n, k = int(chunk["length"][i]), int(chunk["num_images"][i])
+            ex.update(tokens=chunk["tokens"][i, :n], loss_mask=chunk["loss_mask"][i, :n],
+                      images=chunk["images"][i, :k], cache_hits=int(chunk["cache_hits"][i]),
+                      cache_queries=int(chunk["cache_queries"][i]))
+        out.append(ex)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -233,18 +284,6 @@ class _Row:
     items: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass(frozen=True)
-class PackSpec:
-    rows: int                  # rows per (process-local) batch
-    seq_len: int               # tokens per row
-    max_images: int            # image slots per row
-    image_shape: tuple[int, ...]  # [H, W, C]
-    pad_id: int
-    packing: bool = False      # False: one sequence per row
-    best_fit: bool = False
-    lookahead: int = 64        # examples held back (carried to the next batch) before a batch is closed
-
-
 def _fits(row: _Row, n: int, k: int) -> bool:
     return n <= row.tokens_left and k <= row.images_left
 
@@ -303,6 +342,7 @@ class PackingIterator(grain.DatasetIterator):
         self._held: list[dict[str, Any]] = []
         self._next = 0
         self._upstream = None
+        self._pending: list[dict[str, Any]] = []  # unpacked from the current chunk, in stream order
         self._min_len = spec.seq_len
         self._last_skip = ""
 
@@ -333,7 +373,7 @@ class PackingIterator(grain.DatasetIterator):
                      "(batches do not depend on the worker count)", state["num_workers"], self.num_workers)
         self._close_upstream()
         self._next = int(state["next_position"])
-        self._held = [self._fetch(int(p)) for p in state["held_positions"]]
+        self._held = [unpack(self._fetch(int(p)))[0] for p in state["held_positions"]]
         self.stats.seen, self.stats.skipped = int(state["seen"]), int(state["skipped"])
         self._min_len = int(state["min_len"])
 
@@ -342,9 +382,11 @@ class PackingIterator(grain.DatasetIterator):
     def _pull(self) -> dict[str, Any]:
         """Next non-skipped example of the stream (skip markers are counted, logged and checked)."""
         while True:
-            if self._upstream is None:
-                self._upstream = iter(self._make_upstream(self._next))
-            ex = next(self._upstream)
+            if not self._pending:
+                if self._upstream is None:
+                    self._upstream = iter(self._make_upstream(self._next))
+                self._pending = unpack(next(self._upstream))[::-1]
+            ex = self._pending.pop()
             if int(ex["position"]) != self._next:
                 raise DataError(f"loader stream out of order: got position {int(ex['position'])}, expected "
                                 f"{self._next} (a bug; please report it with the data config)")
@@ -412,6 +454,7 @@ class PackingIterator(grain.DatasetIterator):
         if close is not None:
             close()
         self._upstream = None
+        self._pending = []
 
     def close(self) -> None:
         self._close_upstream()
@@ -434,15 +477,17 @@ class PackedDataset(grain.IterDataset):
                         process_index=process_index, process_count=process_count, seed=seed)
 
     def _upstream(self, start: int) -> grain.IterDataset:
-        ds = self._encoded[start:]
-        buffer = max(2, self._prefetch) * self._spec.rows
+        """Chunks of consecutive stream positions from `start` on; a worker encodes whole chunks."""
+        chunk = min(self._spec.rows, CHUNK)
+        ds = self._encoded[start:].batch(chunk)
+        buffer = max(2, self._prefetch * self._spec.rows // chunk)
         if self._num_workers > 0:
             _ensure_absl_flags()
             it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
             init = functools.partial(seed_worker, self._kw["seed"], self._kw["process_index"])
             return it.mp_prefetch(grain.MultiprocessingOptions(
-                num_workers=self._num_workers,
-                per_worker_buffer_size=max(2, buffer // self._num_workers)), worker_init_fn=init)
+                num_workers=self._num_workers, per_worker_buffer_size=max(2, buffer // self._num_workers)),
+                worker_init_fn=init)
         return ds.to_iter_dataset(grain.ReadOptions(num_threads=2 if self._prefetch else 0,
                                                     prefetch_buffer_size=buffer if self._prefetch else 0))
 

@@ -166,9 +166,9 @@ def make_train_dataset(cfg: Config, tokenizer: Tokenizer, *, process_index: int 
     source = train_source(cfg, files)
     order = record_order(source, seed=cfg.train.seed, shuffle=d.shuffle, window=d.shuffle_window)
     encoder = ExampleEncoder.from_config(cfg, tokenizer)
-    encoded = order[process_index::process_count].map_with_index(LoadAndEncode(source, encoder.sequence))
     spec = encoder.pack_spec(gbs // process_count, packing=d.packing, best_fit=d.pack_strategy == "best_fit",
                              lookahead=d.pack_lookahead)
+    encoded = order[process_index::process_count].map_with_index(LoadAndEncode(source, encoder.sequence, spec))
     return PackedDataset(encoded, spec, num_workers=d.num_workers, prefetch=d.prefetch,
                          max_skip_fraction=d.max_skip_fraction, process_index=process_index,
                          process_count=process_count, seed=cfg.train.seed)
