@@ -507,7 +507,29 @@ def _ensure_absl_flags() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Standalone state files (the Orbax checkpoint stores the same dict as its `data` item)
+# Checkpointing the state. With Orbax, the `data` item is grain's handler:
+#   save:    ocp.args.Composite(data=grain.checkpoint.CheckpointSave(StateSnapshot(feed.loader_state)), ...)
+#   restore: ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(iter(make_train_dataset(...))), ...)
+# (DeviceFeed.loader_state is the state after the last batch the train loop took, not after the batches
+# prefetched ahead, which is what must be saved.) Without Orbax: save_data_state / load_data_state.
+
+
+class StateSnapshot(grain.DatasetIterator):
+    """A saved loader state posing as an iterator, for grain's Orbax handler (which calls get_state)."""
+
+    def __init__(self, state: dict[str, Any]):
+        super().__init__()
+        self._state = state
+
+    def __next__(self):
+        raise TypeError("StateSnapshot holds a loader state for checkpointing; it yields no batches")
+
+    def get_state(self) -> dict[str, Any]:
+        return self._state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._state = state
+
 
 
 def save_data_state(path: str | os.PathLike, iterator: Any) -> None:

@@ -94,10 +94,10 @@ class ExampleEncoder:
         if len(images) > self.max_images:
             raise DataError(f"record {rid}: {len(images)} images exceed data.max_images={self.max_images}; "
                             f"raise data.max_images to at least {len(images)}")
-        hits, queries = self.tokenizer.cache_hits, self.tokenizer.cache_queries
+        counts: dict[str, int] = {}
         try:
             ids, mask = self.tokenizer.encode_chat(conversations, self.image_tokens,
-                                                   add_generation_prompt=self.generation)
+                                                   add_generation_prompt=self.generation, cache_counts=counts)
         except DataError as e:
             raise DataError(f"record {rid}: {e}") from e
         n, s = len(ids), self.seq_len
@@ -114,8 +114,7 @@ class ExampleEncoder:
                 image = image.astype(np.uint8)
             pixels[k] = preprocess(image, self.image_size, self.mean, self.std, rid, mode=self.image_mode)
         return {"tokens": np.asarray(ids, np.int32), "loss_mask": loss_mask, "images": pixels,
-                "cache_hits": np.int32(self.tokenizer.cache_hits - hits),
-                "cache_queries": np.int32(self.tokenizer.cache_queries - queries)}
+                "cache_hits": np.int32(counts["hits"]), "cache_queries": np.int32(counts["queries"])}
 
 
 def parse_record(raw: bytes) -> dict[str, Any]:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
-
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any
 
 from mmjax.data.sources.base import RecordSource
 from mmjax.data.sources.storage import expand_paths, join_url, open_stream, parent_url, read_bytes
 from mmjax.errors import DataError
+
+if TYPE_CHECKING:
+    import pyarrow.parquet as pq
 
 SUFFIXES = (".parquet", ".pq")
 _CACHED_GROUPS = 4
@@ -49,6 +50,8 @@ class ParquetSource(RecordSource):
     def _file(self, f: int) -> pq.ParquetFile:
         handle = self._handles.get(f)
         if handle is None:
+            import pyarrow.parquet as pq  # only Parquet users need pyarrow at run time
+
             url = self.files[f]
             try:
                 handle = pq.ParquetFile(open_stream(url, self.options, cache_type="blockcache"))
