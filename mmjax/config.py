@@ -128,6 +128,8 @@ class DataConfig:
     pack_lookahead: int = 64  # examples held back while the current batch's rows still have room
     max_skip_fraction: float = 0.01  # share of bad records (skipped, counted) beyond which the run stops
     image_mode: str = "pad"  # pad (letterbox, aspect kept) | crop (resize shorter side, centre crop)
+    image_tiles: int = 0  # g >= 2: an image = a thumbnail + g x g tiles of it at g x image_size (1 + g^2 slots)
+    pad_to_multiple: int = 1  # packed sequences start at multiples of this (8/16/128: kernel block alignment)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,6 +393,11 @@ def validate(cfg: Config) -> None:
     need(d.shuffle_window >= 0, "data.shuffle_window must be >= 0 (0 = global shuffle)")
     need(d.pack_lookahead >= 0, "data.pack_lookahead must be >= 0")
     need(d.remote_cache_shards >= 1, "data.remote_cache_shards must be >= 1")
+    need(d.pad_to_multiple >= 1 and m.max_seq_len % d.pad_to_multiple == 0,
+         f"data.pad_to_multiple={d.pad_to_multiple} must be >= 1 and divide model.max_seq_len={m.max_seq_len}")
+    need(d.image_tiles == 0 or (d.image_tiles >= 2 and d.max_images >= 1 + d.image_tiles**2),
+         f"data.image_tiles={d.image_tiles} must be 0 (off) or >= 2 with data.max_images >= "
+         f"{1 + max(d.image_tiles, 2) ** 2} (a thumbnail + g x g tile slots per image)")
     sizes = dataclasses.asdict(cfg.mesh)
     need(list(sizes.values()).count(-1) <= 1,
          f"at most one mesh axis may be -1 (the rest of the devices), got {sizes}")

@@ -81,3 +81,18 @@ def _normalise(image: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarr
     out = np.multiply(image, (1.0 / (255.0 * std)).astype(np.float32), dtype=np.float32)
     out += (-mean / std).astype(np.float32)
     return out
+
+
+def tiles(image: np.ndarray, size: int, grid: int, mean: Sequence[float], std: Sequence[float],
+          record_id: str = "?", mode: str = "pad") -> np.ndarray:
+    """High-resolution mode: a thumbnail plus a `grid` x `grid` tiling of the image; [1 + grid^2, size, size, C].
+
+    The thumbnail is `preprocess(image, size)`; the tiles are row-major `size`x`size` blocks of
+    `preprocess(image, grid * size)`, so the encoder sees the image at `grid` times its resolution.
+    """
+    thumb = preprocess(image, size, mean, std, record_id, mode)
+    big = preprocess(image, grid * size, mean, std, record_id, mode)
+    c = big.shape[-1]
+    blocks = big.reshape(grid, size, grid, size, c).transpose(0, 2, 1, 3, 4).reshape(grid * grid, size, size, c)
+    return np.concatenate([thumb[None], blocks])
+

@@ -167,6 +167,11 @@ class PackSpec:
     packing: bool = False      # False: one sequence per row
     best_fit: bool = False
     lookahead: int = 64        # examples held back (carried to the next batch) before a batch is closed
+    align: int = 1             # each packed sequence takes a multiple of this many token slots
+
+    def span(self, n: int) -> int:
+        """Token slots a sequence of n tokens occupies in a row (n rounded up to `align`)."""
+        return -(-n // self.align) * self.align
 
 
 SKIP_BYTES = 400  # a skip marker's message, as fixed-size bytes (so chunks stack into shared memory)
@@ -311,7 +316,7 @@ def assemble(rows: Sequence[Sequence[dict[str, np.ndarray]]], spec: PackSpec) ->
             k = len(ex["images"])
             images[i, slot:slot + k] = ex["images"]
             image_valid[i, slot:slot + k] = True
-            at += n
+            at += spec.span(n)
             slot += k
     return {"tokens": tokens, "targets": targets, "loss_mask": loss_mask, "segment_ids": segment_ids,
             "positions": positions, "images": images, "image_valid": image_valid}
@@ -411,7 +416,7 @@ class PackingIterator(grain.DatasetIterator):
                             "data (tools/prepare_data.py reports bad records) or raise data.max_skip_fraction")
 
     def _place(self, rows: list[_Row], ex: dict[str, Any]) -> bool:
-        n, k = len(ex["tokens"]), len(ex["images"])
+        n, k = self.spec.span(len(ex["tokens"])), len(ex["images"])
         fitting = [r for r in rows if _fits(r, n, k)]
         if not fitting:
             return False
@@ -433,7 +438,7 @@ class PackingIterator(grain.DatasetIterator):
             queue = held
             while True:
                 ex = queue.pop(0) if queue else self._pull()
-                self._min_len = min(self._min_len, len(ex["tokens"]))
+                self._min_len = min(self._min_len, spec.span(len(ex["tokens"])))
                 if not self._place(rows, ex):
                     self._held.append(ex)
                 if len(self._held) > spec.lookahead or (

@@ -29,7 +29,7 @@ import numpy as np
 
 from mmjax.config import Config
 from mmjax.data.builtin.shapes import ShapesFiles, ensure_shapes_dataset
-from mmjax.data.image import decode_image, preprocess
+from mmjax.data.image import decode_image, preprocess, tiles
 from mmjax.data.loader import LoadAndEncode, PackedDataset, PackSpec, assemble, record_order
 from mmjax.data.sources import ArrayRecordSource, RecordSource, open_source, parse_json_record
 from mmjax.data.tokenizer import Tokenizer
@@ -54,20 +54,27 @@ class ExampleEncoder:
     std: tuple[float, ...]
     generation: bool = False  # prompt only (ends with <|assistant|>), for evaluation
     image_mode: str = "pad"  # pad | crop (data.image_mode)
+    image_tiles: int = 0  # data.image_tiles: 0 = one slot per image; g >= 2 = thumbnail + g x g tiles
+
+    @property
+    def slots_per_image(self) -> int:
+        return 1 + self.image_tiles**2 if self.image_tiles else 1
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Tokenizer, *, generation: bool = False) -> ExampleEncoder:
         v = cfg.model.vision
         return cls(tokenizer, cfg.model.max_seq_len, cfg.model.image_tokens, cfg.data.max_images, v.image_size,
-                   v.channels, tuple(v.mean), tuple(v.std), generation, cfg.data.image_mode)
+                   v.channels, tuple(v.mean), tuple(v.std), generation, cfg.data.image_mode, cfg.data.image_tiles)
 
     def __call__(self, raw: bytes) -> dict[str, np.ndarray]:
         return self.encode(parse_record(raw))
 
-    def pack_spec(self, rows: int, *, packing: bool = False, best_fit: bool = False, lookahead: int = 0) -> PackSpec:
+    def pack_spec(self, rows: int, *, packing: bool = False, best_fit: bool = False, lookahead: int = 0,
+                  align: int = 1) -> PackSpec:
         return PackSpec(rows=rows, seq_len=self.seq_len, max_images=self.max_images,
                         image_shape=(self.image_size, self.image_size, self.channels),
-                        pad_id=self.tokenizer.pad_id, packing=packing, best_fit=best_fit, lookahead=lookahead)
+                        pad_id=self.tokenizer.pad_id, packing=packing, best_fit=best_fit, lookahead=lookahead,
+                        align=align)
 
     def encode(self, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """One record as one padded row of the batch contract (plus `prompt_len` when generating)."""
@@ -91,12 +98,13 @@ class ExampleEncoder:
         if n_markers != len(images):
             raise DataError(f"record {rid}: {n_markers} {marker} markers but {len(images)} images; "
                             "each image needs exactly one marker in a user turn")
-        if len(images) > self.max_images:
-            raise DataError(f"record {rid}: {len(images)} images exceed data.max_images={self.max_images}; "
-                            f"raise data.max_images to at least {len(images)}")
+        slots = len(images) * self.slots_per_image
+        if slots > self.max_images:
+            raise DataError(f"record {rid}: {len(images)} images need {slots} image slots, more than "
+                            f"data.max_images={self.max_images}; raise data.max_images to at least {slots}")
         counts: dict[str, int] = {}
         try:
-            ids, mask = self.tokenizer.encode_chat(conversations, self.image_tokens,
+            ids, mask = self.tokenizer.encode_chat(conversations, self.image_tokens * self.slots_per_image,
                                                    add_generation_prompt=self.generation, cache_counts=counts)
         except DataError as e:
             raise DataError(f"record {rid}: {e}") from e
@@ -106,13 +114,18 @@ class ExampleEncoder:
                             f"to at least {n}")
         loss_mask = np.zeros(n, np.float32)
         loss_mask[: n - 1] = mask[1:]
-        pixels = np.zeros((len(images), self.image_size, self.image_size, self.channels), np.float32)
+        pixels = np.zeros((slots, self.image_size, self.image_size, self.channels), np.float32)
+        per = self.slots_per_image
         for k, data in enumerate(images):
             image = decode_image(data, rid)
             if self.channels == 1:
                 image = np.round(image.astype(np.float32) @ np.float32([0.299, 0.587, 0.114]))[..., None]
                 image = image.astype(np.uint8)
-            pixels[k] = preprocess(image, self.image_size, self.mean, self.std, rid, mode=self.image_mode)
+            if self.image_tiles:
+                pixels[k * per:(k + 1) * per] = tiles(image, self.image_size, self.image_tiles, self.mean, self.std,
+                                                      rid, mode=self.image_mode)
+            else:
+                pixels[k] = preprocess(image, self.image_size, self.mean, self.std, rid, mode=self.image_mode)
         return {"tokens": np.asarray(ids, np.int32), "loss_mask": loss_mask, "images": pixels,
                 "cache_hits": np.int32(counts["hits"]), "cache_queries": np.int32(counts["queries"])}
 
@@ -166,7 +179,7 @@ def make_train_dataset(cfg: Config, tokenizer: Tokenizer, *, process_index: int 
     order = record_order(source, seed=cfg.train.seed, shuffle=d.shuffle, window=d.shuffle_window)
     encoder = ExampleEncoder.from_config(cfg, tokenizer)
     spec = encoder.pack_spec(gbs // process_count, packing=d.packing, best_fit=d.pack_strategy == "best_fit",
-                             lookahead=d.pack_lookahead)
+                             lookahead=d.pack_lookahead, align=d.pad_to_multiple)
     encoded = order[process_index::process_count].map_with_index(LoadAndEncode(source, encoder.sequence, spec))
     return PackedDataset(encoded, spec, num_workers=d.num_workers, prefetch=d.prefetch,
                          max_skip_fraction=d.max_skip_fraction, process_index=process_index,

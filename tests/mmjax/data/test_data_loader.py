@@ -68,24 +68,26 @@ def test_resume_with_workers_is_exact(cfg, tokenizer, tmp_path):
         iter(make_train_dataset(replace(pcfg, "train", seed=5), tokenizer)).set_state(state)
 
 
-def test_packing_bounds_and_accounting(cfg, tokenizer):
-    pcfg = _packed(cfg)
-    S, N, T = pcfg.model.max_seq_len, 2, pcfg.model.image_tokens
-    it = iter(make_train_dataset(pcfg, tokenizer, ))
+@pytest.mark.parametrize("strategy,align", [("first_fit", 1), ("best_fit", 8)])
+def test_packing_bounds_and_accounting(cfg, tokenizer, strategy, align):
+    pcfg = _packed(cfg, pack_strategy=strategy, pad_to_multiple=align)
+    N, T = 2, pcfg.model.image_tokens
+    it = iter(make_train_dataset(pcfg, tokenizer))
     batches = _take(it, 6)
     multi = 0
     for batch in batches:
         for r in range(batch["tokens"].shape[0]):
             seg, pos, tok = batch["segment_ids"][r], batch["positions"][r], batch["tokens"][r]
             k = int(seg.max())
-            n = int((seg > 0).sum())
-            assert np.all(seg[:n] > 0) and np.all(seg[n:] == 0)  # segments first, then padding
+            n = int(np.flatnonzero(seg)[-1]) + 1
+            assert np.all(seg[n:] == 0)  # segments first, then padding
             assert int(batch["image_valid"][r].sum()) <= N and np.all(batch["image_valid"][r][:k])
             assert int((tok == tokenizer.image_id).sum()) == T * int(batch["image_valid"][r].sum())
             multi += k > 1
             for s in range(1, k + 1):
                 idx = np.flatnonzero(seg == s)
-                assert np.all(np.diff(idx) == 1)  # contiguous
+                assert np.all(np.diff(idx) == 1) and idx[0] % align == 0  # contiguous, aligned start
+                assert align == 1 or np.all(seg[idx[-1] + 1:-(-(idx[-1] + 1) // align) * align] == 0)
                 np.testing.assert_array_equal(pos[idx], np.arange(len(idx)))  # positions restart
                 assert tok[idx[0]] == tokenizer.bos_id and tok[idx[-1]] == tokenizer.eos_id
                 # targets stay inside the segment; its last token trains nothing
@@ -99,7 +101,7 @@ def test_packing_bounds_and_accounting(cfg, tokenizer):
     assert packed_eff > plain_eff
     m = it.stats.total_metrics()
     assert m["data/padding_share"] == pytest.approx(1 - packed_eff) and m["data/sequences_per_row"] > 1
-    # every record is used exactly once per epoch: 400 records, each starting with <bos>
+    # <bos> starts every segment and occurs nowhere else
     seen = sum(int((b["tokens"] == tokenizer.bos_id).sum()) for b in batches)
     assert seen == sum(int(b["segment_ids"].max(axis=1).sum()) for b in batches)
 
@@ -206,3 +208,42 @@ def test_grain_orbax_handler_round_trip(cfg, tokenizer, tmp_path):
     _assert_same(_take(restored, 2), expected)
     with pytest.raises(DataError, match="not an mmjax loader state"):
         restored.set_state({"next_index": 3})
+
+
+def test_image_tiles(cfg, tokenizer, shapes_files):
+    """Tiling mode: a thumbnail plus g x g tiles of the image at g x resolution, each filling T placeholders."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from mmjax.data.image import preprocess
+    from mmjax.data.pipeline import ExampleEncoder
+    from mmjax.data.sources import ArrayRecordSource
+
+    tcfg = replace(cfg, "data", image_tiles=2, max_images=5)
+    record = ArrayRecordSource(list(shapes_files.train_paths)).read(0)
+    seq = ExampleEncoder.from_config(tcfg, tokenizer).sequence(record)
+    T = cfg.model.image_tokens
+    assert seq["images"].shape == (5, 48, 48, 3)
+    assert int((seq["tokens"] == tokenizer.image_id).sum()) == 5 * T
+    image = np.asarray(Image.open(io.BytesIO(base64.b64decode(record["image"]))).convert("RGB"))
+    image = np.asarray(Image.fromarray(image).resize((72, 48)))  # non-square: letterboxed in both views
+    record = dict(record, image=None, images=[_png(image)])
+    seq = ExampleEncoder.from_config(tcfg, tokenizer).sequence(record)
+    np.testing.assert_array_equal(seq["images"][0], preprocess(image, 48, (0.5,) * 3, (0.5,) * 3))
+    big = preprocess(image, 96, (0.5,) * 3, (0.5,) * 3)
+    for t, (r, c) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)], start=1):
+        np.testing.assert_array_equal(seq["images"][t], big[r * 48:(r + 1) * 48, c * 48:(c + 1) * 48])
+    with pytest.raises(DataError, match="need 5 image slots"):
+        ExampleEncoder.from_config(replace(tcfg, "data", max_images=4), tokenizer).sequence(record)
+
+
+def _png(array):
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
