@@ -153,7 +153,7 @@ def record_order(source: RecordSource, *, seed: int, shuffle: bool, window: int)
     if not shuffle:
         return grain.MapDataset.range(n).repeat(None)
     if window <= 0:
-        return grain.MapDataset.range(n).shuffle(seed=derive_seed(seed, "records") % 2**31).repeat(None)
+        return grain.MapDataset.range(n).shuffle(seed=seed).repeat(None)  # grain reseeds every epoch
     return WindowOrder(source, window, seed)
 
 
@@ -412,8 +412,8 @@ class PackingIterator(grain.DatasetIterator):
         seen, skipped = self.stats.seen, self.stats.skipped
         if seen >= MIN_SEEN_FOR_SKIP_CHECK and skipped > self.max_skip_fraction * seen:
             raise DataError(f"{skipped} of the first {seen} records were bad ({skipped / seen:.1%} > "
-                            f"data.max_skip_fraction={self.max_skip_fraction}); last: {self._last_skip or '?'}. Fix the "
-                            "data (tools/prepare_data.py reports bad records) or raise data.max_skip_fraction")
+                            f"data.max_skip_fraction={self.max_skip_fraction}); last: {self._last_skip or '?'}. "
+                            "Fix the data (tools/prepare_data.py reports bad records) or raise data.max_skip_fraction")
 
     def _place(self, rows: list[_Row], ex: dict[str, Any]) -> bool:
         n, k = self.spec.span(len(ex["tokens"])), len(ex["images"])

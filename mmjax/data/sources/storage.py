@@ -179,7 +179,8 @@ class ShardCache:
                     dst.write(chunk)
             os.replace(tmp, path)
         except FileNotFoundError as e:
-            raise DataError(f"shard {url} does not exist (anymore); re-run tools/prepare_data.py or fix data.paths") from e
+            raise DataError(f"shard {url} does not exist (anymore); re-run tools/prepare_data.py or fix "
+                            "data.paths") from e
         finally:
             if tmp.exists():
                 tmp.unlink()

@@ -88,3 +88,20 @@ def test_prepare_round_trip_and_window_order(cfg, tokenizer, shapes_files, llava
     assert sorted(epoch0) == list(range(400)) == sorted(epoch1) and epoch0 != epoch1
     assert all(len({r // 100 for r in epoch0[w * 100:(w + 1) * 100]}) == 1 for w in range(4))
     assert derive_seed(0, "blocks", 0) != derive_seed(1, "blocks", 0)
+
+
+def test_data_config_errors():
+    from mmjax.config import load_config
+    from mmjax.data.sources import parse_storage_options
+    from mmjax.errors import ConfigError
+
+    for overrides, match in [(["data.source=llava"], "data.source=llava needs data.paths"),
+                             (["data.source=parquet", "data.paths=[x.parquet]"], "needs data.tokenizer"),
+                             (["data.source=webdataset"], "not one of builtin, arrayrecord"),
+                             (["data.pad_to_multiple=5"], "must be >= 1 and divide model.max_seq_len=64"),
+                             (["data.image_tiles=2"], "data.max_images >= 5")]:
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, overrides)
+    with pytest.raises(ConfigError, match="data.storage_options is not valid JSON"):
+        parse_storage_options("{bad")
+    assert parse_storage_options('{"endpoint_url": "http://x"}') == {"endpoint_url": "http://x"}
