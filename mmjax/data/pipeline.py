@@ -188,8 +188,21 @@ def make_train_dataset(cfg: Config, tokenizer: Tokenizer, *, process_index: int 
 
 def train_source(cfg: Config, files: ShapesFiles | DatasetFiles | None = None) -> RecordSource:
     """The training records: the built-in dataset's shards, or `data.paths` read as `data.source`."""
-    if cfg.data.source != "builtin":
-        return open_source(cfg, cfg.data.paths)
+    d = cfg.data
+    if d.source != "builtin":
+        source = open_source(cfg, d.paths)
+        if isinstance(source, ArrayRecordSource) and source.remote:
+            # the order's working set of shards must fit the local cache, or shards are fetched again and again
+            shards = len(source.block_names)
+            need = min(shards, 2 * d.shuffle_window if d.shuffle and d.shuffle_window else 2 if not d.shuffle
+                       else shards)
+            if d.remote_cache_shards < need:
+                raise ConfigError(
+                    f"remote ArrayRecord: data.remote_cache_shards={d.remote_cache_shards} cannot hold the "
+                    f"{need} shards the order reads at once ({shards} shards, data.shuffle_window="
+                    f"{d.shuffle_window}); set data.shuffle_window to at most {max(1, d.remote_cache_shards // 2)} "
+                    f"(shard-window shuffle) or data.remote_cache_shards to {need}")
+        return source
     files = files or ensure_builtin_dataset(cfg)
     return ArrayRecordSource(list(files.train_paths), key="train shards")
 

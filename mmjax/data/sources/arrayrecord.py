@@ -11,6 +11,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from array_record.python.array_record_module import ArrayRecordReader
@@ -79,11 +80,15 @@ class ArrayRecordSource(RecordSource):
             self._readers.move_to_end(block)
             return reader
         url = (urls or self.block_names)[block]
-        local = str(self.cache.get(url)) if is_remote(url) else url
-        try:
-            reader = ArrayRecordReader(local, _RANDOM_ACCESS)
-        except (RuntimeError, ValueError, OSError) as e:
-            raise DataError(f"shard {url} cannot be opened as ArrayRecord ({e})") from e
+        for attempt in range(3):  # a cached remote shard may be evicted by another worker before it opens
+            local = str(self.cache.get(url)) if is_remote(url) else url
+            try:
+                reader = ArrayRecordReader(local, _RANDOM_ACCESS)
+                break
+            except (RuntimeError, ValueError, OSError) as e:
+                if is_remote(url) and not Path(local).exists() and attempt < 2:
+                    continue
+                raise DataError(f"shard {url} cannot be opened as ArrayRecord ({e})") from e
         self._readers[block] = reader
         while len(self._readers) > _OPEN_READERS:
             self._readers.popitem(last=False)[1].close()
@@ -92,6 +97,10 @@ class ArrayRecordSource(RecordSource):
     def _read(self, block: int, position: int) -> dict[str, Any]:
         (raw,) = self._open(block).read([position])
         return parse_json_record(raw, f"{self.block_names[block].rsplit('/', 1)[-1]}#{position}")
+
+    @property
+    def remote(self) -> bool:
+        return any(is_remote(u) for u in self.block_names)
 
     def prefetch_blocks(self, blocks: Sequence[int]) -> None:
         urls = [self.block_names[b] for b in blocks if is_remote(self.block_names[b])]

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +26,7 @@ from mmjax.errors import ConfigError, DataError
 log = logging.getLogger(__name__)
 
 READ_BLOCK = 8 << 20  # bytes per ranged request / read-ahead window
+LOCK_STALE_S = 120.0  # a shard download lock not refreshed for this long belongs to a dead process
 _GLOB_CHARS = "*?["
 
 
@@ -149,9 +151,11 @@ class ShardCache:
     def get(self, url: str) -> Path:
         """Local copy of `url`, downloading it (or waiting for its prefetch) if needed."""
         path = self.local_path(url)
-        if path.is_file():
+        try:
             os.utime(path)  # most recently used
             return path
+        except FileNotFoundError:
+            pass
         with self._lock:
             future = self._pending.get(url)
         if future is not None:
@@ -170,26 +174,50 @@ class ShardCache:
                     self._pending[url] = self._pool.submit(self._download, url)
 
     def _download(self, url: str) -> Path:
+        """Download `url` once per host: worker processes that want the same shard wait for one download
+        (an exclusive lock file, refreshed while downloading and taken over when stale)."""
         path = self.local_path(url)
         path.parent.mkdir(parents=True, exist_ok=True)
+        lock = path.with_name(f".{path.name}.lock")
+        while True:
+            if path.is_file():
+                return path
+            try:
+                os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                break
+            except FileExistsError:
+                try:
+                    if time.time() - lock.stat().st_mtime > LOCK_STALE_S:  # its downloader died
+                        lock.unlink(missing_ok=True)
+                except FileNotFoundError:
+                    pass
+                time.sleep(0.05)
         tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
             with open_stream(url, self.options) as src, open(tmp, "wb") as dst:
                 while chunk := src.read(READ_BLOCK):
                     dst.write(chunk)
+                    os.utime(lock)
             os.replace(tmp, path)
         except FileNotFoundError as e:
             raise DataError(f"shard {url} does not exist (anymore); re-run tools/prepare_data.py or fix "
                             "data.paths") from e
         finally:
+            lock.unlink(missing_ok=True)
             if tmp.exists():
                 tmp.unlink()
         self._evict(keep=path)
         return path
 
     def _evict(self, keep: Path) -> None:
-        files = sorted((p for p in self.root.iterdir() if p.is_file() and not p.name.startswith(".")),
-                       key=lambda p: p.stat().st_mtime)
+        files = []
+        for p in self.root.iterdir():
+            try:
+                if not p.name.startswith("."):
+                    files.append((p.stat().st_mtime, p))
+            except FileNotFoundError:  # evicted by another process meanwhile
+                pass
+        files = [p for _, p in sorted(files)]
         for old in files[: max(0, len(files) - self.capacity)]:
             if old != keep:
                 old.unlink(missing_ok=True)  # readers holding it open keep reading (POSIX)

@@ -1,5 +1,6 @@
 """Object storage: shards on an S3-compatible server (moto, loopback) stream into the same batches."""
 
+import dataclasses
 import json
 import socket
 
@@ -9,6 +10,7 @@ import pytest
 from mmjax.data.pipeline import make_train_dataset
 from mmjax.data.prepare import prepare_dataset
 from mmjax.data.sources import open_source
+from mmjax.errors import ConfigError
 
 s3fs = pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -58,7 +60,10 @@ def test_s3_shards_stream_like_local(cfg, tokenizer, shapes_files, llava_export,
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("mmjax-test/shapes")) == [
         "manifest.json", *[f"train-{i:05d}-of-00004.array_record" for i in range(4)]]
     remote = user_config(cfg, "arrayrecord", ["s3://mmjax-test/shapes"], shapes_files.tokenizer_path,
-                         storage_options=opts, cache_dir=str(tmp_path / "cache"), remote_cache_shards=2)
+                         storage_options=opts, cache_dir=str(tmp_path / "cache"), remote_cache_shards=4)
+    with pytest.raises(ConfigError, match="set data.shuffle_window to at most 1"):  # global shuffle would thrash
+        make_train_dataset(dataclasses.replace(remote, data=dataclasses.replace(remote.data, remote_cache_shards=2)),
+                           tokenizer)
     builtin, _ = _take(make_train_dataset(cfg, tokenizer), 3)
     got, _ = _take(make_train_dataset(remote, tokenizer), 3)
     _assert_same(got, builtin)
@@ -81,3 +86,32 @@ def test_s3_shards_stream_like_local(cfg, tokenizer, shapes_files, llava_export,
                        storage_options=opts, cache_dir=str(tmp_path / "cache3"))
     got, _ = _take(make_train_dataset(lcfg, tokenizer), 2)
     _assert_same(got, builtin[:2])
+
+
+def test_shard_cache_downloads_once_and_stays_bounded(s3, tmp_path, monkeypatch):
+    """Workers wanting the same remote shard share one download; the cache keeps `capacity` shards."""
+    import threading
+
+    from mmjax.data.sources import storage
+
+    fs = s3fs.S3FileSystem(**s3)
+    for i in range(3):
+        fs.pipe_file(f"mmjax-test/cache/shard-{i}", bytes([i]) * (3 << 20))
+    calls = []
+    real = storage.open_stream
+    monkeypatch.setattr(storage, "open_stream", lambda url, *a, **k: calls.append(url) or real(url, *a, **k))
+    caches = [storage.ShardCache(str(tmp_path), s3, capacity=2) for _ in range(4)]  # one per "worker"
+    url = "s3://mmjax-test/cache/shard-0"
+    paths = []
+    threads = [threading.Thread(target=lambda c=c: paths.append(c.get(url))) for c in caches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == [url] and len(set(paths)) == 1 and paths[0].read_bytes() == bytes([0]) * (3 << 20)
+    caches[0].prefetch(["s3://mmjax-test/cache/shard-1"])
+    caches[1].get("s3://mmjax-test/cache/shard-1")
+    caches[2].get("s3://mmjax-test/cache/shard-2")
+    assert len(calls) == 3
+    kept = sorted(p.name.split("-", 1)[1] for p in (tmp_path / "remote").iterdir() if not p.name.startswith("."))
+    assert kept == ["shard-1", "shard-2"]  # least recently used evicted
