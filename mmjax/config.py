@@ -376,7 +376,7 @@ def validate(cfg: Config) -> None:
     need(cfg.train.global_batch_size % cfg.train.grad_accum_steps == 0,
          f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
          f"train.grad_accum_steps={cfg.train.grad_accum_steps}")
-    need(cfg.eval.num_examples <= cfg.data.num_eval,
+    need(cfg.data.source != "builtin" or cfg.eval.num_examples <= cfg.data.num_eval,
          f"eval.num_examples={cfg.eval.num_examples} exceeds data.num_eval={cfg.data.num_eval}")
     need(cfg.data.num_workers >= 0, "data.num_workers must be >= 0")
     d = cfg.data
