@@ -25,8 +25,8 @@ import numpy as np
 from mmjax.data.sources.arrayrecord import parse_json_record
 from mmjax.data.sources.base import RecordSource
 from mmjax.data.sources.parquet import read_image_file
-from mmjax.data.sources.storage import (READ_BLOCK, expand_paths, file_fingerprint, join_url, open_stream,
-                                        parent_url)
+from mmjax.data.sources.storage import (READ_BLOCK, OpenFiles, expand_paths, file_fingerprint, join_url,
+                                        open_stream, parent_url)
 from mmjax.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -97,11 +97,11 @@ class LlavaSource(RecordSource):
         self.files = expand_paths(paths, self.options, SUFFIXES, key)
         self.image_root = image_root
         self.spans = [self._index(url, Path(cache_dir).expanduser() / "index") for url in self.files]
-        self._streams: dict[int, Any] = {}
+        self._streams = OpenFiles(self._open_file)
         self._init_blocks(self.files, [len(s) for s in self.spans])
 
-    def __getstate__(self) -> dict[str, Any]:  # open streams are per process
-        return {**self.__dict__, "_streams": {}}
+    def _open_file(self, block: int):
+        return open_stream(self.files[block], self.options, cache_type="blockcache")
 
     def _index(self, url: str, index_dir: Path) -> np.ndarray:
         cached = index_dir / f"{file_fingerprint(url, self.options)}.npy"
@@ -120,8 +120,6 @@ class LlavaSource(RecordSource):
         url = self.files[block]
         start, end = (int(x) for x in self.spans[block][position])
         stream = self._streams.get(block)
-        if stream is None:
-            stream = self._streams[block] = open_stream(url, self.options, cache_type="blockcache")
         stream.seek(start)
         where = f"{url.rsplit('/', 1)[-1]}#{position}"
         record = parse_json_record(stream.read(end - start), where)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mmjax.data.sources.base import RecordSource
-from mmjax.data.sources.storage import expand_paths, join_url, open_stream, parent_url, read_bytes
+from mmjax.data.sources.storage import OpenFiles, expand_paths, join_url, open_stream, parent_url, read_bytes
 from mmjax.errors import DataError
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ class ParquetSource(RecordSource):
         self.options = dict(options or {})
         self.files = expand_paths(paths, self.options, SUFFIXES, key)
         self.image_root = image_root
-        self._handles: dict[int, pq.ParquetFile] = {}
+        self._handles = OpenFiles(self._open_file)
         self._tables: OrderedDict[int, list[dict[str, Any]]] = OrderedDict()
         names, sizes, self._groups = [], [], []
         for f, url in enumerate(self.files):
@@ -44,21 +44,20 @@ class ParquetSource(RecordSource):
         self._init_blocks(names, sizes)
         self._handles.clear()
 
-    def __getstate__(self) -> dict[str, Any]:  # open files and decoded row groups are per process
-        return {**self.__dict__, "_handles": {}, "_tables": OrderedDict()}
+    def __getstate__(self) -> dict[str, Any]:  # decoded row groups are per process
+        return {**self.__dict__, "_tables": OrderedDict()}
+
+    def _open_file(self, f: int) -> pq.ParquetFile:
+        import pyarrow.parquet as pq  # only Parquet users need pyarrow at run time
+
+        url = self.files[f]
+        try:
+            return pq.ParquetFile(open_stream(url, self.options, cache_type="blockcache"))
+        except (OSError, ValueError) as e:  # pyarrow raises ArrowInvalid (a ValueError) for non-Parquet
+            raise DataError(f"{url} cannot be read as Parquet ({e})") from e
 
     def _file(self, f: int) -> pq.ParquetFile:
-        handle = self._handles.get(f)
-        if handle is None:
-            import pyarrow.parquet as pq  # only Parquet users need pyarrow at run time
-
-            url = self.files[f]
-            try:
-                handle = pq.ParquetFile(open_stream(url, self.options, cache_type="blockcache"))
-            except (OSError, ValueError) as e:  # pyarrow raises ArrowInvalid (a ValueError) for non-Parquet
-                raise DataError(f"{url} cannot be read as Parquet ({e})") from e
-            self._handles[f] = handle
-        return handle
+        return self._handles.get(f)
 
     def _rows(self, block: int) -> list[dict[str, Any]]:
         rows = self._tables.get(block)

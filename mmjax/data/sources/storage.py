@@ -14,7 +14,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,37 @@ def open_stream(url: str, options: dict[str, Any], cache_type: str = "readahead"
     if is_remote(url):
         return fs.open(path, "rb", block_size=READ_BLOCK, cache_type=cache_type)
     return fs.open(path, "rb")
+
+
+class OpenFiles:
+    """At most `limit` open file objects, least recently used closed first (a dataset may have 1000s of files)."""
+
+    def __init__(self, opener: Callable[[int], Any], limit: int = 16):
+        self._opener = opener
+        self._limit = limit
+        self._open: OrderedDict[int, Any] = OrderedDict()
+
+    def __getstate__(self) -> dict[str, Any]:  # open files are per process
+        return {"_opener": self._opener, "_limit": self._limit, "_open": OrderedDict()}
+
+    def get(self, key: int) -> Any:
+        handle = self._open.get(key)
+        if handle is None:
+            handle = self._open[key] = self._opener(key)
+            while len(self._open) > self._limit:
+                old = self._open.popitem(last=False)[1]
+                close = getattr(old, "close", None)
+                if close is not None:
+                    close()
+        else:
+            self._open.move_to_end(key)
+        return handle
+
+    def clear(self) -> None:
+        while self._open:
+            old = self._open.popitem()[1]
+            if hasattr(old, "close"):
+                old.close()
 
 
 def read_bytes(url: str, options: dict[str, Any]) -> bytes:
