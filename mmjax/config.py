@@ -116,6 +116,21 @@ class DataConfig:
     shuffle: bool = True
     num_workers: int = 0  # Grain worker processes; 0 = in-process
     prefetch: int = 2  # batches buffered ahead of the train loop
+    # -- user datasets and loader behaviour (mmjax/data/sources, mmjax/data/loader.py) --
+    source: str = "builtin"  # builtin (data.dataset) | arrayrecord | parquet | llava (JSON/JSONL + images)
+    paths: tuple[str, ...] = ()  # train files, directories or globs; local paths or fsspec URLs (s3://, gs://, ...)
+    eval_paths: tuple[str, ...] = ()  # held-out records for generation eval (same format); empty = no eval
+    image_root: str = ""  # llava/parquet: base URL of relative image paths (default: beside the JSON file)
+    storage_options: str = ""  # JSON object passed to fsspec, e.g. {"endpoint_url": "http://127.0.0.1:9000"}
+    shuffle_window: int = 0  # 0 = global shuffle; k > 0 = shuffle shard order + records within k shards
+    remote_cache_shards: int = 8  # remote ArrayRecord shards kept in the local cache (per host)
+    packing: bool = False  # first-fit pack several sequences per row (segment_ids 1..k)
+    pack_strategy: str = "first_fit"  # first_fit | best_fit
+    pack_lookahead: int = 64  # examples held back while the current batch's rows still have room
+    max_skip_fraction: float = 0.01  # share of bad records (skipped, counted) beyond which the run stops
+    image_mode: str = "pad"  # pad (letterbox, aspect kept) | crop (resize shorter side, centre crop)
+    image_tiles: int = 0  # g >= 2: an image = a thumbnail + g x g tiles of it at g x image_size (1 + g^2 slots)
+    pad_to_multiple: int = 1  # packed sequences start at multiples of this (8/16/128: kernel block alignment)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,9 +405,28 @@ def validate(cfg: Config) -> None:
     need(cfg.train.global_batch_size % cfg.train.grad_accum_steps == 0,
          f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
          f"train.grad_accum_steps={cfg.train.grad_accum_steps}")
-    need(cfg.eval.num_examples <= cfg.data.num_eval,
+    need(cfg.data.source != "builtin" or cfg.eval.num_examples <= cfg.data.num_eval,
          f"eval.num_examples={cfg.eval.num_examples} exceeds data.num_eval={cfg.data.num_eval}")
     need(cfg.data.num_workers >= 0, "data.num_workers must be >= 0")
+    d = cfg.data
+    need(d.source in ("builtin", "arrayrecord", "parquet", "llava"),
+         f"data.source={d.source!r} is not one of builtin, arrayrecord, parquet, llava")
+    need(d.source == "builtin" or bool(d.paths),
+         f"data.source={d.source} needs data.paths (files, directories, globs or fsspec URLs)")
+    need(d.source == "builtin" or bool(d.tokenizer),
+         f"data.source={d.source} needs data.tokenizer (path to the model's tokenizer.json)")
+    need(d.pack_strategy in ("first_fit", "best_fit"),
+         f"data.pack_strategy={d.pack_strategy!r} is not one of first_fit, best_fit")
+    need(d.image_mode in ("pad", "crop"), f"data.image_mode={d.image_mode!r} is not one of pad, crop")
+    need(0.0 <= d.max_skip_fraction <= 1.0, "data.max_skip_fraction must be within [0, 1]")
+    need(d.shuffle_window >= 0, "data.shuffle_window must be >= 0 (0 = global shuffle)")
+    need(d.pack_lookahead >= 0, "data.pack_lookahead must be >= 0")
+    need(d.remote_cache_shards >= 1, "data.remote_cache_shards must be >= 1")
+    need(d.pad_to_multiple >= 1 and m.max_seq_len % d.pad_to_multiple == 0,
+         f"data.pad_to_multiple={d.pad_to_multiple} must be >= 1 and divide model.max_seq_len={m.max_seq_len}")
+    need(d.image_tiles == 0 or (d.image_tiles >= 2 and d.max_images >= 1 + d.image_tiles**2),
+         f"data.image_tiles={d.image_tiles} must be 0 (off) or >= 2 with data.max_images >= "
+         f"{1 + max(d.image_tiles, 2) ** 2} (a thumbnail + g x g tile slots per image)")
     sizes = dataclasses.asdict(cfg.mesh)
     need(list(sizes.values()).count(-1) <= 1,
          f"at most one mesh axis may be -1 (the rest of the devices), got {sizes}")

@@ -28,11 +28,12 @@ def decode_image(data: bytes, record_id: str = "?") -> np.ndarray:
 
 
 def preprocess(image: np.ndarray, size: int, mean: Sequence[float], std: Sequence[float],
-               record_id: str = "?") -> np.ndarray:
-    """Resize keeping the aspect ratio (longer side = `size`), pad centred to `size`x`size`, normalise.
+               record_id: str = "?", mode: str = "pad") -> np.ndarray:
+    """Resize keeping the aspect ratio to `size`x`size` and normalise; float32 [size, size, C].
 
-    Returns float32 [size, size, C] = (pixel / 255 - mean) / std. Padding is the mean colour, so padded
-    pixels are exactly 0 after normalisation (as in LLaVA's "pad" aspect mode).
+    mode "pad": longer side = `size`, padded centred with the mean colour, so padded pixels are exactly 0
+    after normalisation (LLaVA's "pad" aspect mode). mode "crop": shorter side = `size`, centre crop
+    (CLIP's processor). Values are (pixel / 255 - mean) / std.
     """
     if image.ndim == 2:
         image = image[:, :, None]
@@ -42,13 +43,19 @@ def preprocess(image: np.ndarray, size: int, mean: Sequence[float], std: Sequenc
     if c != mean.shape[0] or c != std.shape[0]:
         raise DataError(f"record {record_id}: image has {c} channels but mean/std have "
                         f"{mean.shape[0]}/{std.shape[0]}; set model.vision.channels/mean/std to match")
+    if mode == "crop" and (h, w) != (size, size):
+        scale = size / min(h, w)
+        nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
+        image = _resize(image, nh, nw)
+        top, left = (nh - size) // 2, (nw - size) // 2
+        return _normalise(image[top:top + size, left:left + size], mean, std)
+    if mode not in ("pad", "crop"):
+        raise DataError(f"image mode {mode!r} is not one of pad, crop (data.image_mode)")
     if (h, w) != (size, size):
         scale = size / max(h, w)
         nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
         if (nh, nw) != (h, w):
-            pil = Image.fromarray(image[:, :, 0] if c == 1 else image)
-            resized = np.asarray(pil.resize((nw, nh), Image.Resampling.BICUBIC), np.uint8)
-            image = resized.reshape(nh, nw, c)
+            image = _resize(image, nh, nw)
         pad_value = np.clip(np.round(mean * 255.0), 0, 255).astype(np.uint8)
         canvas = np.empty((size, size, c), np.uint8)
         canvas[...] = pad_value
@@ -63,8 +70,29 @@ def preprocess(image: np.ndarray, size: int, mean: Sequence[float], std: Sequenc
     return _normalise(image, mean, std)
 
 
+def _resize(image: np.ndarray, nh: int, nw: int) -> np.ndarray:
+    c = image.shape[2]
+    pil = Image.fromarray(image[:, :, 0] if c == 1 else image)
+    return np.asarray(pil.resize((nw, nh), Image.Resampling.BICUBIC), np.uint8).reshape(nh, nw, c)
+
+
 def _normalise(image: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
     """(image / 255 - mean) / std as one multiply-add pass in float32."""
     out = np.multiply(image, (1.0 / (255.0 * std)).astype(np.float32), dtype=np.float32)
     out += (-mean / std).astype(np.float32)
     return out
+
+
+def tiles(image: np.ndarray, size: int, grid: int, mean: Sequence[float], std: Sequence[float],
+          record_id: str = "?", mode: str = "pad") -> np.ndarray:
+    """High-resolution mode: a thumbnail plus a `grid` x `grid` tiling of the image; [1 + grid^2, size, size, C].
+
+    The thumbnail is `preprocess(image, size)`; the tiles are row-major `size`x`size` blocks of
+    `preprocess(image, grid * size)`, so the encoder sees the image at `grid` times its resolution.
+    """
+    thumb = preprocess(image, size, mean, std, record_id, mode)
+    big = preprocess(image, grid * size, mean, std, record_id, mode)
+    c = big.shape[-1]
+    blocks = big.reshape(grid, size, grid, size, c).transpose(0, 2, 1, 3, 4).reshape(grid * grid, size, size, c)
+    return np.concatenate([thumb[None], blocks])
+

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ SPECIAL_TOKENS: dict[str, str] = {
 }
 
 CONFIG_FILE = "tokenizer_config.json"
+TURN_CACHE_SIZE = 16384  # cached turn encodings per process
 TOKENIZER_FILE = "tokenizer.json"
 
 # Same template as Tokenizer.encode_chat, for tools that render chats as text (informational).
@@ -104,6 +107,12 @@ class Tokenizer:
                 )
             self._ids[role] = tid
         self._special_ids = frozenset(self._ids.values())
+        # Turn cache: (role, content) -> (ids, mask). Turns are tokenized independently, so a repeated turn
+        # (a shared system prompt, a templated question) is an exact hit. Per process; LRU-bounded.
+        self._turn_cache: OrderedDict[tuple[str, str, int], tuple[list[int], list[int]]] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self.cache_hits = 0
+        self.cache_queries = 0
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -196,37 +205,62 @@ class Tokenizer:
         return self._tok.decode([i for i in ids if i not in self._special_ids], skip_special_tokens=True)
 
     def encode_chat(self, conversations: Sequence[Mapping[str, Any]], image_tokens: int, *,
-                    add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+                    add_generation_prompt: bool = False,
+                    cache_counts: dict[str, int] | None = None) -> tuple[list[int], list[int]]:
         """Token ids and loss mask (1 = assistant content and its eos) of a conversation.
 
         Turns are `{"role": "user"|"assistant", "content": str}` (LLaVA's `{"from": "human"|"gpt",
         "value": str}` works too). With `add_generation_prompt` a trailing assistant turn is dropped and
-        the ids end with `<|assistant|>`, ready for generation.
+        the ids end with `<|assistant|>`, ready for generation. `cache_counts` (if given) receives this
+        call's turn-cache "hits" and "queries".
         """
         turns = [_turn(t, i) for i, t in enumerate(conversations)]
         if add_generation_prompt and turns and turns[-1][0] == "assistant":
             turns = turns[:-1]
         ids = [self.bos_id]
         mask = [0]
+        hits = 0
         for role, content in turns:
-            if role == "user":
-                ids.append(self.user_id)
-                pieces = content.split(self._image_marker)
-                for k, piece in enumerate(pieces):
-                    if k:
-                        ids.extend([self.image_id] * image_tokens)
-                    ids.extend(self.encode(piece))
-                mask.extend([0] * (len(ids) - len(mask)))
-            else:
-                ids.append(self.assistant_id)
-                mask.append(0)
-                answer = self.encode(content) + [self.eos_id]
-                ids.extend(answer)
-                mask.extend([1] * len(answer))
+            turn_ids, turn_mask, hit = self._encode_turn(role, content, image_tokens)
+            hits += hit
+            ids.extend(turn_ids)
+            mask.extend(turn_mask)
         if add_generation_prompt:
             ids.append(self.assistant_id)
             mask.append(0)
+        if cache_counts is not None:
+            cache_counts["hits"] = cache_counts.get("hits", 0) + hits
+            cache_counts["queries"] = cache_counts.get("queries", 0) + len(turns)
         return ids, mask
+
+    def _encode_turn(self, role: str, content: str, image_tokens: int) -> tuple[list[int], list[int], bool]:
+        key = (role, content, image_tokens)
+        with self._cache_lock:  # the in-process loader encodes from two threads
+            self.cache_queries += 1
+            cached = self._turn_cache.get(key)
+            if cached is not None:
+                self.cache_hits += 1
+                self._turn_cache.move_to_end(key)
+                return (*cached, True)
+        if role == "user":
+            ids = [self.user_id]
+            for k, piece in enumerate(content.split(self._image_marker)):
+                if k:
+                    ids.extend([self.image_id] * image_tokens)
+                ids.extend(self.encode(piece))
+            mask = [0] * len(ids)
+        else:
+            answer = self.encode(content) + [self.eos_id]
+            ids, mask = [self.assistant_id, *answer], [0] + [1] * len(answer)
+        with self._cache_lock:
+            self._turn_cache[key] = (ids, mask)
+            if len(self._turn_cache) > TURN_CACHE_SIZE:
+                self._turn_cache.popitem(last=False)
+        return ids, mask, False
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cache_hits / self.cache_queries if self.cache_queries else 0.0
 
 
 def _turn(turn: Any, index: int) -> tuple[str, str]:

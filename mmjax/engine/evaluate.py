@@ -32,7 +32,7 @@ def exact_match_scores(predictions: list[str], answers: list[str], qtypes: list[
     by_type: dict[str, list[bool]] = collections.defaultdict(list)
     for hit, qtype in zip(hits, qtypes):
         by_type[qtype].append(hit)
-    for qtype in sorted(by_type):
+    for qtype in sorted(by_type.keys() - {""}):  # user datasets have no question types
         out[f"eval/exact_match/{qtype}"] = float(np.mean(by_type[qtype]))
     return out
 

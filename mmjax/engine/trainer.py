@@ -53,8 +53,8 @@ class Trainer:
         eval_set = load_eval_examples(cfg, self.tokenizer, self.files)
         generate = make_generate_fn(self.setup.graphdef, max_new_tokens=cfg.eval.max_new_tokens,
                                     eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
-        self.evaluator = Evaluator(eval_set, self.tokenizer, generate, self.mesh, cfg.eval.batch_size,
-                                   data_parallel_size(self.mesh_sizes))
+        self.evaluator = None if eval_set is None else Evaluator(  # None: user data without data.eval_paths
+            eval_set, self.tokenizer, generate, self.mesh, cfg.eval.batch_size, data_parallel_size(self.mesh_sizes))
         n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params))
         log.info("model: %.2fM parameters; mesh %s", n_params / 1e6, self.mesh_sizes)
         self.monitor.idle()
@@ -86,9 +86,10 @@ class Trainer:
                 self.state, metrics = train_step(self.state, batch)
                 monitor.after_step(step, self.state, metrics)
                 if step % cfg.observe.log_every == 0 or step == cfg.train.steps:
-                    monitor.log(step, self.state)  # the only host sync of the interval
+                    # the only host sync of the interval; the loader adds its rate, padding and skips
+                    monitor.log(step, self.state, extra=loader.stats.interval_metrics())
                 every = cfg.eval.every_steps
-                if (every and step % every == 0) or step == cfg.train.steps:
+                if self.evaluator is not None and ((every and step % every == 0) or step == cfg.train.steps):
                     with monitor.excluded("the evaluation to finish"):  # eval time is not train step time
                         eval_start = time.perf_counter()
                         last_eval, _ = self.evaluator.run(self.state.params)

@@ -139,8 +139,10 @@ class TrainMonitor:
 
     # -- log intervals ----------------------------------------------------------------------------
 
-    def log(self, step: int, state: Any = None, check_health: bool = True) -> dict[str, float]:
-        """Fetch the interval's metrics (the only host sync), add the derived ones, write every sink."""
+    def log(self, step: int, state: Any = None, check_health: bool = True,
+            extra: dict[str, float] | None = None) -> dict[str, float]:
+        """Fetch the interval's metrics (the only host sync), add the derived ones and `extra` (host-side
+        numbers such as the loader's), write every sink."""
         steps = len(self.buffer)
         values = self.buffer.flush()
         elapsed = max(time.perf_counter() - self._interval_start - self._excluded, 1e-9)
@@ -157,6 +159,7 @@ class TrainMonitor:
         if self._fills:
             values["data/buffer_fill"] = self._fill / self._fills
         values.update(memory_metrics())
+        values.update(extra or {})
         self.write(step, values)
         self.watchdog.beat()
         self._reset_interval()
