@@ -44,14 +44,18 @@ _BIG = 2 ** 30
 class FlashConfig:
     """Tile sizes and Triton launch parameters (all block sizes powers of two, >= 16)."""
 
+    # Defaults from the sweep on an H200 (docs/perf/results/attention-sweep-2026-12-03.json, D=128 bf16):
+    # forward 128x128/8 warps/3 stages 356 TFLOP/s (128x64: 334); backward 64x64/4 warps: fwd+bwd 262
+    # TFLOP/s, whereas Triton's tutorial tiles (dKV 32x128, dQ 128x32) spill the 128x128 fp32
+    # accumulators and ran at 51.
     block_q: int = 128
-    block_k: int = 64
+    block_k: int = 128
     num_warps: int = 8
     num_stages: int = 3
-    dkv_block_q: int = 32
-    dkv_block_k: int = 128
-    dq_block_q: int = 128
-    dq_block_k: int = 32
+    dkv_block_q: int = 64
+    dkv_block_k: int = 64
+    dq_block_q: int = 64
+    dq_block_k: int = 64
     bwd_num_warps: int = 4
     bwd_num_stages: int = 3
     interpret: bool | None = None  # None: interpret when compiled for CPU
@@ -69,7 +73,7 @@ class FlashConfig:
 
 
 def default_config(head_dim: int) -> FlashConfig:
-    if head_dim <= 64:
+    if head_dim <= 64:  # half the registers per row: smaller key tiles, fewer warps (not swept)
         return FlashConfig(block_q=128, block_k=64, num_warps=4, num_stages=3)
     return FlashConfig()
 
