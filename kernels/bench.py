@@ -8,6 +8,7 @@ bound ops) or GB/s (memory bound ops) and the fraction of the ceilings measured 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Callable
@@ -152,3 +153,226 @@ def _torch_sdpa(rows, b, s, h, d, shape, fwd_flops):
         torch.cuda.empty_cache()
     except Exception as e:  # noqa: BLE001
         rows.append(Row("attention_fwd", "torch_sdpa", shape, None, note=f"skipped: {e}"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory-bound ops
+
+
+def bench_copy(rows: list, n=32768, e=4096, dtype=jnp.bfloat16) -> float | None:
+    """The measured ceiling: x + 1 (one read, one write) at the size used for the row kernels."""
+    x = jnp.ones((n, e), dtype)
+    f = jax.jit(lambda x: x + jnp.asarray(1, dtype))
+    nbytes = 2 * x.size * x.dtype.itemsize
+    s = _run(rows, "copy", "xla", f"[{n},{e}] {jnp.dtype(dtype).name}", f, (x,), nbytes=nbytes,
+             note="x + 1: the measured copy ceiling")
+    return None if s is None else nbytes / s / 1e9
+
+
+def bench_norms(rows: list, n=32768, e=4096, dtype=jnp.bfloat16, impls=("pallas", "xla")):
+    import kernels
+    key = jax.random.PRNGKey(1)
+    x = jax.random.normal(key, (n, e), dtype)
+    r = jax.random.normal(jax.random.PRNGKey(2), (n, e), dtype)
+    scale, bias = jnp.ones((e,), jnp.float32), jnp.zeros((e,), jnp.float32)
+    b = x.size * x.dtype.itemsize
+    shape = f"[{n},{e}] {jnp.dtype(dtype).name}"
+    for impl in impls:
+        rms = lambda x: kernels.rms_norm(x, scale, eps=1e-5, impl=impl)
+        _run(rows, "rms_norm_fwd", impl, shape, jax.jit(rms), (x,), nbytes=2 * b)
+        g = jax.jit(jax.grad(lambda x, s: jnp.sum(kernels.rms_norm(x, s, eps=1e-5, impl=impl).astype(jnp.float32)),
+                             argnums=(0, 1)))
+        # fwd reads x, writes y; bwd reads x and dy, writes dx (dscale partials are negligible)
+        _run(rows, "rms_norm_fwd_bwd", impl, shape, g, (x, scale), nbytes=5 * b)
+        res = jax.jit(lambda x, r: kernels.rms_norm(x, scale, eps=1e-5, residual=r, impl=impl))
+        _run(rows, "add_rms_norm_fwd", impl, shape, res, (x, r), nbytes=4 * b)
+        ln = jax.jit(lambda x: kernels.layer_norm(x, scale, bias, eps=1e-5, impl=impl))
+        _run(rows, "layer_norm_fwd", impl, shape, ln, (x,), nbytes=2 * b)
+
+
+def bench_bias_gelu(rows: list, n=32768, e=4096, dtype=jnp.bfloat16, impls=("triton", "pallas", "xla")):
+    import kernels
+    x = jax.random.normal(jax.random.PRNGKey(3), (n, e), dtype)
+    bias = jax.random.normal(jax.random.PRNGKey(4), (e,), dtype)
+    b = x.size * x.dtype.itemsize
+    for rate in (0.0, 0.1):
+        shape = f"[{n},{e}] {jnp.dtype(dtype).name} dropout={rate}"
+        for impl in impls:
+            f = jax.jit(lambda x, bb: kernels.bias_gelu(x, bb, dropout_rate=rate, seed=jnp.int32(5), impl=impl))
+            _run(rows, "bias_gelu_fwd", impl, shape, f, (x, bias), nbytes=2 * b)
+            g = jax.jit(jax.grad(lambda x, bb: jnp.sum(kernels.bias_gelu(x, bb, dropout_rate=rate, seed=jnp.int32(5),
+                                                                         impl=impl).astype(jnp.float32)),
+                                 argnums=(0, 1)))
+            _run(rows, "bias_gelu_fwd_bwd", impl, shape, g, (x, bias), nbytes=5 * b)
+
+
+def bench_softmax(rows: list, n=32768, e=4096, dtype=jnp.bfloat16, impls=("pallas", "xla")):
+    import kernels
+    x = jax.random.normal(jax.random.PRNGKey(6), (n, e), dtype)
+    b = x.size * x.dtype.itemsize
+    shape = f"[{n},{e}] {jnp.dtype(dtype).name}"
+    for impl in impls:
+        _run(rows, "softmax_fwd", impl, shape, jax.jit(lambda x: kernels.softmax(x, impl=impl)), (x,), nbytes=2 * b)
+        g = jax.jit(jax.grad(lambda x: jnp.sum(kernels.softmax(x, impl=impl).astype(jnp.float32) * x.astype(jnp.float32))))
+        _run(rows, "softmax_fwd_bwd", impl, shape, g, (x,), nbytes=5 * b)
+
+
+def bench_cross_entropy(rows: list, n=16384, e=2048, v=128256, dtype=jnp.bfloat16, impls=("chunked", "xla")):
+    """Loss + grads (x, W) at Llama-3 vocab; tied layout [V, E] like the 1B config. Peak = temp + outputs."""
+    import kernels
+    x = jax.random.normal(jax.random.PRNGKey(7), (n, e), dtype)
+    w = (jax.random.normal(jax.random.PRNGKey(8), (v, e), jnp.float32) * 0.02).astype(dtype)
+    labels = jax.random.randint(jax.random.PRNGKey(9), (n,), 0, v)
+    weights = jnp.ones((n,), jnp.float32)
+    shape = f"N{n} E{e} V{v} {jnp.dtype(dtype).name}"
+    flops = 3 * 2 * n * e * v
+    for impl in impls:
+        f = jax.jit(jax.value_and_grad(
+            lambda x, w: kernels.linear_cross_entropy(x, w, labels, weights, w_layout="ve", impl=impl), argnums=(0, 1)))
+        _run(rows, "linear_cross_entropy_fwd_bwd", impl, shape, f, (x, w), flops=flops, mem=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end: one training step of the 1.2B decoder
+
+
+def bench_train_step(rows: list, impls: dict, batch=8, seq=2048, steps=10, config="configs/models/llama_1b.yaml"):
+    """Decoder built directly (llama_1b dims, bf16 compute, f32 params), synthetic tokens, AdamW step."""
+    import dataclasses
+    import optax
+    import yaml
+    from flax import nnx
+    from mmjax.config import ModelConfig, TextConfig, from_tree
+    from mmjax.engine.steps import loss_sums
+    from mmjax.model.decoder import Decoder
+
+    tree = yaml.safe_load(open(config))["model"]
+    base = from_tree(ModelConfig, {k: v for k, v in tree.items() if k not in ("vision", "projector")})
+    tok = jax.random.randint(jax.random.PRNGKey(0), (batch, seq), 0, base.vocab_size)
+    data = dict(tokens=tok, targets=jnp.roll(tok, -1, axis=1), loss_mask=jnp.ones((batch, seq), jnp.int32),
+                segment_ids=jnp.ones((batch, seq), jnp.int32),
+                positions=jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)),
+                images=jnp.zeros((batch, 0)), image_valid=jnp.zeros((batch, 0)))
+
+    class LM(nnx.Module):
+        def __init__(self, cfg):
+            self.cfg = cfg
+            self.dec = Decoder(cfg, param_dtype=jnp.float32, compute_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+
+        def __call__(self, tokens, positions, segment_ids, images, image_valid):
+            return self.dec(self.dec.embed(tokens), positions, segment_ids)
+
+        def hidden(self, tokens, positions, segment_ids, images, image_valid):
+            return self.dec.hidden(self.dec.embed(tokens), positions, segment_ids)
+
+        def output_matrix(self):
+            return self.dec.output_matrix()
+
+    t = base.text
+    n_params = None
+    for name, kw in impls.items():
+        cfg = dataclasses.replace(base, **kw)
+        model = LM(cfg)
+        graphdef, params = nnx.split(model)
+        n_params = sum(p.size for p in jax.tree.leaves(params))
+        opt = optax.adamw(1e-4)
+        opt_state = opt.init(params)
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def step(params, opt_state, data):
+            (total, count), grads = jax.value_and_grad(
+                lambda p: loss_sums(nnx.merge(graphdef, p), data), has_aux=True)(params)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, total / count
+
+        try:
+            params, opt_state, loss = step(params, opt_state, data)
+            loss.block_until_ready()
+            for _ in range(3):
+                params, opt_state, loss = step(params, opt_state, data)
+            loss.block_until_ready()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                params, opt_state, loss = step(params, opt_state, data)
+            loss.block_until_ready()
+            s = (time.perf_counter() - t0) / steps
+        except Exception as e:  # noqa: BLE001
+            rows.append(Row("train_step_1.2B", name, f"B{batch} S{seq}", None, note=f"failed: {type(e).__name__}: {str(e)[:300]}"))
+            continue
+        # 6 N per token for the matmuls (embedding excluded, output layer included since tied) + causal attention
+        attn = 6 * t.n_layers * seq * t.n_heads * t.resolved_head_dim  # 12*L*S*H*D halved for causality
+        flops = batch * seq * (6 * n_params + attn)
+        rows.append(Row("train_step_1.2B", name, f"B{batch} S{seq} params={n_params/1e9:.2f}B", s * 1e3,
+                        tflops=flops / s / 1e12,
+                        note=f"{batch * seq / s:,.0f} tok/s, loss {float(loss):.3f}, MFU(989) {flops / s / 989e12:.1%}; {kw}"))
+        log.info("%s", rows[-1])
+        del params, opt_state, model
+
+
+# ----------------------------------------------------------------------------------------------
+# One run, one JSON, one table
+
+SECTIONS = ("attention", "cross_entropy", "norms", "bias_gelu", "softmax", "train_step")
+
+
+def run_all(sections=SECTIONS, *, train_steps: int = 10) -> dict:
+    """Runs the selected benchmarks in one process (peers timed in the same run) and returns the record."""
+    import datetime
+    import platform
+    rows: list[Row] = []
+    dev = jax.devices()[0]
+    copy_gbps = bench_copy(rows) if set(sections) & {"norms", "bias_gelu", "softmax"} else None
+    if "attention" in sections:
+        bench_attention(rows)
+    if "cross_entropy" in sections:
+        bench_cross_entropy(rows)
+    if "norms" in sections:
+        bench_norms(rows)
+    if "bias_gelu" in sections:
+        bench_bias_gelu(rows)
+    if "softmax" in sections:
+        bench_softmax(rows)
+    if "train_step" in sections:
+        every = dict(attention_impl="xla", norm_impl="xla", loss_impl="xla")
+        bench_train_step(rows, {"auto": dict(attention_impl="auto", norm_impl="auto", loss_impl="auto"),
+                                "xla": every, "cudnn_attention+xla": dict(every, attention_impl="cudnn")},
+                         steps=train_steps)
+    versions = {"jax": jax.__version__, "python": platform.python_version()}
+    for mod in ("jaxlib", "triton", "jax_triton", "torch", "flax"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            pass
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device=getattr(dev, "device_kind", str(dev)), versions=versions,
+                ceilings=dict(matmul_tflops=PEAK_TFLOPS, copy_gbps=PEAK_GBPS, copy_gbps_measured_now=copy_gbps),
+                rows=[r.as_dict() for r in rows])
+
+
+def table(record: dict) -> str:
+    """Markdown table of a `run_all` record."""
+    lines = ["| op | impl | shape | ms | TFLOP/s | GB/s | of ceiling | peak GiB | note |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    f = lambda v, p: "" if v is None else f"{v:.{p}f}"
+    for r in record["rows"]:
+        frac = "" if r["fraction_of_ceiling"] is None else f"{r['fraction_of_ceiling']:.0%}"
+        lines.append(f"| {r['op']} | {r['impl']} | {r['shape']} | {f(r['ms'], 3)} | {f(r['tflops'], 0)} | "
+                     f"{f(r['gbps'], 0)} | {frac} | {f(r['peak_mem_gib'], 2)} | {r['note']} |")
+    return "\n".join(lines)
+
+
+def write_readme_section(readme, record: dict, command: str, title: str = "Kernels (`tools/bench_kernels.py`)"):
+    """Replace (or append) this benchmark's section of docs/perf/README.md, leaving other sections alone."""
+    from pathlib import Path
+    path = Path(readme)
+    text = path.read_text() if path.exists() else "# Performance\n\nMeasured numbers; raw JSON in `results/`.\n"
+    start, end = f"<!-- {title} start -->", f"<!-- {title} end -->"
+    body = (f"{start}\n## {title}\n\n{record['device']}, {record['date']}, versions {record['versions']}.\n"
+            f"Ceilings: {PEAK_TFLOPS:.0f} TFLOP/s bf16 matmul, {PEAK_GBPS:.0f} GB/s copy "
+            f"(copy measured in this run: {record['ceilings'].get('copy_gbps_measured_now') or 'n/a'} GB/s).\n"
+            f"Command: `{command}`\n\n{table(record)}\n{end}")
+    if start in text and end in text:
+        text = text[:text.index(start)] + body + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + body + "\n"
+    path.write_text(text)

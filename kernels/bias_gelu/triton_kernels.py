@@ -1,88 +1,14 @@
-"""Native Triton kernels for bias + GELU + dropout, called through jax-triton (GPU only).
-
-Same math, tiling and dropout hash as `pallas.py` / `keep_mask` (the hash constants are int32-safe
-literals so Triton's integer promotion keeps the arithmetic in uint32).
-"""
+"""jax-triton wrappers for the native Triton bias + GELU + dropout kernels (GPU only)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import jax_triton as jt
-import triton
-import triton.language as tl
 
 from kernels.bias_gelu import HASH_K0, HASH_K1, HASH_K2
 from kernels.bias_gelu.pallas import tiles
-
-
-@triton.jit
-def _gelu_grad(z, APPROX: tl.constexpr):
-    if APPROX:
-        c: tl.constexpr = 0.7978845608028654
-        u = c * (z + 0.044715 * z * z * z)
-        t = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * u))
-        y = 0.5 * z * (1.0 + t)
-        dy = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * z * z)
-    else:
-        x = z * 0.7071067811865476
-        ax = tl.abs(x)
-        t = 1.0 / (1.0 + 0.3275911 * ax)
-        poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-        e = tl.exp(-ax * ax)
-        erf = tl.where(x >= 0, 1.0, -1.0) * (1.0 - poly * e)
-        cdf = 0.5 * (1.0 + erf)
-        y = z * cdf
-        dy = cdf + z * e * 0.3989422804014327
-    return y, dy
-
-
-@triton.jit
-def _keep(seed, idx, THRESH: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr):
-    h = idx.to(tl.uint32) * K0 + seed.to(tl.uint32)
-    h = h ^ (h >> 16)
-    h = h * K1
-    h = h ^ (h >> 15)
-    h = h * K2
-    h = h ^ (h >> 16)
-    return (h >> 8).to(tl.int32) >= THRESH
-
-
-@triton.jit
-def _fwd(x_ptr, b_ptr, s_ptr, y_ptr, C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, APPROX: tl.constexpr,
-         RATE: tl.constexpr, THRESH: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr):
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    inb = cols < C
-    offs = rows[:, None] * C + cols[None, :]
-    m = inb[None, :]
-    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + cols, mask=inb, other=0.0).to(tl.float32)
-    y, _ = _gelu_grad(x + b[None, :], APPROX)
-    if RATE > 0:
-        keep = _keep(tl.load(s_ptr), offs, THRESH, K0, K1, K2)
-        y = tl.where(keep, y * (1.0 / (1.0 - RATE)), 0.0)
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _bwd(x_ptr, b_ptr, s_ptr, g_ptr, dx_ptr, db_ptr, C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr,
-         APPROX: tl.constexpr, RATE: tl.constexpr, THRESH: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
-         K2: tl.constexpr):
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    inb = cols < C
-    offs = rows[:, None] * C + cols[None, :]
-    m = inb[None, :]
-    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + cols, mask=inb, other=0.0).to(tl.float32)
-    _, dy = _gelu_grad(x + b[None, :], APPROX)
-    dz = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32) * dy
-    if RATE > 0:
-        keep = _keep(tl.load(s_ptr), offs, THRESH, K0, K1, K2)
-        dz = tl.where(keep, dz * (1.0 / (1.0 - RATE)), 0.0)
-    tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=m)
-    tl.store(db_ptr + tl.program_id(0) * C + cols, tl.sum(dz, axis=0), mask=inb)
+from kernels.bias_gelu.triton_src import bias_gelu_bwd, bias_gelu_fwd
 
 
 def _meta(spec, c, r, bc):
@@ -93,14 +19,14 @@ def _meta(spec, c, r, bc):
 def fwd(spec, x, bias, seed):
     n, c = x.shape
     r, bc, cp = tiles(n, c)
-    return jt.triton_call(x, bias, seed, kernel=_fwd, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    return jt.triton_call(x, bias, seed, kernel=bias_gelu_fwd, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                           grid=(n // r, cp // bc), num_warps=4, num_stages=1, **_meta(spec, c, r, bc))
 
 
 def bwd(spec, x, bias, seed, g):
     n, c = x.shape
     r, bc, cp = tiles(n, c)
-    dx, db = jt.triton_call(x, bias, seed, g.astype(x.dtype), kernel=_bwd,
+    dx, db = jt.triton_call(x, bias, seed, g.astype(x.dtype), kernel=bias_gelu_bwd,
                             out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
                                        jax.ShapeDtypeStruct((n // r, c), jnp.float32)],
                             grid=(n // r, cp // bc), num_warps=4, num_stages=1, **_meta(spec, c, r, bc))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import kernels
+import kernels.norms
 from kernels.attention.reference import attention_reference, make_mask
 
 pytestmark = pytest.mark.gpu
@@ -69,3 +70,72 @@ def test_attention_auto_picks_pallas_on_sm80_plus():
     ctx = _dispatch.make_ctx(jnp.bfloat16, batch=1, sq=1024, sk=1024, heads=8, kv_heads=2, head_dim=64,
                              has_blocks=False)
     assert OP.select("auto", ctx).name == "pallas"
+
+
+def _close(a, b, tol):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    err = np.abs(a - b).max() / (np.abs(b).max() + 1e-6)
+    assert err < tol, f"relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("shape", [(4096, 2048), (1000, 1024), (512, 4096 + 64)])
+def test_norms_gpu(impl, shape):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    r = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    scale = jnp.asarray(rng.standard_normal(shape[-1]), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(shape[-1]), jnp.float32)
+    from kernels.norms import norm_reference
+    for center in (False, True):
+        def f(fn, x, r, scale, bias):
+            y, s = fn(x, scale, bias if center else None, r, eps=1e-5, center=center)
+            return jnp.sum(y.astype(jnp.float32) * jnp.cos(x.astype(jnp.float32))) + jnp.sum(s.astype(jnp.float32))
+        fn = kernels.norms.OP[impl].fn
+        ref = lambda *a, **k: norm_reference(*(t.astype(jnp.float32) if t is not None and t.dtype == jnp.bfloat16 else t
+                                               for t in a), **k)
+        g = jax.jit(jax.grad(lambda *a: f(fn, *a), argnums=(0, 1, 2, 3)))(x, r, scale, bias)
+        gr = jax.jit(jax.grad(lambda *a: f(ref, *a), argnums=(0, 1, 2, 3)))(x, r, scale, bias)
+        for a, b in zip(g[:3] + ((g[3],) if center else ()), gr[:3] + ((gr[3],) if center else ())):
+            _close(a, b, 3e-2)
+
+
+@pytest.mark.parametrize("impl", ["triton", "pallas"])
+@pytest.mark.parametrize("shape", [(8192, 4096), (577 * 2, 4096), (300, 1000)])
+def test_bias_gelu_gpu(impl, shape):
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(shape[-1]), jnp.bfloat16)
+    for rate in (0.0, 0.1):
+        kw = dict(approximate=False, dropout_rate=rate, seed=jnp.int32(3))
+        loss = lambda i: (lambda x, b: jnp.sum(kernels.bias_gelu(x, b, impl=i, **kw).astype(jnp.float32) * jnp.sin(
+            x.astype(jnp.float32))))
+        y = jax.jit(lambda x, b: kernels.bias_gelu(x, b, impl=impl, **kw))(x, b)
+        want = jax.jit(lambda x, b: kernels.bias_gelu(x, b, impl="xla", **kw))(x, b)
+        np.testing.assert_array_equal(np.asarray(y) == 0, np.asarray(want) == 0)  # same dropout mask
+        _close(y, want, 2e-2)
+        for a, r in zip(jax.jit(jax.grad(loss(impl), argnums=(0, 1)))(x, b), jax.jit(jax.grad(loss("xla"), argnums=(0, 1)))(x, b)):
+            _close(a, r, 3e-2)
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (100, 1000)])
+def test_softmax_gpu(shape):
+    x = jnp.asarray(np.random.default_rng(3).standard_normal(shape) * 4, jnp.bfloat16)
+    loss = lambda i: (lambda x: jnp.sum(kernels.softmax(x, impl=i).astype(jnp.float32) * x.astype(jnp.float32)))
+    _close(kernels.softmax(x, impl="pallas"), kernels.softmax(x, impl="xla"), 2e-2)
+    _close(jax.grad(loss("pallas"))(x), jax.grad(loss("xla"))(x), 3e-2)
+
+
+def test_linear_cross_entropy_gpu():
+    rng = np.random.default_rng(4)
+    n, e, v = 4096 + 100, 1024, 50_000
+    x = jnp.asarray(rng.standard_normal((n, e)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((v, e)) * 0.02, jnp.bfloat16)
+    labels = jnp.asarray(rng.integers(0, v, n), jnp.int32)
+    weights = jnp.asarray(rng.random(n) > 0.1, jnp.float32)
+    f = lambda impl: jax.jit(jax.value_and_grad(lambda x, w: kernels.linear_cross_entropy(
+        x, w, labels, weights, w_layout="ve", impl=impl), argnums=(0, 1)))(x, w)
+    (lc, gc), (lx, gx) = f("chunked"), f("xla")
+    _close(lc, lx, 1e-3)
+    for a, b in zip(gc, gx):
+        _close(a, b, 3e-2)
