@@ -315,38 +315,44 @@ def bench_train_step(rows: list, impls: dict, batch=8, seq=2048, steps=10, confi
 SECTIONS = ("attention", "cross_entropy", "norms", "bias_gelu", "softmax", "train_step")
 
 
-def run_all(sections=SECTIONS, *, train_steps: int = 10) -> dict:
-    """Runs the selected benchmarks in one process (peers timed in the same run) and returns the record."""
+def run_all(sections=SECTIONS, *, train_steps: int = 10, train_impls: dict | None = None, save=None) -> dict:
+    """Runs the selected benchmarks in one process (peers timed in the same run) and returns the record.
+
+    `save(record)` is called after every section, so a run cut short still leaves its numbers.
+    """
     import datetime
     import platform
     rows: list[Row] = []
     dev = jax.devices()[0]
-    copy_gbps = bench_copy(rows) if set(sections) & {"norms", "bias_gelu", "softmax"} else None
-    if "attention" in sections:
-        bench_attention(rows)
-    if "cross_entropy" in sections:
-        bench_cross_entropy(rows)
-    if "norms" in sections:
-        bench_norms(rows)
-    if "bias_gelu" in sections:
-        bench_bias_gelu(rows)
-    if "softmax" in sections:
-        bench_softmax(rows)
-    if "train_step" in sections:
-        every = dict(attention_impl="xla", norm_impl="xla", loss_impl="xla")
-        bench_train_step(rows, {"auto": dict(attention_impl="auto", norm_impl="auto", loss_impl="auto"),
-                                "xla": every, "cudnn_attention+xla": dict(every, attention_impl="cudnn")},
-                         steps=train_steps)
     versions = {"jax": jax.__version__, "python": platform.python_version()}
     for mod in ("jaxlib", "triton", "jax_triton", "torch", "flax"):
         try:
             versions[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - optional packages
             pass
-    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                device=getattr(dev, "device_kind", str(dev)), versions=versions,
-                ceilings=dict(matmul_tflops=PEAK_TFLOPS, copy_gbps=PEAK_GBPS, copy_gbps_measured_now=copy_gbps),
-                rows=[r.as_dict() for r in rows])
+    record = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  device=getattr(dev, "device_kind", str(dev)), versions=versions,
+                  ceilings=dict(matmul_tflops=PEAK_TFLOPS, copy_gbps=PEAK_GBPS, copy_gbps_measured_now=None),
+                  rows=[])
+    every_xla = dict(attention_impl="xla", norm_impl="xla", loss_impl="xla")
+    train_impls = train_impls or {"auto": dict(attention_impl="auto", norm_impl="auto", loss_impl="auto"),
+                                  "xla": every_xla}
+    steps = {
+        "attention": lambda: bench_attention(rows),
+        "cross_entropy": lambda: bench_cross_entropy(rows),
+        "norms": lambda: bench_norms(rows),
+        "bias_gelu": lambda: bench_bias_gelu(rows),
+        "softmax": lambda: bench_softmax(rows),
+        "train_step": lambda: bench_train_step(rows, train_impls, steps=train_steps),
+    }
+    if set(sections) & {"norms", "bias_gelu", "softmax"}:
+        record["ceilings"]["copy_gbps_measured_now"] = bench_copy(rows)
+    for name in sections:
+        steps[name]()
+        record["rows"] = [r.as_dict() for r in rows]
+        if save is not None:
+            save(record)
+    return record
 
 
 def table(record: dict) -> str:

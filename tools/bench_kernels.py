@@ -26,14 +26,18 @@ def main() -> None:
     p.add_argument("--train-steps", type=int, default=10)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    record = bench.run_all(args.sections, train_steps=args.train_steps)
-    record["command"] = " ".join(["python", *sys.argv])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"kernels-{datetime.date.today().isoformat()}.json"
-    path.write_text(json.dumps(record, indent=1))
-    if args.readme:
-        bench.write_readme_section(args.readme, record, record["command"])
+    command = " ".join(["python", *sys.argv])
+
+    def save(record):
+        record["command"] = command
+        path.write_text(json.dumps(record, indent=1))
+        if args.readme:
+            bench.write_readme_section(args.readme, record, command)
+
+    record = bench.run_all(args.sections, train_steps=args.train_steps, save=save)
     print(bench.table(record))
     print(f"wrote {path}")
 
