@@ -32,8 +32,11 @@ def _packed(b, s, rng):
 SHAPES = [(2, 1024, 8, 2, 64), (1, 777, 4, 4, 128), (2, 512, 4, 1, 80)]  # GQA; ragged S, D=128; MQA, D=80
 
 
-@pytest.mark.parametrize("impl,shape", [("pallas", s) for s in SHAPES] + [("cudnn", s) for s in SHAPES[:2]]
-                         + [("xla", SHAPES[1]), ("chunked", SHAPES[1])])
+CASES = [("pallas", s) for s in SHAPES] + [("cudnn", s) for s in SHAPES[:2]] + [("xla", SHAPES[1]),
+                                                                                ("chunked", SHAPES[1])]
+
+
+@pytest.mark.parametrize("impl,shape", CASES, ids=[f"{i}-S{s[1]}-D{s[4]}" for i, s in CASES])
 def test_attention_gpu(impl, shape):
     b, s, h, kv, d = shape
     rng = np.random.default_rng(0)
