@@ -190,12 +190,13 @@ def bench_norms(rows: list, n=32768, e=4096, dtype=jnp.bfloat16, impls=("pallas"
         _run(rows, "layer_norm_fwd", impl, shape, ln, (x,), nbytes=2 * b)
 
 
-def bench_bias_gelu(rows: list, n=32768, e=4096, dtype=jnp.bfloat16, impls=("triton", "pallas", "xla")):
+def bench_bias_gelu(rows: list, n=32768, e=4096, dtype=jnp.bfloat16, impls=("triton", "pallas", "xla"),
+                    rates=(0.0, 0.1)):
     import kernels
     x = jax.random.normal(jax.random.PRNGKey(3), (n, e), dtype)
     bias = jax.random.normal(jax.random.PRNGKey(4), (e,), dtype)
     b = x.size * x.dtype.itemsize
-    for rate in (0.0, 0.1):
+    for rate in rates:
         shape = f"[{n},{e}] {jnp.dtype(dtype).name} dropout={rate}"
         for impl in impls:
             f = jax.jit(lambda x, bb: kernels.bias_gelu(x, bb, dropout_rate=rate, seed=jnp.int32(5), impl=impl))
