@@ -123,6 +123,9 @@ def bench_attention(rows: list, b=4, s=4096, h=16, d=128, dtype=jnp.bfloat16, im
         return f, g
 
     cands = [(i, lambda q, k, v, i=i: kernels.attention(q, k, v, impl=i, **kw)) for i in impls]
+    if "cudnn" in impls:  # without our wrapper's run-time layout check, to see what that check costs
+        cands.append(("cudnn_direct", lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="cudnn")))
     for name, cfg in (configs or {}).items():
         cands.append((f"pallas[{name}]", lambda q, k, v, cfg=cfg: flash_attention(q, k, v, config=cfg, **kw)))
     for impl, call in cands:

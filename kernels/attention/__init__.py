@@ -16,6 +16,8 @@ masked rows.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -68,17 +70,20 @@ def attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positio
     inputs = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                   kv_positions=kv_positions, causal=causal, q_block_ids=q_block_ids, kv_block_ids=kv_block_ids)
     if chosen.name == "cudnn":
-        return _cudnn(q, k, v, fallback=_next_after("cudnn", ctx), **inputs)
+        return _cudnn(q, k, v, fallback=_cudnn_fallback(ctx), **inputs)
     return chosen.fn(q, k, v, **inputs)
 
 
-def _next_after(name: str, ctx: Ctx):
-    """The implementation `auto` would choose if `name` were not registered."""
-    names = OP.available()
-    for other in names[names.index(name) + 1:]:
-        if OP[other].supports(ctx) is None:
-            return OP[other].fn
-    raise ValueError(f"no attention implementation after {name!r} supports {ctx}")
+def _cudnn_fallback(ctx: Ctx):
+    """What runs when a batch is not expressible in cuDNN's masks: Pallas flash, else the blockwise path.
+
+    Not XLA: under differentiation `lax.cond` carries the residuals of both branches, and XLA's are the
+    [B, H, S, S] probabilities (zero-filled when cuDNN's branch runs).
+    """
+    for name in ("pallas", "chunked"):
+        if OP[name].supports(dataclasses.replace(ctx, explicit=False)) is None:
+            return OP[name].fn
+    return OP["chunked"].fn
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ The real Triton block shapes run in the gpu-marked tests at the end (`pytest -m 
 """
 
 import functools
+import importlib
 import logging
 
 import jax
@@ -153,3 +154,27 @@ def test_xla_yields_to_chunked_for_huge_scores():
     ctx = _dispatch.Ctx("cpu", jnp.dtype("bfloat16"), facts=tuple(sorted(dict(
         batch=8, sq=65536, sk=65536, heads=32, kv_heads=8, head_dim=128, has_blocks=False).items())))
     assert OP.select("auto", ctx).name == "chunked"
+
+
+def test_cudnn_wrapper_layout_check_and_fallback(monkeypatch):
+    """The cuDNN candidate's run-time check: cuDNN cannot run on CPU, so its call is stood in for by JAX's
+    XLA implementation of the same masks (is_causal + sequence lengths); the check and both branches are real."""
+    att = importlib.import_module("kernels.attention")  # the package attribute is the function
+    real = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, implementation=None, **k: real(*a, implementation="xla", **k))
+    one = lambda lengths: (jnp.asarray((np.arange(S)[None] < np.asarray(lengths)[:, None]).astype(np.int32)),
+                           jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (2, S)))
+    cases = [(one([40, 17]), None, True), (one([40, 0]), None, False), (one([9, 33]), "blocks", False)]
+    seg_p, pos_p = make_inputs(0, LAYOUTS[1], s=S)[3:]
+    cases.append(((seg_p, pos_p), None, False))
+    q, k, v = make_inputs(8, LAYOUTS[0], s=S)[:3]
+    for (seg, pos), blk, expressible in cases:
+        blk = blocks_for(1) if blk else None
+        assert bool(att._one_padded_sequence(seg, pos, blk, True)) == expressible
+        kw = dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos, causal=True,
+                  q_block_ids=blk, kv_block_ids=blk)
+        got = att._cudnn(q, k, v, fallback=att.OP["chunked"].fn, **kw)
+        s_, p_ = np.asarray(seg), np.asarray(pos)
+        b_ = None if blk is None else np.asarray(blk)
+        np.testing.assert_allclose(np.asarray(got), naive(q, k, v, s_, s_, p_, p_, True, b_, b_), atol=2e-5, rtol=2e-5)
