@@ -4,6 +4,7 @@ Every op dispatches through `kernels._dispatch.Op`: `impl="auto"` picks the fast
 guard accepts the platform, GPU capability, dtype and shapes, and logs once why the others were skipped.
 """
 
+from kernels._sharding import sharding
 from kernels.attention import OP as _ATTENTION
 from kernels.attention import attention
 from kernels.bias_gelu import OP as _BIAS_GELU
@@ -15,7 +16,7 @@ from kernels.norms import layer_norm, rms_norm
 from kernels.softmax import OP as _SOFTMAX
 from kernels.softmax import softmax
 
-__all__ = ["attention", "linear_cross_entropy", "rms_norm", "layer_norm", "bias_gelu", "softmax",
+__all__ = ["sharding", "attention", "linear_cross_entropy", "rms_norm", "layer_norm", "bias_gelu", "softmax",
            "attention_impls", "norm_impls", "cross_entropy_impls", "activation_impls", "OPS"]
 
 OPS = {"attention": _ATTENTION, "cross_entropy": _CROSS_ENTROPY, "norm": _NORM, "bias_gelu": _BIAS_GELU,

@@ -120,6 +120,8 @@ def pallas_triton(ctx: Ctx, *, min_capability=(8, 0), dtypes=("float32", "bfloat
     """
     if str(ctx.dtype) not in dtypes:
         return f"dtype {ctx.dtype} not in {dtypes}"
+    if ctx.get("row_wise") and not ctx.explicit and _sharded():
+        return "inside kernels.sharding(mesh) XLA's fusion is partitioned natively; a custom call would be replicated"
     if ctx.platform == "gpu":
         if ctx.capability is None or ctx.capability < min_capability:
             return f"needs compute capability >= {min_capability[0]}.{min_capability[1]}, have {ctx.capability}"
@@ -142,11 +144,18 @@ def jax_triton(ctx: Ctx, *, min_capability=(8, 0), dtypes=("float32", "bfloat16"
     """Guard for native Triton kernels called through jax-triton: CUDA GPU only, no interpret mode."""
     if ctx.platform != "gpu":
         return f"jax-triton kernels run only on a CUDA GPU, not {ctx.platform}"
+    if ctx.get("row_wise") and not ctx.explicit and _sharded():
+        return "inside kernels.sharding(mesh) XLA's fusion is partitioned natively; a custom call would be replicated"
     if str(ctx.dtype) not in dtypes:
         return f"dtype {ctx.dtype} not in {dtypes}"
     if ctx.capability is None or ctx.capability < min_capability:
         return f"needs compute capability >= {min_capability[0]}.{min_capability[1]}, have {ctx.capability}"
     return jax_triton_missing()
+
+
+def _sharded() -> bool:
+    from kernels._sharding import current
+    return current() is not None
 
 
 def interpret() -> bool:

@@ -24,6 +24,7 @@ from jax import lax
 
 from kernels import _dispatch
 from kernels._dispatch import Ctx
+from kernels._sharding import shard_attention
 from kernels.attention.chunked import chunked_attention
 from kernels.attention.flash_pallas import FlashConfig, flash_attention
 from kernels.attention.reference import attention_reference, check_shapes, make_mask
@@ -70,7 +71,10 @@ def attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positio
     inputs = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                   kv_positions=kv_positions, causal=causal, q_block_ids=q_block_ids, kv_block_ids=kv_block_ids)
     if chosen.name == "cudnn":
-        return _cudnn(q, k, v, fallback=_cudnn_fallback(ctx), **inputs)
+        fallback = _cudnn_fallback(ctx)
+        return shard_attention(lambda q, k, v, **kw: _cudnn(q, k, v, fallback=fallback, **kw), q, k, v, **inputs)
+    if chosen.name == "pallas":  # a custom call: run it per shard under kernels.sharding(mesh)
+        return shard_attention(chosen.fn, q, k, v, **inputs)
     return chosen.fn(q, k, v, **inputs)
 
 

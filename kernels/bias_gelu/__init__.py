@@ -123,7 +123,7 @@ def bias_gelu(x, bias, *, approximate: bool = False, dropout_rate: float = 0.0, 
         raise ValueError(f"bias {bias.shape} must be [{x.shape[-1]}] for x {x.shape}")
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
-    ctx = _dispatch.make_ctx(x.dtype, explicit=impl != "auto", width=x.shape[-1])
+    ctx = _dispatch.make_ctx(x.dtype, explicit=impl != "auto", width=x.shape[-1], row_wise=True)
     fn = OP.select(impl, ctx).fn
     return fn(x, bias, approximate=approximate, dropout_rate=dropout_rate, seed=seed)
 

@@ -53,7 +53,7 @@ OP.register("pallas", _pallas, _pallas_guard, priority=10)
 
 
 def _call(x, scale, bias, residual, eps, center, impl, out_dtype):
-    ctx = _dispatch.make_ctx(x.dtype, explicit=impl != "auto", width=x.shape[-1])
+    ctx = _dispatch.make_ctx(x.dtype, explicit=impl != "auto", width=x.shape[-1], row_wise=True)
     return OP.select(impl, ctx).fn(x, scale, bias, residual, eps=eps, center=center, out_dtype=out_dtype)
 
 

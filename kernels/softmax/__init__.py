@@ -101,5 +101,5 @@ OP.register("pallas", _pallas, _pallas_guard, priority=10)
 
 def softmax(x, mask=None, *, impl: str = "auto"):
     """Softmax over the last axis; `mask` (bool, broadcastable, True = keep) zeroes masked entries."""
-    ctx = _dispatch.make_ctx(x.dtype, explicit=impl != "auto", width=x.shape[-1])
+    ctx = _dispatch.make_ctx(x.dtype, explicit=impl != "auto", width=x.shape[-1], row_wise=True)
     return OP.select(impl, ctx).fn(x, mask)
