@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+import kernels
 from mmjax.config import Config, to_yaml
 from mmjax.data.pipeline import load_eval_examples, make_train_dataset, open_dataset
 from mmjax.engine.evaluate import Evaluator, make_generate_fn
@@ -68,7 +69,8 @@ class Trainer:
         try:
             batch = next(feed)
             compile_start = time.perf_counter()
-            train_step = self._train_step.lower(self.state, batch).compile()
+            with kernels.sharding(self.mesh):  # custom kernels trace per shard (kernels/_sharding.py)
+                train_step = self._train_step.lower(self.state, batch).compile()
             writer.write(0, {"time/compile_train_step": time.perf_counter() - compile_start})
             wait = feed.last_wait
             interval_start = time.perf_counter()
