@@ -69,5 +69,17 @@ def shard_attention(fn, q, k, v, **inputs):
     def per_shard(q, k, v, *meta):
         return fn(q, k, v, **static, **dict(zip(keys, meta)))
 
-    return jax.shard_map(per_shard, mesh=ctx.mesh, in_specs=(s4, s4, s4) + (s2,) * len(keys), out_specs=s4,
-                         check_vma=False)(q, k, v, *(arrays[key] for key in keys))
+    return _shard_map(per_shard, ctx.mesh, (s4, s4, s4) + (s2,) * len(keys), s4)(
+        q, k, v, *(arrays[key] for key in keys))
+
+
+def _shard_map(f, mesh, in_specs, out_specs):
+    """jax.shard_map without replication checks (the kernels are opaque), across jax versions."""
+    import inspect
+    fn = getattr(jax, "shard_map", None)
+    if fn is not None:
+        params = inspect.signature(fn).parameters
+        flag = {"check_vma": False} if "check_vma" in params else {"check_rep": False} if "check_rep" in params else {}
+        return fn(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **flag)
+    from jax.experimental.shard_map import shard_map  # older jax
+    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
