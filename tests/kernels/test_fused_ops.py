@@ -76,8 +76,9 @@ def test_model_fused_loss_matches_logits_loss():
     from flax import nnx
     from mmjax.engine.steps import loss_sums
     from mmjax.model.decoder import Decoder
-    from tests_helpers_tiny import tiny_decoder_config
-    cfg = tiny_decoder_config()
+    from mmjax.config import ModelConfig, TextConfig
+    cfg = ModelConfig(vocab_size=96, max_seq_len=32, compute_dtype="float32",
+                      text=TextConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=48))
     model = Decoder(cfg, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
 
     class Wrap(nnx.Module):  # the decoder with the batch keys of steps.MODEL_INPUTS (no images)
