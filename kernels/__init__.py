@@ -1,5 +1,39 @@
-"""Kernels: one folder per op, each with a pure-jnp reference and capability-guarded implementations."""
+"""Kernels: one folder per op, each with a pure-jnp reference and capability-guarded implementations.
 
+Every op dispatches through `kernels._dispatch.Op`: `impl="auto"` picks the fastest implementation whose
+guard accepts the platform, GPU capability, dtype and shapes, and logs once why the others were skipped.
+"""
+
+from kernels._sharding import sharding
+from kernels.attention import OP as _ATTENTION
 from kernels.attention import attention
+from kernels.bias_gelu import OP as _BIAS_GELU
+from kernels.bias_gelu import bias_gelu
+from kernels.cross_entropy import OP as _CROSS_ENTROPY
+from kernels.cross_entropy import linear_cross_entropy
+from kernels.norms import OP as _NORM
+from kernels.norms import layer_norm, rms_norm
+from kernels.softmax import OP as _SOFTMAX
+from kernels.softmax import softmax
 
-__all__ = ["attention"]
+__all__ = ["sharding", "attention", "linear_cross_entropy", "rms_norm", "layer_norm", "bias_gelu", "softmax",
+           "attention_impls", "norm_impls", "cross_entropy_impls", "activation_impls", "OPS"]
+
+OPS = {"attention": _ATTENTION, "cross_entropy": _CROSS_ENTROPY, "norm": _NORM, "bias_gelu": _BIAS_GELU,
+       "softmax": _SOFTMAX}
+
+
+def attention_impls() -> list[str]:
+    return _ATTENTION.available()
+
+
+def norm_impls() -> list[str]:
+    return _NORM.available()
+
+
+def cross_entropy_impls() -> list[str]:
+    return _CROSS_ENTROPY.available()
+
+
+def activation_impls() -> list[str]:
+    return _BIAS_GELU.available()

@@ -83,7 +83,10 @@ class ModelConfig:
     param_dtype: str = "float32"
     scan_layers: bool = True
     remat: str = "none"
-    attention_impl: str = "auto"
+    attention_impl: str = "auto"   # kernels.attention: auto | pallas | cudnn | xla | chunked | reference
+    norm_impl: str = "auto"        # kernels.rms_norm / layer_norm: auto | pallas | triton | xla
+    loss_impl: str = "auto"        # kernels.linear_cross_entropy: auto | chunked | xla
+    activation_impl: str = "auto"  # kernels.bias_gelu (ViT MLP, projector): auto | triton | pallas | xla
     text_only: bool = False  # decoder only: no vision tower or projector; batches carry no images
 
     @property
@@ -342,6 +345,15 @@ def to_yaml(cfg: Config) -> str:
 # Cross-field validation (device-count checks live in mmjax.parallel.mesh, which knows the devices)
 
 
+def kernel_impl_choices(m: ModelConfig) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(key, value, allowed) for the model's kernel choices; the registries in `kernels` are the truth."""
+    import kernels  # local: kernels imports jax, config stays importable without it
+    return [("attention_impl", m.attention_impl, ("auto", *kernels.attention_impls())),
+            ("norm_impl", m.norm_impl, ("auto", *kernels.norm_impls())),
+            ("loss_impl", m.loss_impl, ("auto", *kernels.cross_entropy_impls())),
+            ("activation_impl", m.activation_impl, ("auto", *kernels.activation_impls()))]
+
+
 def validate(cfg: Config) -> None:
     m, t, v = cfg.model, cfg.model.text, cfg.model.vision
 
@@ -353,8 +365,8 @@ def validate(cfg: Config) -> None:
         need(value in DTYPES, f"{name}={value!r} is not one of {DTYPES}")
     need(m.param_dtype != "auto", "model.param_dtype must name a dtype (float32 recommended), not auto")
     need(m.remat in REMAT_POLICIES, f"model.remat={m.remat!r} is not one of {REMAT_POLICIES}")
-    need(m.attention_impl in ("auto", "xla", "reference"),
-         f"model.attention_impl={m.attention_impl!r} is not one of ('auto', 'xla', 'reference')")
+    for key, value, choices in kernel_impl_choices(m):
+        need(value in choices, f"model.{key}={value!r} is not one of {choices}")
     for name, value in [("model.text.dim", t.dim), ("model.text.n_layers", t.n_layers),
                         ("model.text.n_heads", t.n_heads), ("model.text.n_kv_heads", t.n_kv_heads),
                         ("model.text.mlp_dim", t.mlp_dim), ("model.vision.dim", v.dim),

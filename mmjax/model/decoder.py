@@ -41,7 +41,7 @@ class DecoderLayer(nnx.Module):
         self.attention_impl = cfg.attention_impl
         self.compute_dtype = compute_dtype
         w = normal(0.02)
-        norm = dict(eps=t.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        norm = dict(eps=t.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype, impl=cfg.norm_impl)
         self.attn_norm = RMSNorm(t.dim, **norm)
         # Per kv group: its g query heads, then k, then v (so a TP shard of kv_heads is self-contained).
         self.qkv = param(rngs, w, (t.dim, kv, g + 2, d), ("embed", "kv_heads", None, "head_dim"), param_dtype)
@@ -60,8 +60,9 @@ class DecoderLayer(nnx.Module):
 
     def finish(self, x, attn):
         attn = checkpoint_name(attn, "attention_out")
-        x = x + dense(attn, self.out[...], "bshd,hde->bse", self.compute_dtype)
-        h = dense(self.mlp_norm(x), self.gate_up[...], "bse,ecm->bscm", self.compute_dtype)
+        # residual add + RMSNorm in one kernel: (norm(x + attn_out), x + attn_out)
+        h, x = self.mlp_norm(dense(attn, self.out[...], "bshd,hde->bse", self.compute_dtype), residual=x)
+        h = dense(h, self.gate_up[...], "bse,ecm->bscm", self.compute_dtype)
         h = jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
         return x + dense(h, self.down[...], "bsm,me->bse", self.compute_dtype)
 
@@ -100,7 +101,8 @@ class Decoder(nnx.Module):
         self.layers = make_stack(
             lambda r: DecoderLayer(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=r),
             t.n_layers, rngs, scan=cfg.scan_layers)
-        self.final_norm = RMSNorm(t.dim, eps=t.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.final_norm = RMSNorm(t.dim, eps=t.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                                  impl=cfg.norm_impl)
         self.lm_head = None if t.tie_embeddings else param(
             rngs, normal(0.02), (t.dim, cfg.vocab_size), ("embed", "vocab"), param_dtype)
 
@@ -115,8 +117,7 @@ class Decoder(nnx.Module):
             w, spec = self.lm_head[...], "bse,ev->bsv"
         return jnp.einsum(spec, x, w.astype(self.compute_dtype), preferred_element_type=jnp.float32)
 
-    def __call__(self, x, positions, segment_ids, block_ids=None, *, return_kv: bool = False):
-        """x [B,S,E] embeddings -> logits [B,S,V] float32 (and per-layer (k, v) [L,B,S,KV,D] if asked)."""
+    def _layers(self, x, positions, segment_ids, block_ids, return_kv):
         if block_ids is None:
             block_ids = jnp.zeros_like(segment_ids)
 
@@ -124,9 +125,21 @@ class Decoder(nnx.Module):
             h, kv = layer(h, positions, segment_ids, block_ids)
             return h, (kv if return_kv else None)
 
-        x, kv = run_stack(self.layers, body, x, scan=self.scan, remat_policy=self.remat)
+        return run_stack(self.layers, body, x, scan=self.scan, remat_policy=self.remat)
+
+    def __call__(self, x, positions, segment_ids, block_ids=None, *, return_kv: bool = False):
+        """x [B,S,E] embeddings -> logits [B,S,V] float32 (and per-layer (k, v) [L,B,S,KV,D] if asked)."""
+        x, kv = self._layers(x, positions, segment_ids, block_ids, return_kv)
         logits = self.logits(x)
         return (logits, kv) if return_kv else logits
+
+    def hidden(self, x, positions, segment_ids, block_ids=None):
+        """x [B,S,E] embeddings -> final-normed hidden states [B,S,E] (compute dtype), for fused losses."""
+        return self.final_norm(self._layers(x, positions, segment_ids, block_ids, False)[0])
+
+    def output_matrix(self):
+        """(W, layout) with logits = hidden @ W: layout 'ev' ([E,V] lm_head) or 've' (tied embedding [V,E])."""
+        return (self.embedding[...], "ve") if self.lm_head is None else (self.lm_head[...], "ev")
 
     # -- KV cache -------------------------------------------------------------------------------
 

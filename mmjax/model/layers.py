@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import kernels
+
 Names = tuple[str | None, ...]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -72,31 +74,32 @@ def dense(x, w, spec: str, dtype, bias=None):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype, rngs: nnx.Rngs | None = None):
+    def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype, rngs: nnx.Rngs | None = None,
+                 impl: str = "auto"):
         self.scale = param(None, ones, (dim,), ("embed",), param_dtype)
         self.eps = eps
         self.compute_dtype = compute_dtype
+        self.impl = impl
 
-    def __call__(self, x):
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(self.compute_dtype)
+    def __call__(self, x, residual=None):
+        """norm(x); with `residual`, (norm(x + residual), x + residual) from one fused kernel."""
+        return kernels.rms_norm(x, self.scale[...], eps=self.eps, residual=residual, impl=self.impl,
+                                out_dtype=self.compute_dtype)
 
 
 class LayerNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype, rngs: nnx.Rngs | None = None):
+    def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype, rngs: nnx.Rngs | None = None,
+                 impl: str = "auto"):
         self.scale = param(None, ones, (dim,), ("embed",), param_dtype)
         self.bias = param(None, zeros, (dim,), ("embed",), param_dtype)
         self.eps = eps
         self.compute_dtype = compute_dtype
+        self.impl = impl
 
-    def __call__(self, x):
-        xf = x.astype(jnp.float32)
-        mean = jnp.mean(xf, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
-        y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
-        return y.astype(self.compute_dtype)
+    def __call__(self, x, residual=None):
+        """norm(x); with `residual`, (norm(x + residual), x + residual) from one fused kernel."""
+        return kernels.layer_norm(x, self.scale[...], self.bias[...], eps=self.eps, residual=residual,
+                                  impl=self.impl, out_dtype=self.compute_dtype)
 
 
 def rope(x, positions, theta: float):

@@ -68,6 +68,14 @@ class MLLM(nnx.Module):
         x, block_ids = self.embed(tokens, images, image_valid)
         return self.decoder(x, positions, segment_ids, block_ids)
 
+    def hidden(self, tokens, positions, segment_ids, images=None, image_valid=None):
+        """Final-normed hidden states [B,S,E]; with `output_matrix()` the inputs of a fused loss."""
+        x, block_ids = self.embed(tokens, images, image_valid)
+        return self.decoder.hidden(x, positions, segment_ids, block_ids)
+
+    def output_matrix(self):
+        return self.decoder.output_matrix()
+
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         return self.decoder.init_cache(batch, max_len)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+import kernels
+
 from mmjax.config import ModelConfig
 from mmjax.model.layers import dense, normal, param, zeros
 
@@ -14,12 +16,14 @@ class Projector(nnx.Module):
         vdim, tdim = cfg.vision.dim, cfg.text.dim
         hidden = cfg.projector.hidden_dim or tdim
         self.compute_dtype = compute_dtype
+        self.activation_impl = cfg.activation_impl
         self.fc1 = param(rngs, normal(0.02), (vdim, hidden), ("embed", "mlp"), param_dtype)
         self.fc1_bias = param(None, zeros, (hidden,), ("mlp",), param_dtype)
         self.fc2 = param(rngs, normal(0.02), (hidden, tdim), ("mlp", "embed"), param_dtype)
         self.fc2_bias = param(None, zeros, (tdim,), ("embed",), param_dtype)
 
     def __call__(self, x):
-        h = jax.nn.gelu(dense(x, self.fc1[...], "...v,vh->...h", self.compute_dtype, self.fc1_bias[...]),
-                        approximate=False)
+        h = kernels.bias_gelu(dense(x, self.fc1[...], "...v,vh->...h", self.compute_dtype),
+                              self.fc1_bias[...].astype(self.compute_dtype), approximate=False,
+                              impl=self.activation_impl)
         return dense(h, self.fc2[...], "...h,ht->...t", self.compute_dtype, self.fc2_bias[...])

@@ -27,8 +27,9 @@ class VisionLayer(nnx.Module):
         d = v.dim // v.n_heads
         self.compute_dtype = compute_dtype
         self.attention_impl = cfg.attention_impl
+        self.activation_impl = cfg.activation_impl
         w = normal(0.02)
-        norm = dict(eps=v.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        norm = dict(eps=v.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype, impl=cfg.norm_impl)
         self.attn_norm = LayerNorm(v.dim, **norm)
         self.qkv = param(rngs, w, (v.dim, 3, v.n_heads, d), ("embed", None, "heads", "head_dim"), param_dtype)
         self.qkv_bias = param(None, zeros, (3, v.n_heads, d), (None, "heads", "head_dim"), param_dtype)
@@ -46,9 +47,12 @@ class VisionLayer(nnx.Module):
         attn = kernels.attention(q, k, v, q_segment_ids=ones, kv_segment_ids=ones, q_positions=positions,
                                  kv_positions=positions, causal=False, impl=self.attention_impl)
         attn = checkpoint_name(attn, "attention_out")
-        x = x + dense(attn, self.out[...], "bsnd,nde->bse", self.compute_dtype, self.out_bias[...])
-        h = jax.nn.gelu(dense(self.mlp_norm(x), self.fc1[...], "bse,em->bsm", self.compute_dtype,
-                              self.fc1_bias[...]), approximate=False)
+        # residual add + LayerNorm in one kernel: (norm(x + attn_out), x + attn_out)
+        hn, x = self.mlp_norm(dense(attn, self.out[...], "bsnd,nde->bse", self.compute_dtype, self.out_bias[...]),
+                              residual=x)
+        h = kernels.bias_gelu(dense(hn, self.fc1[...], "bse,em->bsm", self.compute_dtype),
+                              self.fc1_bias[...].astype(self.compute_dtype), approximate=False,
+                              impl=self.activation_impl)
         return x + dense(h, self.fc2[...], "bsm,me->bse", self.compute_dtype, self.fc2_bias[...])
 
 
@@ -67,7 +71,8 @@ class VisionEncoder(nnx.Module):
         self.layers = make_stack(
             lambda r: VisionLayer(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=r),
             v.n_layers, rngs, scan=cfg.scan_layers)
-        self.final_norm = LayerNorm(v.dim, eps=v.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.final_norm = LayerNorm(v.dim, eps=v.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                                    impl=cfg.norm_impl)
 
     def patchify(self, images):
         """[B,N,H,W,C] -> [B*N, num_patches, p*p*C] (row-major patch order, (py, px, c) inside a patch)."""

@@ -11,6 +11,7 @@ import kernels
 from kernels.attention import available, supports
 
 ATOL = 1e-5
+IMPLS = ("reference", "xla", "chunked")  # pallas: tests/kernels/test_flash.py (interpret mode)
 
 
 def naive(q, k, v, qs, ks, qp, kp, causal, qb=None, kb=None):
@@ -96,7 +97,7 @@ def call(impl, q, k, v, seg, pos, causal, blk=None, kv_seg=None, kv_pos=None):
 def test_impls_match_naive(layout, causal, heads):
     q, k, v, seg, pos = make_inputs(0, layout, h=heads[0], kv=heads[1])
     want = naive(q, k, v, np.asarray(seg), np.asarray(seg), np.asarray(pos), np.asarray(pos), causal)
-    for impl in ("reference", "xla"):
+    for impl in IMPLS:
         got = call(impl, q, k, v, seg, pos, causal)
         assert got.shape == q.shape and got.dtype == q.dtype
         np.testing.assert_allclose(np.asarray(got), want, atol=ATOL, rtol=ATOL, err_msg=impl)
@@ -111,7 +112,7 @@ def test_block_ids_bidirectional():
     blk = jnp.asarray(blk)
     s, p, b = np.asarray(seg), np.asarray(pos), np.asarray(blk)
     want = naive(q, k, v, s, s, p, p, True, b, b)
-    for impl in ("reference", "xla"):
+    for impl in IMPLS:
         np.testing.assert_allclose(np.asarray(call(impl, q, k, v, seg, pos, True, blk)), want, atol=ATOL,
                                    rtol=ATOL, err_msg=impl)
     # The image's first token really sees its later tokens.
@@ -129,12 +130,12 @@ def test_decode_layout_over_cache():
     kv_seg = (slots <= lengths[:, None]).astype(jnp.int32)
     q_seg, q_pos = jnp.ones((3, 1), jnp.int32), lengths[:, None]
     want = naive(q, k, v, np.asarray(q_seg), np.asarray(kv_seg), np.asarray(q_pos), np.asarray(slots), True)
-    for impl in ("reference", "xla"):
+    for impl in IMPLS:
         got = call(impl, q, k, v, q_seg, q_pos, True, kv_seg=kv_seg, kv_pos=slots)
         np.testing.assert_allclose(np.asarray(got), want, atol=ATOL, rtol=ATOL)
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_fully_masked_rows_zero_with_finite_grads(impl):
     q, k, v, seg, pos = make_inputs(5, [[5], [0]])
     out = call(impl, q, k, v, seg, pos, True)
@@ -149,14 +150,16 @@ def test_grads_match_between_impls():
     q, k, v, seg, pos = make_inputs(6, [[3, 5, 4], [7]])
     f = lambda impl: jax.jit(jax.grad(lambda q, k, v: (raw(impl, q, k, v, seg, pos, True) ** 2).sum(),
                               argnums=(0, 1, 2)))(q, k, v)
-    for a, b in zip(f("reference"), f("xla")):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+    want = f("reference")
+    for impl in IMPLS[1:]:
+        for a, b in zip(want, f(impl)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4, err_msg=impl)
 
 
 def test_bfloat16_close_to_float32():
     q, k, v, seg, pos = make_inputs(7, [[3, 9], [12]])
     want = call("reference", q, k, v, seg, pos, True)
-    for impl in ("reference", "xla"):
+    for impl in IMPLS:
         got = call(impl, q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), seg, pos, True)
         assert got.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2, rtol=3e-2)
@@ -167,7 +170,9 @@ def test_registry_and_errors():
     assert supports("xla", "gpu", jnp.bfloat16)
     assert not supports("reference", "cpu", jnp.int32)
     assert not supports("nope", "cpu", jnp.float32)
-    assert available()[0] == "xla"
+    assert available()[:2] == ["pallas", "cudnn"]
+    assert not supports("pallas", "gpu", jnp.bfloat16, capability=(7, 5))
+    assert not supports("cudnn", "gpu", jnp.float32)
     q, k, v, seg, pos = make_inputs(8, [[12], [12]])
     with pytest.raises(ValueError, match="unknown attention implementation"):
         call("nope", q, k, v, seg, pos, True)

@@ -1,0 +1,78 @@
+"""Pallas (Triton lowering) kernels for bias + GELU + dropout on a [rows, C] view, tiled [R, BC]."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels import _rows
+from kernels._dispatch import interpret
+from kernels.bias_gelu import gelu_and_grad, keep_mask
+
+
+def tiles(n, c):
+    bc = min(_rows.next_pow2(max(c, 16)), 1024)
+    cp = -(-c // bc) * bc
+    return _rows.rows_per_block(n, bc, 8192), bc, cp
+
+
+def _index(i, j, r, bc, c):
+    rows = i * r + jnp.arange(r)
+    cols = j * bc + jnp.arange(bc)
+    return rows[:, None] * c + cols[None, :]
+
+
+def _fwd_kernel(x_ref, b_ref, s_ref, y_ref, *, spec, r, bc, c):
+    z = x_ref[...].astype(jnp.float32) + b_ref[...].astype(jnp.float32)[None, :]
+    y, _ = gelu_and_grad(z, spec.approximate)
+    if spec.rate > 0:
+        keep = keep_mask(jnp.max(s_ref[...]), _index(pl.program_id(0), pl.program_id(1), r, bc, c), spec.rate)
+        y = jnp.where(keep, y * (1.0 / (1.0 - spec.rate)), 0.0)
+    y_ref[...] = y.astype(y_ref.dtype)
+
+
+def _bwd_kernel(x_ref, b_ref, s_ref, g_ref, dx_ref, db_ref, *, spec, r, bc, c):
+    z = x_ref[...].astype(jnp.float32) + b_ref[...].astype(jnp.float32)[None, :]
+    _, dgelu = gelu_and_grad(z, spec.approximate)
+    dz = g_ref[...].astype(jnp.float32) * dgelu
+    if spec.rate > 0:
+        keep = keep_mask(jnp.max(s_ref[...]), _index(pl.program_id(0), pl.program_id(1), r, bc, c), spec.rate)
+        dz = jnp.where(keep, dz * (1.0 / (1.0 - spec.rate)), 0.0)
+    dx_ref[...] = dz.astype(dx_ref.dtype)
+    db_ref[...] = jnp.sum(dz, axis=0)
+
+
+def _specs(r, bc):
+    tile = pl.BlockSpec((r, bc), lambda i, j: (i, j))
+    vec = pl.BlockSpec((bc,), lambda i, j: (j,))
+    seed = pl.BlockSpec((16,), lambda i, j: (0,))
+    return tile, vec, seed
+
+
+def fwd(spec, x, bias, seed):
+    n, c = x.shape
+    r, bc, cp = tiles(n, c)
+    tile, vec, sd = _specs(r, bc)
+    y = pl.pallas_call(functools.partial(_fwd_kernel, spec=spec, r=r, bc=bc, c=c), grid=(n // r, cp // bc),
+                       in_specs=[tile, vec, sd], out_specs=tile,
+                       out_shape=jax.ShapeDtypeStruct((n, cp), x.dtype), interpret=interpret(),
+                       compiler_params=_rows.compiler_params(4), name="mmjax_bias_gelu_fwd")(
+        _rows.pad_cols(x, cp), _rows.pad_cols(bias, cp), seed)
+    return y[:, :c]
+
+
+def bwd(spec, x, bias, seed, g):
+    n, c = x.shape
+    r, bc, cp = tiles(n, c)
+    tile, vec, sd = _specs(r, bc)
+    dx, db = pl.pallas_call(
+        functools.partial(_bwd_kernel, spec=spec, r=r, bc=bc, c=c), grid=(n // r, cp // bc),
+        in_specs=[tile, vec, sd, tile],
+        out_specs=[tile, pl.BlockSpec((None, bc), lambda i, j: (i, j))],
+        out_shape=[jax.ShapeDtypeStruct((n, cp), x.dtype), jax.ShapeDtypeStruct((n // r, cp), jnp.float32)],
+        interpret=interpret(), compiler_params=_rows.compiler_params(4), name="mmjax_bias_gelu_bwd")(
+        _rows.pad_cols(x, cp), _rows.pad_cols(bias, cp), seed, _rows.pad_cols(g, cp))
+    return dx[:, :c], db.sum(0)[:c]

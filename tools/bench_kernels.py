@@ -1,0 +1,46 @@
+"""Benchmark every kernel against XLA, cuDNN and torch SDPA in one run; write JSON and the docs table.
+
+    python tools/bench_kernels.py                       # all sections, on the default device
+    python tools/bench_kernels.py --sections attention norms --out docs/perf/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import bench  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sections", nargs="+", default=list(bench.SECTIONS), choices=bench.SECTIONS)
+    p.add_argument("--out", default="docs/perf/results", help="folder for kernels-<date>.json")
+    p.add_argument("--readme", default="docs/perf/README.md", help="markdown file whose kernel table is replaced")
+    p.add_argument("--train-steps", type=int, default=10)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"kernels-{datetime.date.today().isoformat()}.json"
+    command = " ".join(["python", *sys.argv])
+
+    def save(record):
+        record["command"] = command
+        path.write_text(json.dumps(record, indent=1))
+        if args.readme:
+            bench.write_readme_section(args.readme, record, command)
+
+    record = bench.run_all(args.sections, train_steps=args.train_steps, save=save)
+    print(bench.table(record))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
