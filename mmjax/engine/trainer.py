@@ -89,7 +89,8 @@ class Trainer:
                 monitor.after_step(step, self.state, metrics)
                 if step % cfg.observe.log_every == 0 or step == cfg.train.steps:
                     # the only host sync of the interval; the loader adds its rate, padding and skips
-                    monitor.log(step, self.state, extra=loader.stats.interval_metrics())
+                    stats = getattr(loader, "stats", None)  # a plain iterator (tests, custom loaders) has none
+                    monitor.log(step, self.state, extra=stats.interval_metrics() if stats else None)
                 every = cfg.eval.every_steps
                 if self.evaluator is not None and ((every and step % every == 0) or step == cfg.train.steps):
                     with monitor.excluded("the evaluation to finish"):  # eval time is not train step time
