@@ -21,7 +21,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_shap
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mmjax.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help=f"YAML config (default: {DEFAULT_CONFIG.name})")
+    parser.add_argument("--config", action="append", default=None,
+                        help=f"YAML config (default: {DEFAULT_CONFIG.name}); repeat to merge several, e.g. "
+                             "an experiment then configs/parallel/fsdp_tp.yaml")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 mesh.tensor=2")
     return parser.parse_args(argv)

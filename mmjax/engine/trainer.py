@@ -24,6 +24,7 @@ from mmjax.engine.steps import make_train_step
 from mmjax.observe.metrics import MetricBuffer
 from mmjax.observe.sinks import JsonlSink, MetricWriter, ProgressSink
 from mmjax.parallel.mesh import data_parallel_size, make_mesh, resolve_mesh_shape
+from mmjax.parallel.sharding import context_from_config, in_sharding_context
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,9 @@ class Trainer:
         self.optimizer = make_optimizer(cfg)
         self.schedule = learning_rate_schedule(cfg)
         self.state, state_shardings = create_train_state(cfg, self.mesh, self.setup, self.optimizer)
-        step_fn = make_train_step(self.setup.graphdef, self.optimizer, self.schedule, cfg.train.grad_accum_steps)
+        step_fn = make_train_step(self.setup.graphdef, self.optimizer, self.schedule, cfg.train.grad_accum_steps,
+                                  grad_shardings=self.setup.plan.grads)
+        step_fn = in_sharding_context(step_fn, context_from_config(cfg, self.mesh))  # activation constraints
         self._train_step = jax.jit(step_fn, out_shardings=(state_shardings, None), donate_argnums=0)
 
         eval_set = load_eval_examples(cfg, self.tokenizer, self.files)
@@ -49,7 +52,9 @@ class Trainer:
         self.evaluator = Evaluator(eval_set, self.tokenizer, generate, self.mesh, cfg.eval.batch_size,
                                    data_parallel_size(self.mesh_sizes))
         n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params))
-        log.info("model: %.2fM parameters; mesh %s", n_params / 1e6, self.mesh_sizes)
+        log.info("model: %.2fM parameters; mesh %s (%d processes, ZeRO-%d%s)", n_params / 1e6, self.mesh_sizes,
+                 jax.process_count(), cfg.parallel.zero_stage,
+                 ", sequence-parallel" if cfg.parallel.sequence_parallel else "")
 
     def run(self) -> dict[str, float]:
         """Train for `train.steps`, evaluating every `eval.every_steps` and at the end; returns the last eval."""

@@ -13,6 +13,9 @@ from jax.ad_checkpoint import checkpoint_name
 import kernels
 from mmjax.config import ModelConfig
 from mmjax.model.layers import RMSNorm, dense, make_stack, normal, param, rope, run_stack
+from mmjax.parallel.sharding import attention, constrain
+
+RESIDUAL = ("batch", "norm_length", "act_embed")  # logical names of the residual stream
 
 
 @flax.struct.dataclass
@@ -56,21 +59,23 @@ class DecoderLayer(nnx.Module):
         g = self.n_heads // self.n_kv
         q = qkv[:, :, :, :g].reshape(b, s, self.n_heads, self.head_dim)
         k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
-        return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
+        q = constrain(rope(q, positions, self.rope_theta), ("batch", "length", "heads", "head_dim"))
+        k = constrain(rope(k, positions, self.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
+        return q, k, constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
     def finish(self, x, attn):
-        attn = checkpoint_name(attn, "attention_out")
-        x = x + dense(attn, self.out[...], "bshd,hde->bse", self.compute_dtype)
+        attn = checkpoint_name(constrain(attn, ("batch", "length", "heads", "head_dim")), "attention_out")
+        x = constrain(x + dense(attn, self.out[...], "bshd,hde->bse", self.compute_dtype), RESIDUAL)
         h = dense(self.mlp_norm(x), self.gate_up[...], "bse,ecm->bscm", self.compute_dtype)
-        h = jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
-        return x + dense(h, self.down[...], "bsm,me->bse", self.compute_dtype)
+        h = constrain(jax.nn.silu(h[:, :, 0]) * h[:, :, 1], ("batch", "length", "mlp"))
+        return constrain(x + dense(h, self.down[...], "bsm,me->bse", self.compute_dtype), RESIDUAL)
 
     def __call__(self, x, positions, segment_ids, block_ids):
         """Training / prefill forward over the sequence itself; also returns this layer's k, v."""
         q, k, v = self.qkv_proj(self.attn_norm(x), positions)
-        attn = kernels.attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                                 q_positions=positions, kv_positions=positions, causal=True,
-                                 q_block_ids=block_ids, kv_block_ids=block_ids, impl=self.attention_impl)
+        attn = attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                         q_positions=positions, kv_positions=positions, causal=True,
+                         q_block_ids=block_ids, kv_block_ids=block_ids, impl=self.attention_impl)
         return self.finish(x, attn), (k, v)
 
     def decode(self, x, lengths, k_cache, v_cache):
@@ -113,12 +118,14 @@ class Decoder(nnx.Module):
             w, spec = self.embedding[...], "bse,ve->bsv"
         else:
             w, spec = self.lm_head[...], "bse,ev->bsv"
-        return jnp.einsum(spec, x, w.astype(self.compute_dtype), preferred_element_type=jnp.float32)
+        logits = jnp.einsum(spec, x, w.astype(self.compute_dtype), preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "length", "vocab"))
 
     def __call__(self, x, positions, segment_ids, block_ids=None, *, return_kv: bool = False):
         """x [B,S,E] embeddings -> logits [B,S,V] float32 (and per-layer (k, v) [L,B,S,KV,D] if asked)."""
         if block_ids is None:
             block_ids = jnp.zeros_like(segment_ids)
+        x = constrain(x, RESIDUAL)
 
         def body(layer, h, _):
             h, kv = layer(h, positions, segment_ids, block_ids)

@@ -7,6 +7,7 @@ from flax import nnx
 
 from mmjax.config import ModelConfig
 from mmjax.model.layers import dense, normal, param, zeros
+from mmjax.parallel.sharding import constrain
 
 
 class Projector(nnx.Module):
@@ -22,4 +23,5 @@ class Projector(nnx.Module):
     def __call__(self, x):
         h = jax.nn.gelu(dense(x, self.fc1[...], "...v,vh->...h", self.compute_dtype, self.fc1_bias[...]),
                         approximate=False)
+        h = constrain(h, ("batch",) + (None,) * (h.ndim - 2) + ("mlp",))
         return dense(h, self.fc2[...], "...h,ht->...t", self.compute_dtype, self.fc2_bias[...])
