@@ -100,6 +100,10 @@ class MeshConfig:
     pipeline: int = 1
     sequence: int = 1
     tensor: int = 1
+    # How many of `data` / `fsdp` span nodes (GPU processes) or TPU slices; the rest of each axis, and all
+    # of `sequence` and `tensor`, stay inside one. 1 = the whole axis is within a node.
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,7 +425,8 @@ def validate(cfg: Config) -> None:
     need(cfg.train.micro_batch_size >= 0, "train.micro_batch_size must be >= 0 (0 = derived from the mesh)")
     need(cfg.distributed.cpu_collectives in ("gloo", "mpi"),
          f"distributed.cpu_collectives={cfg.distributed.cpu_collectives!r} is not one of gloo, mpi")
-    sizes = dataclasses.asdict(cfg.mesh)
+    sizes = {k: v for k, v in dataclasses.asdict(cfg.mesh).items() if not k.startswith("dcn_")}
+    need(cfg.mesh.dcn_data >= 1 and cfg.mesh.dcn_fsdp >= 1, "mesh.dcn_data and mesh.dcn_fsdp must be >= 1")
     need(list(sizes.values()).count(-1) <= 1,
          f"at most one mesh axis may be -1 (the rest of the devices), got {sizes}")
     need(all(s == -1 or s > 0 for s in sizes.values()), f"mesh sizes must be positive or -1, got {sizes}")

@@ -48,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     if not flags.FLAGS.is_parsed():
         flags.FLAGS(sys.argv[:1])
     from mmjax.engine.trainer import Trainer
+    from mmjax.parallel.distributed import setup_runtime
 
     try:
+        setup_runtime(cfg)  # XLA flags and jax.distributed, before the backend starts
         result = Trainer(cfg).run()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -4,6 +4,8 @@ One tiny model (configs/models/tiny_mllm.yaml dims), one synthetic packed multim
 compile per layout. Also checks how much of the state each device holds under fsdp=8 and tensor=4.
 """
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -81,8 +83,17 @@ def one_step(overrides, devices=None, initial=None):
                            grad_shardings=setup.plan.grads)
     step = jax.jit(in_sharding_context(step, context_from_config(cfg, mesh)), out_shardings=(shardings, None))
     batch = to_global_batch(make_batch(cfg, cfg.train.global_batch_size), mesh)
-    new_state, metrics = step.lower(state, batch).compile(FAST_COMPILE)(state, batch)
+    compiled = step.lower(state, batch).compile(FAST_COMPILE)
+    new_state, metrics = compiled(state, batch)
+    one_step.hlo = compiled.as_text()
     return state, new_state, jax.device_get(metrics)
+
+
+COLLECTIVE = re.compile(r"= \w+\[([\d,]*)\][^ ]* (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)")
+
+
+def collective_shapes(hlo: str) -> list[tuple[int, ...]]:
+    return [tuple(int(d) for d in m.group(1).split(",") if d) for m in COLLECTIVE.finditer(hlo)]
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +127,12 @@ def test_layout_matches_one_device(name, reference):
     paths = jax.tree_util.tree_leaves_with_path(params)
     for (path, got), want in zip(paths, jax.tree.leaves(ref_params), strict=True):
         assert rel_err(got, want) <= 1e-5, (jax.tree_util.keystr(path), rel_err(got, want))
+    if load_config(MODEL, BASE + overrides).mesh.tensor > 1:
+        # vocab-parallel embedding, output projection and loss: nothing vocab-sized (the [B,S,V] logits, or
+        # the [V,E] table) is ever gathered; only [B,S] softmax statistics are all-reduced
+        vocab = load_config(MODEL, BASE).model.vocab_size
+        shapes = collective_shapes(one_step.hlo)
+        assert shapes and not [sh for sh in shapes if vocab in sh]
     # the step really moved the parameters (the comparison above is not of two initial states)
     moved = [float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(old.params)))]
     assert max(moved) > 1e-3

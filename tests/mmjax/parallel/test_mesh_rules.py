@@ -89,3 +89,11 @@ def test_params_are_created_sharded_over_fsdp_and_tensor():
     total = sum(x.size for x in leaves)
     per_device = sum(x.addressable_shards[0].data.size for x in leaves)
     assert per_device < total / 4
+
+
+def test_dcn_axes_need_as_many_processes():
+    cfg = load_config(None, ["mesh.data=2", "mesh.dcn_data=2", "mesh.fsdp=4"])
+    with pytest.raises(ConfigError, match="1 processes"):
+        make_mesh(cfg)
+    with pytest.raises(ConfigError, match="does not divide"):
+        make_mesh(load_config(None, ["mesh.data=2", "mesh.dcn_data=4", "mesh.fsdp=4"]))
