@@ -13,7 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 import kernels
 from mmjax.config import ModelConfig
 from mmjax.model.layers import RMSNorm, dense, make_stack, normal, param, rope, run_stack
-from mmjax.parallel.sharding import attention, constrain
+from mmjax.parallel.sharding import attention, constrain, embed_lookup
 
 RESIDUAL = ("batch", "norm_length", "act_embed")  # logical names of the residual stream
 
@@ -110,7 +110,7 @@ class Decoder(nnx.Module):
             rngs, normal(0.02), (t.dim, cfg.vocab_size), ("embed", "vocab"), param_dtype)
 
     def embed(self, tokens):
-        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.compute_dtype)
+        return embed_lookup(self.embedding[...], tokens).astype(self.compute_dtype)
 
     def logits(self, x):
         x = self.final_norm(x)

@@ -17,7 +17,8 @@ import logging
 from typing import Any, Callable, Iterator
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import kernels
 from mmjax.parallel.rules import fit_spec, logical_to_spec, spec_axes
@@ -83,6 +84,40 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     if len(names) != x.ndim:
         raise ValueError(f"logical names {names} do not match the rank of shape {x.shape}")
     return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, ctx.spec(names, x.shape)))
+
+
+def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """`table[tokens]` for a [vocab, embed] table; vocab-parallel when the `vocab` rule splits the table.
+
+    Megatron's vocab-parallel embedding: each shard looks up the tokens in its slice of the vocabulary
+    (zeros elsewhere) and one all-reduce sums the slices, so the table is never gathered (GSPMD alone
+    sometimes all-gathers it).
+    """
+    ctx = current()
+    if ctx is None or ctx.axes_size("vocab") == 1:
+        return jnp.take(table, tokens, axis=0)
+    from mmjax.parallel.context_parallel import shard_map
+
+    vocab_entry = ctx.spec(("vocab",), (table.shape[0],))[0]
+    vocab_axes = spec_axes(vocab_entry)
+    if not vocab_axes:
+        return jnp.take(table, tokens, axis=0)
+    embed_axes = spec_axes(ctx.spec(("embed",), (table.shape[1],))[0])
+    tok_spec = ctx.spec(("batch", "length"), tokens.shape)
+    table_spec = PartitionSpec(vocab_entry, ctx.spec(("embed",), (table.shape[1],))[0])
+
+    def local(table, tokens):
+        if embed_axes:  # FSDP: the usual weight all-gather of the embed dimension
+            table = jax.lax.all_gather(table, embed_axes, axis=1, tiled=True)
+        rows = table.shape[0]
+        start = jax.lax.axis_index(vocab_axes) * rows
+        idx = tokens - start
+        inside = (idx >= 0) & (idx < rows)
+        out = jnp.where(inside[..., None], jnp.take(table, jnp.clip(idx, 0, rows - 1), axis=0), 0)
+        return jax.lax.psum(out, vocab_axes)
+
+    out_spec = PartitionSpec(*tok_spec, None)
+    return shard_map(local, ctx.mesh, (table_spec, tok_spec), out_spec, check_vma=True)(table, tokens)
 
 
 def attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positions, causal: bool = True,
