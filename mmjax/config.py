@@ -104,6 +104,36 @@ class MeshConfig:
     pipeline: int = 1
     sequence: int = 1
     tensor: int = 1
+    # How many of `data` / `fsdp` span nodes (GPU processes) or TPU slices; the rest of each axis, and all
+    # of `sequence` and `tensor`, stay inside one. 1 = the whole axis is within a node.
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How logical axes map onto the mesh, ZeRO stage, sequence/context parallelism (docs/parallelism.md)."""
+
+    # logical axis -> mesh axis, list of mesh axes, or null; merged over mmjax.parallel.rules.DEFAULT_RULES
+    rules: dict[str, Any] = dataclasses.field(default_factory=dict)
+    zero_stage: int = 3  # 3: params+grads+opt state sharded over fsdp; 1/2: params replicated, opt state sharded
+    sequence_parallel: bool = False  # Megatron SP: norm/residual activations split over `tensor` along length
+    context_parallel: str = "ring"  # attention when mesh.sequence > 1: allgather (KV) | ring
+    load_balance: bool = True  # ring: zigzag causal layout so every sequence shard does equal work
+    xla_flags_preset: str = "none"  # none | gpu_overlap (latency-hiding scheduler, async collectives, ...)
+    xla_flags: str = ""  # extra XLA flags appended to XLA_FLAGS before the backend starts
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process runs through `jax.distributed.initialize` (one process per host or per GPU)."""
+
+    initialize: bool = False  # true: call jax.distributed.initialize (JAX auto-detects SLURM/K8s/TPU)
+    coordinator_address: str = ""  # host:port of process 0; setting it implies initialize
+    num_processes: int = 0  # 0 = auto-detected
+    process_id: int = -1  # -1 = auto-detected
+    cpu_collectives: str = "gloo"  # CPU cross-process collectives (gloo | mpi)
+    initialization_timeout: int = 300  # seconds to wait for every process to join
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +190,9 @@ class TrainConfig:
     seed: int = 0
     global_batch_size: int = 64
     grad_accum_steps: int = 1
+    # rows per data-parallel rank (data x fsdp) per accumulation micro-step; 0 = derived. If set,
+    # global_batch_size must equal micro_batch_size x (data x fsdp) x grad_accum_steps.
+    micro_batch_size: int = 0
     output_dir: str = "runs/tiny_shapes"
 
 
@@ -195,6 +228,8 @@ class ObserveConfig:
 class Config:
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    distributed: DistributedConfig = DistributedConfig()
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
@@ -275,6 +310,10 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return from_tree(hint, value, f"{name}.")
     origin = typing.get_origin(hint)
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{name} must be a mapping with string keys, got {value!r}")
+        return dict(value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name} must be a list, got {value!r}")
@@ -314,9 +353,17 @@ def _example(hint: type) -> str:
     return {int: "1", float: "0.5", bool: "true", str: "text"}.get(hint, "...")
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Resolve YAML + overrides into a validated `Config`."""
-    tree = load_yaml_tree(path) if path else {}
+def load_config(path: str | os.PathLike | typing.Sequence[str | os.PathLike] | None = None,
+                overrides: typing.Sequence[str] = ()) -> Config:
+    """Resolve YAML + overrides into a validated `Config`.
+
+    `path` may be a list: later files merge over earlier ones (e.g. an experiment, then a
+    `configs/parallel/*.yaml` layout preset).
+    """
+    paths = [] if not path else [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    tree: dict[str, Any] = {}
+    for p in paths:
+        tree = deep_merge(tree, load_yaml_tree(p))
     for override in overrides:
         apply_override(tree, override)
     cfg = from_tree(Config, tree)
@@ -439,7 +486,22 @@ def validate(cfg: Config) -> None:
     need(d.image_tiles == 0 or (d.image_tiles >= 2 and d.max_images >= 1 + d.image_tiles**2),
          f"data.image_tiles={d.image_tiles} must be 0 (off) or >= 2 with data.max_images >= "
          f"{1 + max(d.image_tiles, 2) ** 2} (a thumbnail + g x g tile slots per image)")
-    sizes = dataclasses.asdict(cfg.mesh)
+    p = cfg.parallel
+    need(p.zero_stage in (1, 2, 3), f"parallel.zero_stage={p.zero_stage} is not one of 1, 2, 3")
+    need(p.context_parallel in ("allgather", "ring"),
+         f"parallel.context_parallel={p.context_parallel!r} is not one of allgather, ring")
+    need(p.xla_flags_preset in ("none", "gpu_overlap"),
+         f"parallel.xla_flags_preset={p.xla_flags_preset!r} is not one of none, gpu_overlap")
+    axes = ("data", "fsdp", "pipeline", "sequence", "tensor")
+    for key, target in p.rules.items():
+        targets = target if isinstance(target, list) else [] if target is None else [target]
+        need(all(isinstance(a, str) and a in axes for a in targets),
+             f"parallel.rules.{key}={target!r}: map a logical axis to null, one of {axes}, or a list of them")
+    need(cfg.train.micro_batch_size >= 0, "train.micro_batch_size must be >= 0 (0 = derived from the mesh)")
+    need(cfg.distributed.cpu_collectives in ("gloo", "mpi"),
+         f"distributed.cpu_collectives={cfg.distributed.cpu_collectives!r} is not one of gloo, mpi")
+    sizes = {k: v for k, v in dataclasses.asdict(cfg.mesh).items() if not k.startswith("dcn_")}
+    need(cfg.mesh.dcn_data >= 1 and cfg.mesh.dcn_fsdp >= 1, "mesh.dcn_data and mesh.dcn_fsdp must be >= 1")
     need(list(sizes.values()).count(-1) <= 1,
          f"at most one mesh axis may be -1 (the rest of the devices), got {sizes}")
     need(all(s == -1 or s > 0 for s in sizes.values()), f"mesh sizes must be positive or -1, got {sizes}")

@@ -21,7 +21,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_shap
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mmjax.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help=f"YAML config (default: {DEFAULT_CONFIG.name})")
+    parser.add_argument("--config", action="append", default=None,
+                        help=f"YAML config (default: {DEFAULT_CONFIG.name}); repeat to merge several, e.g. "
+                             "an experiment then configs/parallel/fsdp_tp.yaml")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 mesh.tensor=2")
     return parser.parse_args(argv)
@@ -46,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     if not flags.FLAGS.is_parsed():
         flags.FLAGS(sys.argv[:1])
     from mmjax.engine.trainer import Trainer
+    from mmjax.parallel.distributed import setup_runtime
 
     try:
+        setup_runtime(cfg)  # XLA flags and jax.distributed, before the backend starts
         result = Trainer(cfg).run()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -8,6 +8,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from mmjax.engine.steps import MODEL_INPUTS
@@ -53,7 +54,10 @@ class Evaluator:
         for batch, rows in self.eval_set.batches(self.batch_size):
             prompt = {k: jax.device_put(batch[k], batch_sharding(self.mesh, batch[k].ndim))
                       for k in MODEL_INPUTS if k in batch}  # text-only batches have no images
-            out = np.asarray(jax.device_get(self.generate(params, prompt)))[:rows]
+            out = self.generate(params, prompt)
+            # multi-process: the answers span every process's devices; gather them to each host
+            out = multihost_utils.process_allgather(out, tiled=True) if not out.is_fully_addressable else out
+            out = np.asarray(jax.device_get(out))[:rows]
             predictions.extend(self.tokenizer.decode(row.tolist()) for row in out)
         scores = exact_match_scores(predictions, self.eval_set.answers, self.eval_set.qtypes)
         scores["eval/baseline_majority"] = float(self.eval_set.baseline_majority)

@@ -6,6 +6,7 @@ global batch sharded over data x fsdp. The train loop's blocking time on `next()
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -18,6 +19,7 @@ from jax.sharding import Mesh
 from mmjax.parallel.rules import batch_sharding
 
 _END = object()
+log = logging.getLogger(__name__)
 
 
 def to_global_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
@@ -44,7 +46,11 @@ class DeviceFeed:
     def _fill(self) -> None:
         try:
             get_state = getattr(self._source, "get_state", None)
-            for batch in self._source:
+            for i, batch in enumerate(self._source):
+                if i == 0:
+                    rows = len(next(iter(batch.values())))
+                    log.info("process %d of %d loads %d rows of each global batch", jax.process_index(),
+                             jax.process_count(), rows)
                 item = (to_global_batch(batch, self._mesh), get_state() if get_state else None)
                 while not self._stop.is_set():
                     try:

@@ -21,7 +21,7 @@ from mmjax.engine.precision import initial_loss_scale
 from mmjax.engine.state import TrainState
 from mmjax.model import MLLM
 from mmjax.model.layers import resolve_dtype
-from mmjax.parallel.rules import param_logical_axes, shardings_for
+from mmjax.parallel.zero import ShardingPlan, sharding_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +29,7 @@ class ModelSetup:
     graphdef: nnx.GraphDef
     param_shardings: Any  # pure dict of NamedSharding, same tree as the params
     make_params: Callable[[], Any]  # jitted: returns the sharded pure-dict params
+    plan: ShardingPlan | None = None  # ZeRO stage: where gradients and optimizer state live
 
 
 def model_setup(cfg: Config, mesh: Mesh, image_token_id: int) -> ModelSetup:
@@ -37,19 +38,17 @@ def model_setup(cfg: Config, mesh: Mesh, image_token_id: int) -> ModelSetup:
         return nnx.split(model, nnx.Param)
 
     graphdef, abstract_params = nnx.eval_shape(lambda: build()[:2])
-    shardings = shardings_for(param_logical_axes(abstract_params), mesh)
-    make_params = jax.jit(lambda: build()[1].to_pure_dict(), out_shardings=shardings)
-    return ModelSetup(graphdef, shardings, make_params)
+    plan = sharding_plan(cfg, mesh, abstract_params)
+    make_params = jax.jit(lambda: build()[1].to_pure_dict(), out_shardings=plan.params)
+    return ModelSetup(graphdef, plan.params, make_params, plan)
 
 
 def create_train_state(cfg: Config, mesh: Mesh, setup: ModelSetup,
                        optimizer: optax.GradientTransformation) -> tuple[TrainState, Any]:
     """(state, state_shardings): optimizer moments take their parameter's sharding, scalars replicate."""
-    replicated = NamedSharding(mesh, PartitionSpec())
     params = setup.make_params()
     abstract_opt = jax.eval_shape(optimizer.init, params)
-    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, setup.param_shardings,
-                                          transform_non_params=lambda _: replicated)
+    opt_shardings = opt_state_shardings(mesh, setup, optimizer, abstract_opt)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(params)
     compute_dtype = resolve_dtype(cfg.model.compute_dtype)
     state = TrainState(
@@ -59,7 +58,23 @@ def create_train_state(cfg: Config, mesh: Mesh, setup: ModelSetup,
         rng=jax.random.key_data(jax.random.key(cfg.train.seed)),
         loss_scale=initial_loss_scale(cfg, compute_dtype),
     )
-    state = jax.device_put(state, jax.tree.map(lambda _: replicated, state).replace(
-        params=setup.param_shardings, opt_state=opt_shardings))
+    state = jax.device_put(state, state_shardings(mesh, setup, optimizer, state))
     shardings = jax.tree.map(lambda x: x.sharding, state)
     return state, shardings
+
+
+def opt_state_shardings(mesh: Mesh, setup: ModelSetup, optimizer: optax.GradientTransformation,
+                        opt_state: Any) -> Any:
+    """Per-parameter optimizer state follows the ZeRO plan; counters and other scalars replicate."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    per_param = setup.plan.opt_params if setup.plan is not None else setup.param_shardings
+    return optax.tree_map_params(optimizer, lambda _, s: s, opt_state, per_param,
+                                 transform_non_params=lambda _: replicated)
+
+
+def state_shardings(mesh: Mesh, setup: ModelSetup, optimizer: optax.GradientTransformation,
+                    state: TrainState) -> Any:
+    """Target shardings for a TrainState (concrete or abstract) on `mesh`, e.g. to move one across meshes."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda _: replicated, state).replace(
+        params=setup.param_shardings, opt_state=opt_state_shardings(mesh, setup, optimizer, state.opt_state))

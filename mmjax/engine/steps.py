@@ -53,20 +53,26 @@ def split_micro_batches(batch: Batch, accum_steps: int) -> Batch:
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, accum_steps: int,
-                    skip_nonfinite: bool = True) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    skip_nonfinite: bool = True, grad_shardings: Any = None
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """Build `train_step(state, batch) -> (state, metrics)`; jit it with donated state.
 
     Gradients are of the *sum* of token losses, divided once by the total token count, so any
     accumulation split gives the same update as one big batch. `skip_nonfinite=False`
     (`observe.nan_policy=warn`) applies updates even when gradients are not finite; fp16 loss scaling
-    always skips them.
+    always skips them. `grad_shardings` (the ZeRO plan's) pins where gradients live, e.g.
+    reduce-scattered over the data-parallel group for ZeRO-2.
     """
 
     def scaled_loss(params: Any, batch: Batch, scale: jax.Array):
         total, count = loss_sums(nnx.merge(graphdef, params), batch)
         return total * scale, (total, count)
 
-    grad_fn = jax.grad(scaled_loss, has_aux=True)
+    def grad_fn(params: Any, batch: Batch, scale: jax.Array):
+        grads, aux = jax.grad(scaled_loss, has_aux=True)(params, batch, scale)
+        if grad_shardings is not None:
+            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        return grads, aux
 
     def gradients(params: Any, batch: Batch, scale: jax.Array):
         if accum_steps == 1:
@@ -80,6 +86,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             return (jax.tree.map(jnp.add, g_acc, g), t_acc + t, c_acc + c), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
+        if grad_shardings is not None:  # the accumulator lives where the gradients do (a shard for ZeRO-2)
+            zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
         (grads, total, count), _ = jax.lax.scan(body, (zeros, 0.0, 0.0), micro)
         return grads, total, count
 

@@ -24,6 +24,7 @@ from mmjax.engine.optimizer import learning_rate_schedule, make_optimizer
 from mmjax.engine.steps import make_train_step
 from mmjax.observe.monitor import TrainMonitor
 from mmjax.parallel.mesh import data_parallel_size, make_mesh, resolve_mesh_shape
+from mmjax.parallel.sharding import context_from_config, in_sharding_context
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,9 @@ class Trainer:
         self.schedule = learning_rate_schedule(cfg)
         self.state, state_shardings = create_train_state(cfg, self.mesh, self.setup, self.optimizer)
         step_fn = make_train_step(self.setup.graphdef, self.optimizer, self.schedule, cfg.train.grad_accum_steps,
-                                  skip_nonfinite=cfg.observe.nan_policy != "warn")
+                                  skip_nonfinite=cfg.observe.nan_policy != "warn",
+                                  grad_shardings=self.setup.plan.grads)
+        step_fn = in_sharding_context(step_fn, context_from_config(cfg, self.mesh))  # activation constraints
         self._train_step = jax.jit(step_fn, out_shardings=(state_shardings, None), donate_argnums=0)
 
         self.monitor.phase("the evaluation set to load")
@@ -57,7 +60,9 @@ class Trainer:
         self.evaluator = None if eval_set is None else Evaluator(  # None: user data without data.eval_paths
             eval_set, self.tokenizer, generate, self.mesh, cfg.eval.batch_size, data_parallel_size(self.mesh_sizes))
         n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params))
-        log.info("model: %.2fM parameters; mesh %s", n_params / 1e6, self.mesh_sizes)
+        log.info("model: %.2fM parameters; mesh %s (%d processes, ZeRO-%d%s)", n_params / 1e6, self.mesh_sizes,
+                 jax.process_count(), cfg.parallel.zero_stage,
+                 ", sequence-parallel" if cfg.parallel.sequence_parallel else "")
         self.monitor.idle()
 
     def run(self) -> dict[str, float]:

@@ -13,6 +13,9 @@ from jax.ad_checkpoint import checkpoint_name
 import kernels
 from mmjax.config import ModelConfig
 from mmjax.model.layers import RMSNorm, dense, make_stack, normal, param, rope, run_stack
+from mmjax.parallel.sharding import attention, constrain, embed_lookup
+
+RESIDUAL = ("batch", "norm_length", "act_embed")  # logical names of the residual stream
 
 
 @flax.struct.dataclass
@@ -56,22 +59,25 @@ class DecoderLayer(nnx.Module):
         g = self.n_heads // self.n_kv
         q = qkv[:, :, :, :g].reshape(b, s, self.n_heads, self.head_dim)
         k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
-        return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
+        q = constrain(rope(q, positions, self.rope_theta), ("batch", "length", "heads", "head_dim"))
+        k = constrain(rope(k, positions, self.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
+        return q, k, constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
     def finish(self, x, attn):
-        attn = checkpoint_name(attn, "attention_out")
+        attn = checkpoint_name(constrain(attn, ("batch", "length", "heads", "head_dim")), "attention_out")
         # residual add + RMSNorm in one kernel: (norm(x + attn_out), x + attn_out)
         h, x = self.mlp_norm(dense(attn, self.out[...], "bshd,hde->bse", self.compute_dtype), residual=x)
+        x = constrain(x, RESIDUAL)
         h = dense(h, self.gate_up[...], "bse,ecm->bscm", self.compute_dtype)
-        h = jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
-        return x + dense(h, self.down[...], "bsm,me->bse", self.compute_dtype)
+        h = constrain(jax.nn.silu(h[:, :, 0]) * h[:, :, 1], ("batch", "length", "mlp"))
+        return constrain(x + dense(h, self.down[...], "bsm,me->bse", self.compute_dtype), RESIDUAL)
 
     def __call__(self, x, positions, segment_ids, block_ids):
         """Training / prefill forward over the sequence itself; also returns this layer's k, v."""
         q, k, v = self.qkv_proj(self.attn_norm(x), positions)
-        attn = kernels.attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                                 q_positions=positions, kv_positions=positions, causal=True,
-                                 q_block_ids=block_ids, kv_block_ids=block_ids, impl=self.attention_impl)
+        attn = attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                         q_positions=positions, kv_positions=positions, causal=True,
+                         q_block_ids=block_ids, kv_block_ids=block_ids, impl=self.attention_impl)
         return self.finish(x, attn), (k, v)
 
     def decode(self, x, lengths, k_cache, v_cache):
@@ -107,7 +113,7 @@ class Decoder(nnx.Module):
             rngs, normal(0.02), (t.dim, cfg.vocab_size), ("embed", "vocab"), param_dtype)
 
     def embed(self, tokens):
-        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.compute_dtype)
+        return embed_lookup(self.embedding[...], tokens).astype(self.compute_dtype)
 
     def logits(self, x):
         x = self.final_norm(x)
@@ -115,11 +121,13 @@ class Decoder(nnx.Module):
             w, spec = self.embedding[...], "bse,ve->bsv"
         else:
             w, spec = self.lm_head[...], "bse,ev->bsv"
-        return jnp.einsum(spec, x, w.astype(self.compute_dtype), preferred_element_type=jnp.float32)
+        logits = jnp.einsum(spec, x, w.astype(self.compute_dtype), preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "length", "vocab"))
 
     def _layers(self, x, positions, segment_ids, block_ids, return_kv):
         if block_ids is None:
             block_ids = jnp.zeros_like(segment_ids)
+        x = constrain(x, RESIDUAL)
 
         def body(layer, h, _):
             h, kv = layer(h, positions, segment_ids, block_ids)

@@ -9,6 +9,7 @@ import kernels
 
 from mmjax.config import ModelConfig
 from mmjax.model.layers import dense, normal, param, zeros
+from mmjax.parallel.sharding import constrain
 
 
 class Projector(nnx.Module):
@@ -26,4 +27,5 @@ class Projector(nnx.Module):
         h = kernels.bias_gelu(dense(x, self.fc1[...], "...v,vh->...h", self.compute_dtype),
                               self.fc1_bias[...].astype(self.compute_dtype), approximate=False,
                               impl=self.activation_impl)
+        h = constrain(h, ("batch",) + (None,) * (h.ndim - 2) + ("mlp",))
         return dense(h, self.fc2[...], "...h,ht->...t", self.compute_dtype, self.fc2_bias[...])

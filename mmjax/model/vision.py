@@ -10,6 +10,9 @@ from jax.ad_checkpoint import checkpoint_name
 import kernels
 from mmjax.config import ModelConfig
 from mmjax.model.layers import LayerNorm, dense, make_stack, normal, param, run_stack, zeros
+from mmjax.parallel.sharding import constrain
+
+RESIDUAL = ("batch", None, "act_embed")  # [B*N, patches, dim]; patches stay whole (no context parallelism)
 
 
 def sincos2d(grid: int, dim: int, temperature: float = 10000.0) -> jax.Array:
@@ -43,17 +46,21 @@ class VisionLayer(nnx.Module):
 
     def __call__(self, x, ones, positions):
         qkv = dense(self.attn_norm(x), self.qkv[...], "bse,ecnd->bscnd", self.compute_dtype, self.qkv_bias[...])
+        qkv = constrain(qkv, ("batch", None, None, "heads", "head_dim"))
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         attn = kernels.attention(q, k, v, q_segment_ids=ones, kv_segment_ids=ones, q_positions=positions,
                                  kv_positions=positions, causal=False, impl=self.attention_impl)
-        attn = checkpoint_name(attn, "attention_out")
+        attn = checkpoint_name(constrain(attn, ("batch", None, "heads", "head_dim")), "attention_out")
         # residual add + LayerNorm in one kernel: (norm(x + attn_out), x + attn_out)
         hn, x = self.mlp_norm(dense(attn, self.out[...], "bsnd,nde->bse", self.compute_dtype, self.out_bias[...]),
                               residual=x)
+        x = constrain(x, RESIDUAL)
         h = kernels.bias_gelu(dense(hn, self.fc1[...], "bse,em->bsm", self.compute_dtype),
                               self.fc1_bias[...].astype(self.compute_dtype), approximate=False,
                               impl=self.activation_impl)
-        return x + dense(h, self.fc2[...], "bsm,me->bse", self.compute_dtype, self.fc2_bias[...])
+        h = constrain(h, ("batch", None, "mlp"))
+        return constrain(x + dense(h, self.fc2[...], "bsm,me->bse", self.compute_dtype, self.fc2_bias[...]),
+                         RESIDUAL)
 
 
 class VisionEncoder(nnx.Module):
@@ -91,7 +98,7 @@ class VisionEncoder(nnx.Module):
         x = dense(self.patchify(images), self.patch_embed[...], "bsp,pe->bse", self.compute_dtype,
                   self.patch_bias[...])
         pos = self.pos_embed[...] if v.pos_embed == "learned" else sincos2d(v.image_size // v.patch_size, v.dim)
-        x = x + pos.astype(self.compute_dtype)
+        x = constrain(x + pos.astype(self.compute_dtype), RESIDUAL)
         s = x.shape[1]
         ones = jnp.ones((b * n, s), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b * n, s))

@@ -8,11 +8,11 @@ so GSPMD propagates shardings from the annotations; the mode is set explicitly b
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from mmjax.config import Config, MeshConfig
@@ -24,7 +24,7 @@ BATCH_AXES = ("data", "fsdp")
 
 def resolve_mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> dict[str, int]:
     """Sizes of every mesh axis, with a -1 replaced by the remaining devices."""
-    sizes = dataclasses.asdict(mesh_cfg)
+    sizes = {a: getattr(mesh_cfg, a) for a in AXES}
     known = math.prod(s for s in sizes.values() if s != -1)
     if -1 in sizes.values():
         if num_devices % known:
@@ -44,8 +44,28 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
     sizes = resolve_mesh_shape(cfg.mesh, len(devices))
     check_fits(cfg, sizes)
     shape = tuple(sizes[a] for a in AXES)
-    grid = np.asarray(devices).reshape(shape)
+    dcn = {a: getattr(cfg.mesh, f"dcn_{a}", 1) for a in AXES}
+    if math.prod(dcn.values()) == 1:
+        grid = np.asarray(devices).reshape(shape)
+    else:
+        grid = hybrid_grid(sizes, dcn, devices)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def hybrid_grid(sizes: dict[str, int], dcn: dict[str, int], devices: list) -> np.ndarray:
+    """Device grid whose `dcn_*` factor of data/fsdp runs across granules (processes, or TPU slices)."""
+    for a, n in dcn.items():
+        if sizes[a] % n:
+            raise ConfigError(f"mesh.dcn_{a}={n} does not divide mesh.{a}={sizes[a]}")
+    slices = {getattr(d, "slice_index", None) for d in devices}
+    by_process = slices == {None} or len(slices) == 1
+    granules = len({d.process_index for d in devices}) if by_process else len(slices)
+    if math.prod(dcn.values()) != granules:
+        raise ConfigError(
+            f"mesh.dcn_* = {[dcn[a] for a in AXES if dcn[a] > 1]} multiply to {math.prod(dcn.values())} but the run "
+            f"has {granules} {'processes' if by_process else 'slices'}; make them equal (or set mesh.dcn_*=1)")
+    ici = [sizes[a] // dcn[a] for a in AXES]
+    return mesh_utils.create_hybrid_device_mesh(ici, [dcn[a] for a in AXES], devices, process_is_granule=by_process)
 
 
 def data_parallel_size(sizes: dict[str, int]) -> int:
@@ -56,6 +76,12 @@ def check_fits(cfg: Config, sizes: dict[str, int]) -> None:
     """Sizes that must divide the model and batch dimensions they shard."""
     dp = data_parallel_size(sizes)
     per_step = cfg.train.global_batch_size // cfg.train.grad_accum_steps
+    micro = cfg.train.micro_batch_size
+    if micro and micro * dp * cfg.train.grad_accum_steps != cfg.train.global_batch_size:
+        raise ConfigError(
+            f"train.micro_batch_size={micro} x data-parallel size (data x fsdp = {dp}) x train.grad_accum_steps="
+            f"{cfg.train.grad_accum_steps} = {micro * dp * cfg.train.grad_accum_steps} != train.global_batch_size="
+            f"{cfg.train.global_batch_size}; set train.micro_batch_size=0 to derive it, or fix one of them")
     if per_step % dp:
         raise ConfigError(
             f"train.global_batch_size={cfg.train.global_batch_size} / train.grad_accum_steps="

@@ -7,7 +7,7 @@ from mmjax.config import load_config
 from mmjax.engine.init import model_setup
 from mmjax.errors import ConfigError
 from mmjax.parallel.mesh import make_mesh, resolve_mesh_shape
-from mmjax.parallel.rules import logical_to_spec
+from mmjax.parallel.rules import logical_to_spec, rules_from_config
 
 
 def test_minus_one_takes_the_remaining_devices():
@@ -30,8 +30,49 @@ def test_mesh_errors_name_the_problem(overrides, message):
 def test_logical_rules_to_partition_specs():
     assert logical_to_spec(("embed", "kv_heads", None, "head_dim")) == P("fsdp", "tensor", None, None)
     assert logical_to_spec(("layers", "mlp", "embed")) == P(None, "tensor", "fsdp")
-    assert logical_to_spec(("batch", "length")) == P(("data", "fsdp"), None)
+    assert logical_to_spec(("batch", "length")) == P(("data", "fsdp"), "sequence")
     assert logical_to_spec(()) == P()
+
+
+def test_rules_from_config_switches_and_overrides():
+    cfg = load_config(None, ["parallel.sequence_parallel=true", "parallel.rules={vocab: null, mlp: [tensor, fsdp]}"])
+    rules = rules_from_config(cfg)
+    assert logical_to_spec(("batch", "norm_length", "act_embed"), rules) == P(("data", "fsdp"), ("sequence", "tensor"), None)
+    assert logical_to_spec(("vocab", "embed"), rules) == P(None, "fsdp")
+    assert logical_to_spec(("embed", "mlp"), rules) == P("fsdp", "tensor")  # fsdp already used by embed
+    zero1 = rules_from_config(load_config(None, ["parallel.zero_stage=1"]))
+    assert logical_to_spec(("embed", "mlp"), zero1) == P(None, "tensor")
+    assert logical_to_spec(("batch",), zero1) == P(("data", "fsdp"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.rules={embed: fdsp}"], "parallel.rules.embed"),
+    (["parallel.zero_stage=4"], "zero_stage"),
+    (["parallel.context_parallel=ulysses"], "context_parallel"),
+])
+def test_bad_parallel_config_is_a_config_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_micro_batch_size_must_match_global_batch():
+    cfg = load_config(None, ["mesh.data=8", "train.global_batch_size=64", "train.grad_accum_steps=2",
+                             "train.micro_batch_size=4"])
+    assert make_mesh(cfg).shape["data"] == 8
+    bad = load_config(None, ["mesh.data=8", "train.global_batch_size=64", "train.micro_batch_size=4"])
+    with pytest.raises(ConfigError, match="micro_batch_size=4"):
+        make_mesh(bad)
+
+
+def test_layout_presets_load_and_fit_eight_devices():
+    from pathlib import Path
+
+    presets = sorted(Path("configs/parallel").glob("*.yaml"))
+    assert {p.stem for p in presets} >= {"fsdp", "fsdp_tp", "tp_sp", "context_parallel", "hybrid_dp_fsdp"}
+    for preset in presets:
+        cfg = load_config(["configs/tiny_shapes.yaml", preset], [])
+        if cfg.mesh.pipeline == 1:
+            assert make_mesh(cfg).devices.size == 8, preset
 
 
 def test_params_are_created_sharded_over_fsdp_and_tensor():
@@ -48,3 +89,11 @@ def test_params_are_created_sharded_over_fsdp_and_tensor():
     total = sum(x.size for x in leaves)
     per_device = sum(x.addressable_shards[0].data.size for x in leaves)
     assert per_device < total / 4
+
+
+def test_dcn_axes_need_as_many_processes():
+    cfg = load_config(None, ["mesh.data=2", "mesh.dcn_data=2", "mesh.fsdp=4"])
+    with pytest.raises(ConfigError, match="1 processes"):
+        make_mesh(cfg)
+    with pytest.raises(ConfigError, match="does not divide"):
+        make_mesh(load_config(None, ["mesh.data=2", "mesh.dcn_data=4", "mesh.fsdp=4"]))

@@ -1,0 +1,64 @@
+"""Two processes x 4 CPU devices through jax.distributed give one process x 8 devices' losses.
+
+The two-process run builds the hybrid mesh (`mesh.dcn_data=2`: the data axis spans the processes,
+fsdp x tensor stay inside each), as a two-node GPU run would.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mmjax.config import load_config
+from mmjax.engine.trainer import Trainer
+from mmjax.train import DEFAULT_CONFIG
+
+REPO = Path(__file__).resolve().parents[3]
+RUN = ["model.text.n_layers=1", "model.vision.n_layers=1", "data.num_train=256", "data.num_eval=16",
+       "data.num_shards=2", "eval.num_examples=16", "eval.batch_size=16", "train.global_batch_size=16",
+       "train.steps=5", "observe.log_every=1", "observe.progress=false", "eval.every_steps=0",
+       "model.compute_dtype=float32", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+
+
+def losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+def test_two_processes_match_one_process(tmp_path):
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    Trainer(load_config(DEFAULT_CONFIG, RUN + [cache, f"train.output_dir={tmp_path / 'single'}"])).run()  # 1 x 8 devices
+    port = free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "mmjax.train", *RUN, cache, f"train.output_dir={tmp_path / f'p{i}'}",
+         f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
+         f"distributed.process_id={i}", "mesh.dcn_data=2"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True) for i in range(2)]
+    logs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=400)
+        finally:
+            p.kill()
+        logs.append(out)
+        assert p.returncode == 0, out[-3000:]
+    want = losses(tmp_path / "single")
+    assert len(want) == 5
+    for i, log in enumerate(logs):
+        assert f"process {i} of 2, 4 local / 8 global devices" in log
+        assert f"process {i} of 2 loads 8 rows of each global batch" in log  # half of the 16-row batch
+        np.testing.assert_allclose(losses(tmp_path / f"p{i}"), want, rtol=1e-5)
