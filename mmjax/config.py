@@ -142,6 +142,22 @@ class TrainConfig:
     global_batch_size: int = 64
     grad_accum_steps: int = 1
     output_dir: str = "runs/tiny_shapes"
+    # auto: continue from the latest complete checkpoint in checkpoint.dir (fresh start if none);
+    # never: fresh start (refused if checkpoint.dir already holds checkpoints); N: that step of
+    # checkpoint.dir; a path: a checkpoint folder (or one step folder in it), e.g. from another run.
+    resume: str | int = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints of the full train state + data iterator (mmjax.engine.checkpoint)."""
+
+    enabled: bool = True
+    dir: str = ""  # "" = <train.output_dir>/checkpoints
+    every_steps: int = 1000  # 0 = only at the end (and on SIGTERM/SIGINT)
+    keep: int = 3  # latest checkpoints kept; 0 = keep all
+    keep_every: int = 0  # additionally keep every step that is a multiple of this forever; 0 = none
+    async_save: bool = dataclasses.field(default=True, metadata={"key": "async"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +183,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     observe: ObserveConfig = ObserveConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,7 +242,7 @@ def from_tree(cls: type, tree: Any, prefix: str = "") -> Any:
     """Build dataclass `cls` from a nested dict, checking every key and value type."""
     if not isinstance(tree, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {tree!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {_key(f): f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in tree.items():
@@ -234,8 +251,14 @@ def from_tree(cls: type, tree: Any, prefix: str = "") -> Any:
             close = difflib.get_close_matches(key, list(fields), n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
             raise ConfigError(f"unknown config key {name}{hint}")
-        kwargs[key] = _coerce(hints[key], value, name)
+        field_name = fields[key].name
+        kwargs[field_name] = _coerce(hints[field_name], value, name)
     return cls(**kwargs)
+
+
+def _key(field: dataclasses.Field) -> str:
+    """The config key of a field: its name, or metadata["key"] where the key is a Python keyword (`async`)."""
+    return field.metadata.get("key", field.name)
 
 
 def _coerce(hint: Any, value: Any, name: str) -> Any:
@@ -296,7 +319,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
     def plain(x: Any) -> Any:
         if dataclasses.is_dataclass(x):
-            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+            return {_key(f): plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
         if isinstance(x, tuple):
             return [plain(v) for v in x]
         return x
@@ -364,6 +387,14 @@ def validate(cfg: Config) -> None:
     need(cfg.eval.num_examples <= cfg.data.num_eval,
          f"eval.num_examples={cfg.eval.num_examples} exceeds data.num_eval={cfg.data.num_eval}")
     need(cfg.data.num_workers >= 0, "data.num_workers must be >= 0")
+    c, resume = cfg.checkpoint, cfg.train.resume
+    for name, value in [("checkpoint.every_steps", c.every_steps), ("checkpoint.keep", c.keep),
+                        ("checkpoint.keep_every", c.keep_every)]:
+        need(value >= 0, f"{name} must be >= 0 (0 = {'only at the end' if 'every_steps' in name else 'off'}), got {value}")
+    need(not isinstance(resume, int) or resume >= 0,
+         f"train.resume={resume} must be auto, never, a step >= 0 or a checkpoint path")
+    need(isinstance(resume, int) or resume.strip() != "",
+         "train.resume is empty; use auto, never, a step number or a checkpoint path")
     sizes = dataclasses.asdict(cfg.mesh)
     need(list(sizes.values()).count(-1) <= 1,
          f"at most one mesh axis may be -1 (the rest of the devices), got {sizes}")

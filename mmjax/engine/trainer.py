@@ -7,6 +7,8 @@ interval (`observe.log_every`), when they are fetched in one transfer and writte
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ import numpy as np
 
 from mmjax.config import Config, to_yaml
 from mmjax.data.pipeline import load_eval_examples, make_train_dataset, open_dataset
+from mmjax.engine import checkpoint as ckpt
 from mmjax.engine.evaluate import Evaluator, make_generate_fn
 from mmjax.engine.feed import DeviceFeed
 from mmjax.engine.init import create_train_state, model_setup
@@ -29,10 +32,10 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, devices: list | None = None):
         self.cfg = cfg
         self.output_dir = Path(cfg.train.output_dir).expanduser()
-        self.mesh = make_mesh(cfg)
+        self.mesh = make_mesh(cfg, devices)
         self.mesh_sizes = resolve_mesh_shape(cfg.mesh, self.mesh.devices.size)
         self.files, self.tokenizer = open_dataset(cfg)
 
@@ -40,6 +43,17 @@ class Trainer:
         self.optimizer = make_optimizer(cfg)
         self.schedule = learning_rate_schedule(cfg)
         self.state, state_shardings = create_train_state(cfg, self.mesh, self.setup, self.optimizer)
+        # Checkpoints: this run's folder, and the state + data position train.resume points at.
+        self.checkpointer = ckpt.Checkpointer.from_config(cfg) if cfg.checkpoint.enabled else None
+        self.data_state: Any = None
+        self.stop_requested = threading.Event()
+        source = ckpt.find_resume(cfg, self.checkpointer)
+        if source is not None:
+            reader, step = source
+            restored = reader.restore(step, self.state)
+            ckpt.check_data_compatible(restored.meta, cfg, f"checkpoint {restored.path}")
+            self.state, self.data_state = restored.state, restored.data
+            log.info("resumed from %s (step %d)", restored.path, step)
         step_fn = make_train_step(self.setup.graphdef, self.optimizer, self.schedule, cfg.train.grad_accum_steps)
         self._train_step = jax.jit(step_fn, out_shardings=(state_shardings, None), donate_argnums=0)
 
@@ -56,15 +70,22 @@ class Trainer:
         cfg = self.cfg
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(to_yaml(cfg))
+        start = int(jax.device_get(self.state.step))
+        if start >= cfg.train.steps:
+            log.info("the checkpoint is at step %d >= train.steps=%d: nothing to train", start, cfg.train.steps)
+            return {}
         sinks: list[Any] = [JsonlSink(self.output_dir / "metrics.jsonl")]
         if cfg.observe.progress:
-            sinks.append(ProgressSink(cfg.train.steps))
+            sinks.append(ProgressSink(cfg.train.steps, start_step=start))
         writer = MetricWriter(sinks)
         loader = iter(make_train_dataset(cfg, self.tokenizer, files=self.files, process_index=jax.process_index(),
                                          process_count=jax.process_count()))
+        if self.data_state is not None:
+            loader.set_state(self.data_state)  # the batch after the checkpoint's last one
         feed = DeviceFeed(loader, self.mesh, depth=cfg.data.prefetch)
         buffer = MetricBuffer()
         last_eval: dict[str, float] = {}
+        restore_signals = self._catch_stop_signals()
         try:
             batch = next(feed)
             compile_start = time.perf_counter()
@@ -72,13 +93,14 @@ class Trainer:
             writer.write(0, {"time/compile_train_step": time.perf_counter() - compile_start})
             wait = feed.last_wait
             interval_start = time.perf_counter()
-            for step in range(1, cfg.train.steps + 1):
-                if step > 1:
+            for step in range(start + 1, cfg.train.steps + 1):
+                if step > start + 1:
                     batch = next(feed)
                     wait += feed.last_wait
                 self.state, metrics = train_step(self.state, batch)
                 buffer.add(metrics)
-                if step % cfg.observe.log_every == 0 or step == cfg.train.steps:
+                stop = self._stop_now(step)
+                if step % cfg.observe.log_every == 0 or step == cfg.train.steps or stop:
                     steps_done = len(buffer)
                     values = buffer.flush()  # the only host sync of the interval
                     elapsed = time.perf_counter() - interval_start
@@ -87,6 +109,13 @@ class Trainer:
                     values["data/wait_time"] = wait / steps_done
                     writer.write(step, values)
                     wait, interval_start = 0.0, time.perf_counter()
+                if self.checkpointer is not None and (stop or step == cfg.train.steps or self.checkpointer.due(step)):
+                    blocked = self._save(step, feed.loader_state)
+                    writer.write(step, {"time/checkpoint_blocked": blocked})
+                    interval_start += blocked  # the save's stall shows in this metric, not in time/step
+                if stop:
+                    log.warning("stop signal: saved step %d, exiting", step)
+                    break
                 every = cfg.eval.every_steps
                 if (every and step % every == 0) or step == cfg.train.steps:
                     eval_start = time.perf_counter()
@@ -95,6 +124,38 @@ class Trainer:
                     writer.write(step, last_eval)
                     interval_start += last_eval["time/eval"]  # eval time is not train step time
         finally:
+            restore_signals()
+            if self.checkpointer is not None:
+                self.checkpointer.wait()  # a save in flight completes before the process may exit
             feed.close()
             writer.close()
         return last_eval
+
+    # -- checkpoints and preemption ---------------------------------------------------------------
+
+    def _save(self, step: int, data_state: Any) -> float:
+        meta = ckpt.run_meta(self.cfg, self.mesh_sizes, tuple(self.mesh.axis_names), step)
+        return self.checkpointer.save(step, self.state, data_state, meta)
+
+    def _stop_now(self, step: int) -> bool:
+        """True once SIGTERM/SIGINT arrived. With several processes, jax's preemption service (which owns
+        SIGTERM there) makes every process stop at the same step, as the save is collective."""
+        if jax.process_count() > 1:
+            return self.checkpointer is not None and self.checkpointer.manager.reached_preemption(step)
+        return self.stop_requested.is_set()
+
+    def _catch_stop_signals(self):
+        """SIGTERM/SIGINT finish the current step, save and return; a second SIGINT interrupts at once."""
+        if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
+            return lambda: None
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+        def handler(signum, frame):
+            if self.stop_requested.is_set() and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            log.warning("received %s: stopping after this step", signal.Signals(signum).name)
+            self.stop_requested.set()
+
+        for sig in previous:
+            signal.signal(sig, handler)
+        return lambda: [signal.signal(sig, h) for sig, h in previous.items()]
