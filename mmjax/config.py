@@ -36,6 +36,7 @@ class TextConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -59,6 +60,11 @@ class VisionConfig:
     # "learned" (CLIP/SigLIP style, what converted checkpoints carry) or "sincos2d" (fixed 2-D sin/cos,
     # MAE/big_vision style: patch positions are distinct from step 0, which a from-scratch tower needs)
     pos_embed: str = "learned"
+    # CLIP-tower options (LLaVA checkpoints set them; defaults keep the plain ViT above):
+    class_token: bool = False  # a learned [CLS] token is prepended (and dropped from the output)
+    pre_norm: bool = False  # LayerNorm on the embeddings before the first block (CLIP's pre_layrnorm)
+    final_norm: bool = True  # LayerNorm after the last block (LLaVA reads CLIP features without it)
+    act: str = "gelu"  # MLP activation: gelu (exact) | gelu_tanh | quick_gelu (CLIP)
 
     @property
     def num_patches(self) -> int:
@@ -84,6 +90,9 @@ class ModelConfig:
     scan_layers: bool = True
     remat: str = "none"
     attention_impl: str = "auto"
+    # Image placeholder tokens attend "bidirectional"ly within their image, or "causal"ly like any token
+    # (what LLaVA in transformers does; converted LLaVA checkpoints set it).
+    image_attention: str = "bidirectional"
 
     @property
     def image_tokens(self) -> int:
@@ -369,6 +378,10 @@ def validate(cfg: Config) -> None:
          f"model.vision.pos_embed={v.pos_embed!r} is not one of: learned, sincos2d")
     need(v.pos_embed != "sincos2d" or v.dim % 4 == 0,
          f"model.vision.pos_embed=sincos2d needs model.vision.dim divisible by 4, got {v.dim}")
+    need(v.act in ("gelu", "gelu_tanh", "quick_gelu"),
+         f"model.vision.act={v.act!r} is not one of: gelu, gelu_tanh, quick_gelu")
+    need(m.image_attention in ("bidirectional", "causal"),
+         f"model.image_attention={m.image_attention!r} is not one of: bidirectional, causal")
     need(v.image_size % v.patch_size == 0,
          f"model.vision.image_size={v.image_size} is not a multiple of model.vision.patch_size={v.patch_size}")
     need(len(v.mean) == v.channels and len(v.std) == v.channels,

@@ -37,8 +37,8 @@ from mmjax.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-STATE, DATA, META = "state", "data", "meta"
-ITEMS = (STATE, DATA, META)
+STATE, DATA, META, PARAMS = "state", "data", "meta", "params"
+ITEMS = (STATE, DATA, META, PARAMS)  # a training checkpoint has state/data/meta, a params-only one params/meta
 FORMAT_VERSION = 1
 _PACKAGES = ("mmjax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
 
@@ -145,19 +145,20 @@ def abstract_like(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+def flat_leaves(tree: Any) -> dict[str, Any]:
+    """{"params/decoder/embedding": leaf, ...}: the same keys for a TrainState, its saved dict and metadata."""
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
-    out = {}
-    for path, leaf in leaves:
-        if hasattr(leaf, "shape"):
-            key = "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-            out[key] = tuple(int(s) for s in leaf.shape)
-    return out
+    return {"/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path): leaf
+            for path, leaf in leaves if hasattr(leaf, "shape")}
+
+
+def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(int(s) for s in v.shape) for k, v in flat_leaves(tree).items()}
 
 
 def check_shapes(saved: Any, target: Any, where: str) -> None:
     """Refuse a checkpoint whose arrays differ in name or shape from this run's state (a different model)."""
-    have, want = _flat_shapes(saved), _flat_shapes(target)
+    have, want = _flat_shapes(getattr(saved, "tree", saved)), _flat_shapes(target)
     missing = sorted(set(want) - set(have))
     extra = sorted(set(have) - set(want))
     if missing or extra:
@@ -165,7 +166,7 @@ def check_shapes(saved: Any, target: Any, where: str) -> None:
             f"{where} holds a different state tree: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
             f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}; it was written for another model config "
             "(compare its meta config with this run's)")
-    for key in sorted(want):
+    for key in sorted(want, key=lambda k: (not k.startswith("params/"), k)):  # name a parameter first
         if have[key] != want[key]:
             raise CheckpointError(
                 f"{where}: {key} has shape {have[key]} in the checkpoint but {want[key]} in this run; the "
@@ -212,7 +213,7 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only,
         )
         handlers = {STATE: ocp.StandardCheckpointHandler(), DATA: DataStateHandler(),
-                    META: ocp.JsonCheckpointHandler()}
+                    META: ocp.JsonCheckpointHandler(), PARAMS: ocp.StandardCheckpointHandler()}
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS,
                                                  item_handlers=handlers)
@@ -249,6 +250,12 @@ class Checkpointer:
         log.info("checkpoint: step %d saving to %s (blocked %.3fs)", step, self.directory, blocked)
         return blocked
 
+    def save_params(self, step: int, params: Any, meta: dict[str, Any]) -> None:
+        """A params-only checkpoint (conversion, serving exports): items params + meta, written synchronously."""
+        self.manager.save(step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardSave(params),
+                                                           META: ocp.args.JsonSave(meta)}), force=True)
+        self.manager.wait_until_finished()
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
@@ -257,6 +264,49 @@ class Checkpointer:
 
     # -- restoring -------------------------------------------------------------------------------
 
+    def read_meta(self, step: int) -> dict[str, Any]:
+        path = self.directory / str(step)
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+        except Exception as e:  # re-raised with the path: the folder is truncated or corrupt
+            raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {one_line(e)}); it is "
+                                  "truncated or corrupt: resume from another step (train.resume=<step>)") from e
+        if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"checkpoint {path}: meta is not an mmjax checkpoint meta of format {FORMAT_VERSION}")
+        return meta
+
+    def is_params_only(self, step: int) -> bool:
+        path = self.directory / str(step)
+        return (path / PARAMS).is_dir() and not (path / STATE).is_dir()
+
+    def param_shapes(self, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{"decoder/embedding": (shape, dtype)} from metadata only."""
+        tree = _params_metadata(self.directory / str(step))
+        return {k: (tuple(int(s) for s in v.shape), str(np.dtype(v.dtype))) for k, v in flat_leaves(tree).items()}
+
+    def restore_params(self, step: int, target_params: Any) -> Any:
+        """Params of a params-only checkpoint into this run's shapes/shardings; towers it lacks are skipped
+        (e.g. a converted Llama gives only "decoder"), so the returned tree may be a subset."""
+        path = self.directory / str(step)
+        where = f"checkpoint {path}"
+        try:
+            saved = _params_metadata(path)
+        except Exception as e:
+            raise CheckpointError(f"{where} cannot be read ({type(e).__name__}: {one_line(e)}); it is truncated "
+                                  "or corrupt") from e
+        unknown = sorted(set(saved) - set(target_params))
+        if unknown:
+            raise CheckpointError(f"{where} holds towers {unknown} that this model does not have")
+        target = {k: target_params[k] for k in saved}
+        check_shapes(saved, target, where)
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                **{PARAMS: ocp.args.StandardRestore(abstract_like(target))}))
+        except Exception as e:
+            raise CheckpointError(f"{where} cannot be restored ({type(e).__name__}: {one_line(e)}); it is "
+                                  "truncated or corrupt") from e
+        return out[PARAMS]
+
     def restore(self, step: int, target_state: Any) -> Restored:
         """Read `step` into the shapes and shardings of `target_state` (arrays or ShapeDtypeStructs)."""
         path = self.directory / str(step)
@@ -264,16 +314,12 @@ class Checkpointer:
             raise CheckpointError(f"{self.directory} has no complete checkpoint for step {step}; "
                                   f"available steps: {self.all_steps() or 'none'}")
         where = f"checkpoint {path}"
+        meta = self.read_meta(step)
         try:
-            meta = self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
             saved_tree = self.manager.item_metadata(step)[STATE]
-        except CheckpointError:
-            raise
         except Exception as e:  # re-raised with the path: the folder is truncated or corrupt
             raise CheckpointError(f"{where} cannot be read ({type(e).__name__}: {one_line(e)}); it is "
                                   "truncated or corrupt: resume from another step (train.resume=<step>)") from e
-        if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{where}: meta is not an mmjax checkpoint meta of format {FORMAT_VERSION}")
         if saved_tree is None:
             raise CheckpointError(f"{where}: the state item has no metadata; the folder is incomplete")
         check_shapes(saved_tree, target_state, where)
@@ -290,6 +336,33 @@ class Checkpointer:
             raise CheckpointError(f"{where} cannot be restored ({type(e).__name__}: {one_line(e)}); it is "
                                   "truncated or corrupt: resume from another step (train.resume=<step>)") from e
         return Restored(state=out[STATE], data=out[DATA] if has_data else None, meta=meta, step=step, path=path)
+
+
+def _params_metadata(step_dir: Path) -> Any:
+    """Array metadata of the params: the `params` item, or the `params` subtree of a training `state`."""
+    item = step_dir / PARAMS if (step_dir / PARAMS).is_dir() else step_dir / STATE
+    md = ocp.PyTreeCheckpointer().metadata(item)
+    tree = md.item_metadata.tree if hasattr(md, "item_metadata") else getattr(md, "tree", md)
+    return tree if item.name == PARAMS else tree["params"]
+
+
+def numpy_params(step_dir: Path) -> Any:
+    """The parameters of a checkpoint as host numpy arrays, whatever mesh wrote them (no optimizer state
+    is read from a training checkpoint: a partial restore of its `params` subtree)."""
+    step_dir = Path(step_dir)
+    tree = _params_metadata(step_dir)
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree,
+                        is_leaf=lambda x: hasattr(x, "shape"))
+    try:
+        if (step_dir / PARAMS).is_dir():
+            return ocp.PyTreeCheckpointer().restore(step_dir / PARAMS, args=ocp.args.PyTreeRestore(
+                item=tree, restore_args=args))
+        out = ocp.PyTreeCheckpointer().restore(step_dir / STATE, args=ocp.args.PyTreeRestore(
+            item={"params": tree}, restore_args={"params": args}, partial_restore=True))
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {step_dir} cannot be read ({type(e).__name__}: {one_line(e)}); it is "
+                              "truncated or corrupt") from e
+    return out["params"]
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -335,6 +408,16 @@ def find_resume(cfg: Config, own: Checkpointer | None) -> tuple[Checkpointer, in
                 "overwrite; continue in a new checkpoint.dir (and point train.resume at this folder's path)")
         return reader, step
     path = Path(str(resume)).expanduser().absolute()
+    found = _resume_path(resume, path)
+    if found[0].is_params_only(found[1]) and own_steps:
+        # Weights to *start* from: once this run has its own checkpoints, a restart continues from those.
+        log.info("train.resume=%s holds initial weights, but %s already has step %d: continuing from it",
+                 resume, own_dir, own_steps[-1])
+        return reader, own_steps[-1]
+    return found
+
+
+def _resume_path(resume: str | int, path: Path) -> tuple[Checkpointer, int]:
     if not path.exists():
         raise CheckpointError(f"train.resume={resume}: {path} does not exist; pass auto, never, a step, or "
                               "an existing checkpoint folder")
@@ -373,7 +456,7 @@ def check_data_compatible(meta: dict[str, Any], cfg: Config, where: str) -> None
 
 
 def tree_equal(a: Any, b: Any) -> bool:
-    """Bitwise equality of two pytrees of arrays (for tests and tools)."""
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(
-        np.array_equal(np.asarray(jax.device_get(x)), np.asarray(jax.device_get(y))) for x, y in zip(la, lb))
+    """Bitwise equality of two state trees matched by key path (a TrainState equals its saved dict)."""
+    fa, fb = flat_leaves(a), flat_leaves(b)
+    return fa.keys() == fb.keys() and all(
+        np.array_equal(np.asarray(jax.device_get(fa[k])), np.asarray(jax.device_get(fb[k]))) for k in fa)

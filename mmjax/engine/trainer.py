@@ -37,23 +37,31 @@ class Trainer:
         self.output_dir = Path(cfg.train.output_dir).expanduser()
         self.mesh = make_mesh(cfg, devices)
         self.mesh_sizes = resolve_mesh_shape(cfg.mesh, self.mesh.devices.size)
+        # Checkpoints: this run's folder, and which checkpoint train.resume points at (checked before
+        # anything is compiled, so a wrong path fails fast).
+        self.checkpointer = ckpt.Checkpointer.from_config(cfg) if cfg.checkpoint.enabled else None
+        resume_from = ckpt.find_resume(cfg, self.checkpointer)
         self.files, self.tokenizer = open_dataset(cfg)
 
         self.setup = model_setup(cfg, self.mesh, image_token_id=self.tokenizer.image_id)
         self.optimizer = make_optimizer(cfg)
         self.schedule = learning_rate_schedule(cfg)
         self.state, state_shardings = create_train_state(cfg, self.mesh, self.setup, self.optimizer)
-        # Checkpoints: this run's folder, and the state + data position train.resume points at.
-        self.checkpointer = ckpt.Checkpointer.from_config(cfg) if cfg.checkpoint.enabled else None
         self.data_state: Any = None
         self.stop_requested = threading.Event()
-        source = ckpt.find_resume(cfg, self.checkpointer)
-        if source is not None:
-            reader, step = source
-            restored = reader.restore(step, self.state)
-            ckpt.check_data_compatible(restored.meta, cfg, f"checkpoint {restored.path}")
-            self.state, self.data_state = restored.state, restored.data
-            log.info("resumed from %s (step %d)", restored.path, step)
+        if resume_from is not None:
+            reader, step = resume_from
+            if reader.is_params_only(step):  # converted / exported weights: new optimizer, step 0, fresh data
+                params = reader.restore_params(step, self.state.params)
+                self.state = self.state.replace(params={**self.state.params, **params})
+                log.info("initialised %s from %s", sorted(params), reader.directory / str(step))
+            else:
+                target = ckpt.abstract_like(self.state)
+                jax.tree.map(lambda x: x.delete(), self.state)  # free the fresh init: peak memory stays one state
+                restored = reader.restore(step, target)
+                ckpt.check_data_compatible(restored.meta, cfg, f"checkpoint {restored.path}")
+                self.state, self.data_state = restored.state, restored.data
+                log.info("resumed from %s (step %d)", restored.path, step)
         step_fn = make_train_step(self.setup.graphdef, self.optimizer, self.schedule, cfg.train.grad_accum_steps)
         self._train_step = jax.jit(step_fn, out_shardings=(state_shardings, None), donate_argnums=0)
 

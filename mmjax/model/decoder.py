@@ -12,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import kernels
 from mmjax.config import ModelConfig
-from mmjax.model.layers import RMSNorm, dense, make_stack, normal, param, rope, run_stack
+from mmjax.model.layers import RMSNorm, dense, make_stack, normal, param, rope, run_stack, zeros
 
 
 @flax.struct.dataclass
@@ -45,6 +45,9 @@ class DecoderLayer(nnx.Module):
         self.attn_norm = RMSNorm(t.dim, **norm)
         # Per kv group: its g query heads, then k, then v (so a TP shard of kv_heads is self-contained).
         self.qkv = param(rngs, w, (t.dim, kv, g + 2, d), ("embed", "kv_heads", None, "head_dim"), param_dtype)
+        # Optional q/k/v biases (model.text.qkv_bias; Qwen2 has them), same layout as qkv's output.
+        self.qkv_bias = param(None, zeros, (kv, g + 2, d), ("kv_heads", None, "head_dim"), param_dtype) \
+            if t.qkv_bias else None
         self.out = param(rngs, w, (t.n_heads, d, t.dim), ("heads", "head_dim", "embed"), param_dtype)
         self.mlp_norm = RMSNorm(t.dim, **norm)
         self.gate_up = param(rngs, w, (t.dim, 2, t.mlp_dim), ("embed", None, "mlp"), param_dtype)
@@ -52,7 +55,8 @@ class DecoderLayer(nnx.Module):
 
     def qkv_proj(self, x, positions):
         b, s, _ = x.shape
-        qkv = dense(x, self.qkv[...], "bse,ekgd->bskgd", self.compute_dtype)
+        bias = None if self.qkv_bias is None else self.qkv_bias[...]
+        qkv = dense(x, self.qkv[...], "bse,ekgd->bskgd", self.compute_dtype, bias)
         g = self.n_heads // self.n_kv
         q = qkv[:, :, :, :g].reshape(b, s, self.n_heads, self.head_dim)
         k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
