@@ -27,7 +27,7 @@ import yaml
 
 from mmjax.config import Config, ModelConfig, from_tree, to_dict, validate
 from mmjax.engine.checkpoint import FORMAT_VERSION, Checkpointer, is_step_dir, numpy_params, package_versions
-from mmjax.engine.convert.hf import (DECODER_FAMILIES, ConversionError, Rule, find_layout, model_config_from_hf,
+from mmjax.engine.convert.hf import (DECODER_FAMILIES, EXPORT_LAYOUT, ConversionError, Rule, find_layout, model_config_from_hf,
                                      rules_for, text_config_to_hf, vision_config_to_hf)
 from mmjax.engine.convert.safetensors_io import SafetensorsFolder, write_sharded
 
@@ -226,14 +226,14 @@ def export_hf(ckpt: str | Path, out: str | Path, *, step: int | None = None, fam
         hf_cfg = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
                   "text_config": text_hf, "vision_config": vision_hf, "image_token_id": int(token),
                   "image_token_index": int(token), "projector_hidden_act": "gelu", "vision_feature_layer": -1,
-                  "vision_feature_select_strategy": "default", "image_seq_length": m.image_tokens,
+                  "vision_feature_select_strategy": "default" if m.vision.class_token else "full", "image_seq_length": m.image_tokens,
                   "multimodal_projector_bias": True, "tie_word_embeddings": m.text.tie_embeddings,
                   "dtype": dtype, "torch_dtype": dtype}
-        layout = find_layout(["model.language_model.embed_tokens.weight"], True)
+        layout = EXPORT_LAYOUT[True]
         rules = rules_for(m, layout, True, vision_hf["model_type"])
     else:
         hf_cfg = text_hf
-        layout = find_layout([], False)
+        layout = EXPORT_LAYOUT[False]
         rules = rules_for(m, layout, False)
     tensors = _export_tensors(params, rules, m, out_dtype, show_progress)
     if llava:

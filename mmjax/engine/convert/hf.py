@@ -262,17 +262,28 @@ class Layout:
 
 
 def find_layout(keys: list[str], llava: bool) -> Layout:
-    keyset = set(keys)
+    """Locate each part by a tensor only it has; prefixes differ between transformers versions and towers
+    ("language_model.model." / "model.language_model.", "vision_tower.vision_model." / "vision_tower.")."""
+    def prefix(suffix: str, what: str) -> str:
+        found = sorted(k[: -len(suffix)] for k in keys if k.endswith(suffix))
+        if len(found) != 1:
+            raise ConversionError(f"cannot locate the {what}: {len(found)} tensors end in {suffix!r} "
+                                  f"({found[:3]}); is this the model family config.json names?")
+        return found[0]
+
+    decoder = prefix("embed_tokens.weight", "decoder")
+    heads = [k for k in keys if k.endswith("lm_head.weight")]
+    lm_head = heads[0] if heads else "lm_head.weight"
     if not llava:
-        return Layout("model.", "lm_head.weight")
-    for lay in (Layout("model.language_model.", "lm_head.weight", "model.vision_tower.vision_model.",
-                       "model.multi_modal_projector."),  # transformers >= 4.52
-                Layout("language_model.model.", "language_model.lm_head.weight", "vision_tower.vision_model.",
-                       "multi_modal_projector.")):  # older saves
-        if lay.decoder + "embed_tokens.weight" in keyset:
-            return lay
-    raise ConversionError("no LLaVA decoder weights found (looked for model.language_model.embed_tokens.weight and "
-                          "language_model.model.embed_tokens.weight)")
+        return Layout(decoder, lm_head)
+    return Layout(decoder, lm_head, prefix("embeddings.patch_embedding.weight", "vision tower"),
+                  prefix("linear_1.weight", "projector"))
+
+
+# What exports write: the layout of the llava-hf checkpoints, which every transformers version loads.
+EXPORT_LAYOUT = {False: Layout("model.", "lm_head.weight"),
+                 True: Layout("language_model.model.", "language_model.lm_head.weight",
+                              "vision_tower.vision_model.", "multi_modal_projector.")}
 
 
 def model_config_from_hf(hf: dict[str, Any], preprocessor: dict[str, Any] | None, max_seq_len: int,
@@ -282,8 +293,13 @@ def model_config_from_hf(hf: dict[str, Any], preprocessor: dict[str, Any] | None
     info: dict[str, Any] = {"family": family}
     if family == "llava":
         text_hf, vision_hf = hf["text_config"], hf["vision_config"]
-        if hf.get("vision_feature_select_strategy", "default") != "default":
-            raise ConversionError("vision_feature_select_strategy='full' is not supported (mmjax feeds patch tokens)")
+        # mmjax feeds the decoder exactly the patch tokens: CLIP + "default" (drop [CLS]), SigLIP + "full".
+        strategy = hf.get("vision_feature_select_strategy", "default")
+        want = "default" if hf["vision_config"].get("model_type") == "clip_vision_model" else "full"
+        if strategy != want:
+            raise ConversionError(f"vision_feature_select_strategy={strategy!r} with a "
+                                  f"{hf['vision_config'].get('model_type')} tower does not feed exactly the patch "
+                                  f"tokens; only {want!r} converts")
         if hf.get("projector_hidden_act", "gelu") != "gelu":
             raise ConversionError(f"projector_hidden_act={hf['projector_hidden_act']!r}; mmjax's projector uses gelu")
         if not hf.get("multimodal_projector_bias", True):
