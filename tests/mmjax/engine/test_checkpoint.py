@@ -191,3 +191,24 @@ def test_sigkill_during_async_save_then_sigterm_saves_and_exits_0(runs, tmp_path
     assert not in_flight()
     state = saved_state(ckpts / str(resumed[-1]))
     assert int(state["step"]) == resumed[-1]
+
+
+def test_params_only_export_starts_a_new_run_and_native_towers_do_not_export_to_hf(runs, tmp_path):
+    from mmjax.engine.convert import ConversionError, export_hf, export_params, inspect_checkpoint
+
+    full, _, common = runs
+    step_dir = export_params(full / "checkpoints", tmp_path / "params", dtype="bfloat16")
+    info = inspect_checkpoint(tmp_path / "params")
+    assert step_dir.name == str(2 * N) and info["kind"] == "params" and info["step"] == 2 * N
+    assert all(p["dtype"] == "bfloat16" for p in info["params"].values())
+    assert not (step_dir / "state").exists()  # no optimizer state
+    cfg = load_config(DEFAULT_CONFIG, common + [f"train.output_dir={tmp_path / 'ft'}",
+                                                f"train.resume={tmp_path / 'params'}", "train.steps=1"])
+    trainer = Trainer(cfg)  # initial weights only: step 0, fresh optimizer and data position
+    want = jax.tree.map(lambda x: np.asarray(x.astype(jax.numpy.bfloat16)), saved_state(full / "checkpoints" / str(2 * N))["params"])
+    got = jax.tree.map(lambda x: np.asarray(x.astype(jax.numpy.bfloat16)), jax.device_get(trainer.state.params))
+    assert tree_equal(got, want) and int(trainer.state.step) == 0 and trainer.data_state is None
+    # the tiny model (bidirectional image attention, ViT with a final LayerNorm) has no exact LLaVA form
+    with pytest.raises(ConversionError, match="attends causally") as e:
+        export_hf(full / "checkpoints", tmp_path / "hf", image_token_id=3)
+    assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
