@@ -11,15 +11,14 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers as T
 from flax import nnx
 
-torch = pytest.importorskip("torch")
-T = pytest.importorskip("transformers")
-
-from mmjax.config import Config, from_tree  # noqa: E402
-from mmjax.engine.convert import ConversionError, load_params  # noqa: E402
-from mmjax.model import MLLM  # noqa: E402
-from mmjax.model.decoder import Decoder  # noqa: E402
+from mmjax.config import Config, from_tree
+from mmjax.engine.convert import ConversionError, load_params
+from mmjax.model import MLLM
+from mmjax.model.decoder import Decoder
 
 REPO = Path(__file__).resolve().parents[3]
 _spec = importlib.util.spec_from_file_location("convert_checkpoint", REPO / "tools" / "convert_checkpoint.py")
