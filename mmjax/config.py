@@ -34,6 +34,12 @@ class TextConfig:
     head_dim: int = 0  # 0 = dim // n_heads
     mlp_dim: int = 384
     rope_theta: float = 10000.0
+    # RoPE frequency scaling: "none", or "llama3" (Llama 3.1/3.2 long-context scaling with the factors below)
+    rope_scaling: str = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
@@ -373,6 +379,9 @@ def validate(cfg: Config) -> None:
     need(t.head_dim > 0 or t.dim % t.n_heads == 0,
          f"model.text.dim={t.dim} is not divisible by model.text.n_heads={t.n_heads}; set model.text.head_dim")
     need(t.resolved_head_dim % 2 == 0, f"RoPE needs an even head dim, got {t.resolved_head_dim}")
+    need(t.rope_scaling in ("none", "llama3"), f"model.text.rope_scaling={t.rope_scaling!r} is not one of: none, llama3")
+    need(t.rope_scaling == "none" or (t.rope_factor > 0 and t.rope_high_freq_factor > t.rope_low_freq_factor > 0),
+         "model.text.rope_scaling=llama3 needs rope_factor > 0 and rope_high_freq_factor > rope_low_freq_factor > 0")
     need(v.dim % v.n_heads == 0, f"model.vision.dim={v.dim} is not divisible by model.vision.n_heads={v.n_heads}")
     need(v.pos_embed in ("learned", "sincos2d"),
          f"model.vision.pos_embed={v.pos_embed!r} is not one of: learned, sincos2d")

@@ -38,6 +38,8 @@ class DecoderLayer(nnx.Module):
         d, kv, g = t.resolved_head_dim, t.n_kv_heads, t.n_heads // t.n_kv_heads
         self.n_heads, self.n_kv, self.head_dim = t.n_heads, kv, d
         self.rope_theta = t.rope_theta
+        self.rope_llama3 = None if t.rope_scaling == "none" else (
+            t.rope_factor, t.rope_low_freq_factor, t.rope_high_freq_factor, t.rope_original_max_len)
         self.attention_impl = cfg.attention_impl
         self.compute_dtype = compute_dtype
         w = normal(0.02)
@@ -60,7 +62,8 @@ class DecoderLayer(nnx.Module):
         g = self.n_heads // self.n_kv
         q = qkv[:, :, :, :g].reshape(b, s, self.n_heads, self.head_dim)
         k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
-        return rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta), v
+        return (rope(q, positions, self.rope_theta, self.rope_llama3),
+                rope(k, positions, self.rope_theta, self.rope_llama3), v)
 
     def finish(self, x, attn):
         attn = checkpoint_name(attn, "attention_out")

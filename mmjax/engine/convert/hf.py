@@ -98,9 +98,16 @@ def text_config_from_hf(hf: dict[str, Any]) -> TextConfig:
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type not in (None, "default"):
+    params = {**scaling, **rope}
+    if rope_type not in (None, "default", "llama3"):
         raise ConversionError(f"rope_type={rope_type!r} (RoPE scaling) is not implemented in mmjax's decoder; "
-                              "only unscaled RoPE converts exactly")
+                              "only unscaled and llama3-scaled RoPE convert exactly")
+    llama3 = {}
+    if rope_type == "llama3":
+        llama3 = dict(rope_scaling="llama3", rope_factor=float(params["factor"]),
+                      rope_low_freq_factor=float(params["low_freq_factor"]),
+                      rope_high_freq_factor=float(params["high_freq_factor"]),
+                      rope_original_max_len=int(params["original_max_position_embeddings"]))
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ConversionError(f"{family}: attention_bias/mlp_bias=true has no mmjax equivalent (only Qwen2-style "
                               "q/k/v biases are supported)")
@@ -119,6 +126,7 @@ def text_config_from_hf(hf: dict[str, Any]) -> TextConfig:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2",
+        **llama3,
     )
 
 
@@ -128,12 +136,17 @@ def text_config_to_hf(t: TextConfig, vocab_size: int, max_len: int, family: str,
     if t.qkv_bias != (family == "qwen2"):
         need = "qwen2" if t.qkv_bias else "llama or mistral"
         raise ConversionError(f"model.text.qkv_bias={t.qkv_bias} exports only as {need}, not {family}")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": t.rope_theta}
+    if t.rope_scaling == "llama3":
+        rope.update(rope_type="llama3", factor=t.rope_factor, low_freq_factor=t.rope_low_freq_factor,
+                    high_freq_factor=t.rope_high_freq_factor, original_max_position_embeddings=t.rope_original_max_len)
     out = {
         "architectures": [DECODER_FAMILIES[family]], "model_type": family, "vocab_size": vocab_size,
         "hidden_size": t.dim, "intermediate_size": t.mlp_dim, "num_hidden_layers": t.n_layers,
         "num_attention_heads": t.n_heads, "num_key_value_heads": t.n_kv_heads, "head_dim": t.resolved_head_dim,
         "hidden_act": "silu", "max_position_embeddings": max_len, "rms_norm_eps": t.norm_eps,
-        "rope_theta": t.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": t.rope_theta},
+        "rope_theta": t.rope_theta, "rope_parameters": rope,  # transformers >= 5
+        "rope_scaling": None if t.rope_scaling == "none" else {k: v for k, v in rope.items() if k != "rope_theta"},
         "tie_word_embeddings": t.tie_embeddings, "attention_dropout": 0.0, "dtype": dtype, "torch_dtype": dtype,
         "use_cache": True,
     }

@@ -78,10 +78,16 @@ def decoder_logits(params, cfg, tokens):
     return np.asarray(dec(dec.embed(jnp.asarray(tokens)), jnp.asarray(pos), jnp.ones((b, s), jnp.int32)))
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # head_dim 8: one smoothed, three scaled frequencies
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "llama-rope-llama3"])
 def test_decoder_parity_both_directions(family, tmp_path):
+    extra = {"rope_scaling": LLAMA3_ROPE} if family.endswith("llama3") else {}
+    family = family.split("-")[0]
     config_cls, model_cls = FAMILIES[family]
-    hf = randomize(model_cls(config_cls(**TEXT, tie_word_embeddings=family == "qwen2")))
+    hf = randomize(model_cls(config_cls(**TEXT, tie_word_embeddings=family == "qwen2", **extra)))
     hf.save_pretrained(tmp_path / "hf")
     write_tokenizer(tmp_path / "hf")
     tokens = np.random.default_rng(1).integers(0, TEXT["vocab_size"], (2, 16)).astype(np.int32)
@@ -91,6 +97,7 @@ def test_decoder_parity_both_directions(family, tmp_path):
     run_cli("import", tmp_path / "hf", tmp_path / "mm")
     params, cfg, meta = mm_config(tmp_path / "mm")
     assert cfg.text.qkv_bias == (family == "qwen2") and meta["towers"] == ["decoder"]
+    assert cfg.text.rope_scaling == ("llama3" if extra else "none")
     assert (tmp_path / "mm" / "tokenizer" / "tokenizer.json").is_file()
     assert np.abs(decoder_logits(params, cfg, tokens) - ref).max() < TOL
 
@@ -169,7 +176,7 @@ def test_llava_parity_both_directions(tower, tmp_path):
 
 
 def test_unrepresentable_models_are_refused_in_one_line(tmp_path):
-    cfg = T.LlamaConfig(**TEXT, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    cfg = T.LlamaConfig(**TEXT, rope_scaling={"rope_type": "yarn", "factor": 2.0})
     randomize(T.LlamaForCausalLM(cfg)).save_pretrained(tmp_path / "hf")
     with pytest.raises(ConversionError, match="RoPE scaling") as e:
         from mmjax.engine.convert import import_hf
