@@ -18,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from mmjax.config import load_config
+from mmjax.config import load_config, to_yaml
 from mmjax.engine.checkpoint import Checkpointer, tree_equal
 from mmjax.engine.trainer import Trainer
 from mmjax.errors import CheckpointError
@@ -212,3 +212,16 @@ def test_params_only_export_starts_a_new_run_and_native_towers_do_not_export_to_
     with pytest.raises(ConversionError, match="attends causally") as e:
         export_hf(full / "checkpoints", tmp_path / "hf", image_token_id=3)
     assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
+
+
+def test_checkpoint_config_keys():
+    cfg = load_config(None, ["checkpoint.async=false", "train.resume=12", "checkpoint.keep_every=100"])
+    assert cfg.checkpoint.async_save is False and cfg.train.resume == 12 and cfg.checkpoint.keep_every == 100
+    assert "async: false" in to_yaml(cfg)
+    assert load_config(None, ["train.resume=/some/path"]).train.resume == "/some/path"
+    from mmjax.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="did you mean checkpoint.async"):
+        load_config(None, ["checkpoint.asynch=true"])
+    with pytest.raises(ConfigError, match="checkpoint.every_steps must be >= 0"):
+        load_config(None, ["checkpoint.every_steps=-1"])
