@@ -2,7 +2,8 @@
 
   python tools/convert_checkpoint.py import  HF_DIR OUT [--dtype bfloat16] [--max-seq-len 4096]
   python tools/convert_checkpoint.py export  CKPT OUT [--step N] [--family llama|mistral|qwen2] [--dtype ...]
-                                             [--tokenizer DIR] [--image-token-id ID] [--max-shard-gb 5]
+                                             [--tokenizer DIR] [--image-token-id ID] [--decoder-only]
+                                             [--max-shard-gb 5]
   python tools/convert_checkpoint.py export-params CKPT OUT [--step N] [--dtype bfloat16]
   python tools/convert_checkpoint.py inspect CKPT [--step N] [--json]
 
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     exp.add_argument("--tokenizer", help="folder with tokenizer files to copy (default: CKPT/tokenizer)")
     exp.add_argument("--image-token-id", type=int)
+    exp.add_argument("--decoder-only", action="store_true", help="export only the decoder as *ForCausalLM")
     exp.add_argument("--max-shard-gb", type=float, default=5.0)
     par = sub.add_parser("export-params", help="training checkpoint -> params-only checkpoint (serving)")
     par.add_argument("ckpt")
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "export":
             path = convert.export_hf(args.ckpt, args.out, step=args.step, family=args.family, dtype=args.dtype,
                                      tokenizer=args.tokenizer, image_token_id=args.image_token_id,
+                                     decoder_only=args.decoder_only,
                                      max_shard_bytes=int(args.max_shard_gb * 2**30), show_progress=True)
             print(f"wrote {path}")
         elif args.command == "export-params":

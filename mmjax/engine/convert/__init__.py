@@ -196,15 +196,18 @@ def load_params(ckpt: str | Path, step: int | None = None) -> tuple[dict, dict, 
 
 def export_hf(ckpt: str | Path, out: str | Path, *, step: int | None = None, family: str | None = None,
               dtype: str | None = None, tokenizer: str | Path | None = None, image_token_id: int | None = None,
-              max_shard_bytes: int = 5 * 2**30, show_progress: bool = False) -> Path:
-    """Write `out/config.json` + safetensors (+ tokenizer files) that `from_pretrained` loads."""
+              decoder_only: bool = False, max_shard_bytes: int = 5 * 2**30, show_progress: bool = False) -> Path:
+    """Write `out/config.json` + safetensors (+ tokenizer files) that `from_pretrained` loads.
+
+    An MLLM exports as LLaVA unless `decoder_only` (e.g. a Llama imported into mmjax and trained on text:
+    its vision tower is a fresh init that has no Hugging Face form)."""
     out = Path(out).absolute()
     _fresh_dir(out, "output folder")
     params, meta, step_dir = load_params(ckpt, step)
     cfg = from_tree(Config, meta["config"])
     m = cfg.model
     hf_info = meta.get("hf") or {}
-    llava = "vision" in params and "projector" in params and meta.get("towers", ["vision"]) != ["decoder"]
+    llava = not decoder_only and "vision" in params and meta.get("towers", ["vision"]) != ["decoder"]
     text_family = family or hf_info.get("text_family") or ("qwen2" if m.text.qkv_bias else "llama")
     if text_family not in DECODER_FAMILIES:
         raise ConversionError(f"family {text_family!r} is not one of {', '.join(DECODER_FAMILIES)}")

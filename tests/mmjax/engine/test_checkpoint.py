@@ -108,6 +108,11 @@ def test_different_model_shape_is_refused_and_nothing_is_deleted(runs, tmp_path)
                                               r"checkpoint but \(2, 256, 64\) in this run") as e:
         Trainer(cfg)
     assert "\n" not in str(e.value)
+    # a Grain iterator state is only valid for the worker count that wrote it
+    cfg = load_config(DEFAULT_CONFIG, common + ["data.num_workers=2", f"train.output_dir={tmp_path}",
+                                                f"train.resume={full / 'checkpoints'}", f"train.steps={2 * N + 1}"])
+    with pytest.raises(CheckpointError, match="data.num_workers=0 but this run has data.num_workers=2"):
+        Trainer(cfg)
     assert listing(full) == before
 
 
@@ -212,6 +217,13 @@ def test_params_only_export_starts_a_new_run_and_native_towers_do_not_export_to_
     with pytest.raises(ConversionError, match="attends causally") as e:
         export_hf(full / "checkpoints", tmp_path / "hf", image_token_id=3)
     assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
+    # its decoder alone is a plain Llama: loads with from_pretrained, same embedding table
+    import transformers
+
+    export_hf(full / "checkpoints", tmp_path / "llama", decoder_only=True)
+    llama = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "llama")
+    np.testing.assert_array_equal(llama.model.embed_tokens.weight.detach().numpy(),
+                                  saved_state(full / "checkpoints" / str(2 * N))["params"]["decoder"]["embedding"])
 
 
 def test_checkpoint_config_keys():
