@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import ml_dtypes
 import numpy as np
@@ -139,7 +139,3 @@ def _write_file(path: Path, tensors: list[tuple[str, np.ndarray]], metadata: dic
         f.write(blob)
         for _, array in tensors:
             f.write(array.tobytes())
-
-
-def iter_items(d: dict) -> Iterator[tuple[str, np.ndarray]]:
-    yield from d.items()
