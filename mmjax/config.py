@@ -34,8 +34,15 @@ class TextConfig:
     head_dim: int = 0  # 0 = dim // n_heads
     mlp_dim: int = 384
     rope_theta: float = 10000.0
+    # RoPE frequency scaling: "none", or "llama3" (Llama 3.1/3.2 long-context scaling with the factors below)
+    rope_scaling: str = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -59,6 +66,11 @@ class VisionConfig:
     # "learned" (CLIP/SigLIP style, what converted checkpoints carry) or "sincos2d" (fixed 2-D sin/cos,
     # MAE/big_vision style: patch positions are distinct from step 0, which a from-scratch tower needs)
     pos_embed: str = "learned"
+    # CLIP-tower options (LLaVA checkpoints set them; defaults keep the plain ViT above):
+    class_token: bool = False  # a learned [CLS] token is prepended (and dropped from the output)
+    pre_norm: bool = False  # LayerNorm on the embeddings before the first block (CLIP's pre_layrnorm)
+    final_norm: bool = True  # LayerNorm after the last block (LLaVA reads CLIP features without it)
+    act: str = "gelu"  # MLP activation: gelu (exact) | gelu_tanh | quick_gelu (CLIP)
 
     @property
     def num_patches(self) -> int:
@@ -88,6 +100,9 @@ class ModelConfig:
     loss_impl: str = "auto"        # kernels.linear_cross_entropy: auto | chunked | xla
     activation_impl: str = "auto"  # kernels.bias_gelu (ViT MLP, projector): auto | triton | pallas | xla
     text_only: bool = False  # decoder only: no vision tower or projector; batches carry no images
+    # Image placeholder tokens attend "bidirectional"ly within their image, or "causal"ly like any token
+    # (what LLaVA in transformers does; converted LLaVA checkpoints set it).
+    image_attention: str = "bidirectional"
 
     @property
     def image_tokens(self) -> int:
@@ -194,6 +209,22 @@ class TrainConfig:
     # global_batch_size must equal micro_batch_size x (data x fsdp) x grad_accum_steps.
     micro_batch_size: int = 0
     output_dir: str = "runs/tiny_shapes"
+    # auto: continue from the latest complete checkpoint in checkpoint.dir (fresh start if none);
+    # never: fresh start (refused if checkpoint.dir already holds checkpoints); N: that step of
+    # checkpoint.dir; a path: a checkpoint folder (or one step folder in it), e.g. from another run.
+    resume: str | int = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints of the full train state + data iterator (mmjax.engine.checkpoint)."""
+
+    enabled: bool = True
+    dir: str = ""  # "" = <train.output_dir>/checkpoints
+    every_steps: int = 1000  # 0 = only at the end (and on SIGTERM/SIGINT)
+    keep: int = 3  # latest checkpoints kept; 0 = keep all
+    keep_every: int = 0  # additionally keep every step that is a multiple of this forever; 0 = none
+    async_save: bool = dataclasses.field(default=True, metadata={"key": "async"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +266,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     observe: ObserveConfig = ObserveConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,7 +325,7 @@ def from_tree(cls: type, tree: Any, prefix: str = "") -> Any:
     """Build dataclass `cls` from a nested dict, checking every key and value type."""
     if not isinstance(tree, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {tree!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {_key(f): f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in tree.items():
@@ -302,8 +334,14 @@ def from_tree(cls: type, tree: Any, prefix: str = "") -> Any:
             close = difflib.get_close_matches(key, list(fields), n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
             raise ConfigError(f"unknown config key {name}{hint}")
-        kwargs[key] = _coerce(hints[key], value, name)
+        field_name = fields[key].name
+        kwargs[field_name] = _coerce(hints[field_name], value, name)
     return cls(**kwargs)
+
+
+def _key(field: dataclasses.Field) -> str:
+    """The config key of a field: its name, or metadata["key"] where the key is a Python keyword (`async`)."""
+    return field.metadata.get("key", field.name)
 
 
 def _coerce(hint: Any, value: Any, name: str) -> Any:
@@ -376,7 +414,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
     def plain(x: Any) -> Any:
         if dataclasses.is_dataclass(x):
-            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+            return {_key(f): plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
         if isinstance(x, tuple):
             return [plain(v) for v in x]
         return x
@@ -430,11 +468,18 @@ def validate(cfg: Config) -> None:
     need(t.head_dim > 0 or t.dim % t.n_heads == 0,
          f"model.text.dim={t.dim} is not divisible by model.text.n_heads={t.n_heads}; set model.text.head_dim")
     need(t.resolved_head_dim % 2 == 0, f"RoPE needs an even head dim, got {t.resolved_head_dim}")
+    need(t.rope_scaling in ("none", "llama3"), f"model.text.rope_scaling={t.rope_scaling!r} is not one of: none, llama3")
+    need(t.rope_scaling == "none" or (t.rope_factor > 0 and t.rope_high_freq_factor > t.rope_low_freq_factor > 0),
+         "model.text.rope_scaling=llama3 needs rope_factor > 0 and rope_high_freq_factor > rope_low_freq_factor > 0")
     need(v.dim % v.n_heads == 0, f"model.vision.dim={v.dim} is not divisible by model.vision.n_heads={v.n_heads}")
     need(v.pos_embed in ("learned", "sincos2d"),
          f"model.vision.pos_embed={v.pos_embed!r} is not one of: learned, sincos2d")
     need(v.pos_embed != "sincos2d" or v.dim % 4 == 0,
          f"model.vision.pos_embed=sincos2d needs model.vision.dim divisible by 4, got {v.dim}")
+    need(v.act in ("gelu", "gelu_tanh", "quick_gelu"),
+         f"model.vision.act={v.act!r} is not one of: gelu, gelu_tanh, quick_gelu")
+    need(m.image_attention in ("bidirectional", "causal"),
+         f"model.image_attention={m.image_attention!r} is not one of: bidirectional, causal")
     need(v.image_size % v.patch_size == 0,
          f"model.vision.image_size={v.image_size} is not a multiple of model.vision.patch_size={v.patch_size}")
     need(len(v.mean) == v.channels and len(v.std) == v.channels,
@@ -500,6 +545,14 @@ def validate(cfg: Config) -> None:
     need(cfg.train.micro_batch_size >= 0, "train.micro_batch_size must be >= 0 (0 = derived from the mesh)")
     need(cfg.distributed.cpu_collectives in ("gloo", "mpi"),
          f"distributed.cpu_collectives={cfg.distributed.cpu_collectives!r} is not one of gloo, mpi")
+    c, resume = cfg.checkpoint, cfg.train.resume
+    for name, value in [("checkpoint.every_steps", c.every_steps), ("checkpoint.keep", c.keep),
+                        ("checkpoint.keep_every", c.keep_every)]:
+        need(value >= 0, f"{name} must be >= 0 (0 = {'only at the end' if 'every_steps' in name else 'off'}), got {value}")
+    need(not isinstance(resume, int) or resume >= 0,
+         f"train.resume={resume} must be auto, never, a step >= 0 or a checkpoint path")
+    need(isinstance(resume, int) or resume.strip() != "",
+         "train.resume is empty; use auto, never, a step number or a checkpoint path")
     sizes = {k: v for k, v in dataclasses.asdict(cfg.mesh).items() if not k.startswith("dcn_")}
     need(cfg.mesh.dcn_data >= 1 and cfg.mesh.dcn_fsdp >= 1, "mesh.dcn_data and mesh.dcn_fsdp must be >= 1")
     need(list(sizes.values()).count(-1) <= 1,

@@ -7,6 +7,8 @@ interval (`observe.log_every`), when they are fetched in one transfer and writte
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import numpy as np
 import kernels
 from mmjax.config import Config, to_yaml
 from mmjax.data.pipeline import load_eval_examples, make_train_dataset, open_dataset
+from mmjax.engine import checkpoint as ckpt
 from mmjax.engine.evaluate import Evaluator, make_generate_fn
 from mmjax.engine.feed import DeviceFeed
 from mmjax.engine.init import create_train_state, model_setup
@@ -30,15 +33,20 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, devices: list | None = None):
         self.cfg = cfg
         self.output_dir = Path(cfg.train.output_dir).expanduser()
         # Hook: save_fn(state, step) writes a checkpoint; observe.nan_policy=halt calls it before stopping.
+        # None = the run's own checkpointer (when checkpoint.enabled).
         self.save_fn: Any = None
         self.monitor = TrainMonitor(cfg)  # its watchdog reports what start-up waits for if it hangs
         self.monitor.phase("the JAX backend and the device mesh (multi-host: every process must join)")
-        self.mesh = make_mesh(cfg)
+        self.mesh = make_mesh(cfg, devices)
         self.mesh_sizes = resolve_mesh_shape(cfg.mesh, self.mesh.devices.size)
+        # Checkpoints: this run's folder, and which checkpoint train.resume points at (checked before
+        # anything is compiled, so a wrong path fails fast).
+        self.checkpointer = ckpt.Checkpointer.from_config(cfg) if cfg.checkpoint.enabled else None
+        resume_from = ckpt.find_resume(cfg, self.checkpointer)
         self.monitor.phase("the dataset and tokenizer to be prepared")
         self.files, self.tokenizer = open_dataset(cfg)
 
@@ -47,6 +55,21 @@ class Trainer:
         self.optimizer = make_optimizer(cfg)
         self.schedule = learning_rate_schedule(cfg)
         self.state, state_shardings = create_train_state(cfg, self.mesh, self.setup, self.optimizer)
+        self.data_state: Any = None
+        self.stop_requested = threading.Event()
+        if resume_from is not None:
+            reader, step = resume_from
+            if reader.is_params_only(step):  # converted / exported weights: new optimizer, step 0, fresh data
+                params = reader.restore_params(step, self.state.params)
+                self.state = self.state.replace(params={**self.state.params, **params})
+                log.info("initialised %s from %s", sorted(params), reader.directory / str(step))
+            else:
+                target = ckpt.abstract_like(self.state)
+                jax.tree.map(lambda x: x.delete(), self.state)  # free the fresh init: peak memory stays one state
+                restored = reader.restore(step, target)
+                ckpt.check_data_compatible(restored.meta, cfg, f"checkpoint {restored.path}")
+                self.state, self.data_state = restored.state, restored.data
+                log.info("resumed from %s (step %d)", restored.path, step)
         step_fn = make_train_step(self.setup.graphdef, self.optimizer, self.schedule, cfg.train.grad_accum_steps,
                                   skip_nonfinite=cfg.observe.nan_policy != "warn",
                                   grad_shardings=self.setup.plan.grads)
@@ -70,13 +93,23 @@ class Trainer:
         cfg = self.cfg
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(to_yaml(cfg))
-        monitor = self.monitor
-        monitor.open(self.output_dir, self.mesh, cfg.train.steps, save_fn=self.save_fn,
-                     dynamic_loss_scale=self.state.loss_scale.dynamic)
+        start = int(jax.device_get(self.state.step))
+        if start >= cfg.train.steps:
+            log.info("the checkpoint is at step %d >= train.steps=%d: nothing to train", start, cfg.train.steps)
+            return {}
         loader = iter(make_train_dataset(cfg, self.tokenizer, files=self.files, process_index=jax.process_index(),
                                          process_count=jax.process_count()))
+        if self.data_state is not None:
+            loader.set_state(self.data_state)  # the batch after the checkpoint's last one
         feed = DeviceFeed(loader, self.mesh, depth=cfg.data.prefetch)
+        save_fn = self.save_fn
+        if save_fn is None and self.checkpointer is not None:  # observe.nan_policy=halt saves before stopping
+            save_fn = lambda state, step: self._save(step, feed.loader_state, state)  # noqa: E731
+        monitor = self.monitor
+        monitor.open(self.output_dir, self.mesh, cfg.train.steps, start_step=start, save_fn=save_fn,
+                     dynamic_loss_scale=self.state.loss_scale.dynamic)
         last_eval: dict[str, float] = {}
+        restore_signals = self._catch_stop_signals()
         try:
             with monitor.waiting_for("the first batch from the data loader"):
                 batch = next(feed)
@@ -85,17 +118,25 @@ class Trainer:
                     train_step = self._train_step.lower(self.state, batch).compile()
             monitor.write(0, {})  # time/compile/train_step
             monitor.training()
-            for step in range(1, cfg.train.steps + 1):
-                if step > 1:
+            for step in range(start + 1, cfg.train.steps + 1):
+                if step > start + 1:
                     batch = next(feed)
                 monitor.data(feed)
                 monitor.before_step(step, self.state)
                 self.state, metrics = train_step(self.state, batch)
                 monitor.after_step(step, self.state, metrics)
-                if step % cfg.observe.log_every == 0 or step == cfg.train.steps:
+                stop = self._stop_now(step)
+                if step % cfg.observe.log_every == 0 or step == cfg.train.steps or stop:
                     # the only host sync of the interval; the loader adds its rate, padding and skips
                     stats = getattr(loader, "stats", None)  # a plain iterator (tests, custom loaders) has none
                     monitor.log(step, self.state, extra=stats.interval_metrics() if stats else None)
+                if self.checkpointer is not None and (stop or step == cfg.train.steps or self.checkpointer.due(step)):
+                    with monitor.excluded("a checkpoint save"):  # its stall shows in this metric, not time/step
+                        blocked = self._save(step, feed.loader_state)
+                    monitor.write(step, {"time/checkpoint_blocked": blocked})
+                if stop:
+                    log.warning("stop signal: saved step %d, exiting", step)
+                    break
                 every = cfg.eval.every_steps
                 if self.evaluator is not None and ((every and step % every == 0) or step == cfg.train.steps):
                     with monitor.excluded("the evaluation to finish"):  # eval time is not train step time
@@ -104,6 +145,39 @@ class Trainer:
                         last_eval["time/eval"] = time.perf_counter() - eval_start
                     monitor.write(step, last_eval)
         finally:
+            restore_signals()
+            if self.checkpointer is not None:
+                self.checkpointer.wait()  # a save in flight completes before the process may exit
             feed.close()
             monitor.close()
         return last_eval
+
+    # -- checkpoints and preemption ---------------------------------------------------------------
+
+    def _save(self, step: int, data_state: Any, state: Any = None) -> float:
+        """Checkpoint `state` (default: the current one) at `step`; returns the seconds the loop was blocked."""
+        meta = ckpt.run_meta(self.cfg, self.mesh_sizes, tuple(self.mesh.axis_names), step)
+        return self.checkpointer.save(step, self.state if state is None else state, data_state, meta)
+
+    def _stop_now(self, step: int) -> bool:
+        """True once SIGTERM/SIGINT arrived. With several processes, jax's preemption service (which owns
+        SIGTERM there) makes every process stop at the same step, as the save is collective."""
+        if jax.process_count() > 1:
+            return self.checkpointer is not None and self.checkpointer.manager.reached_preemption(step)
+        return self.stop_requested.is_set()
+
+    def _catch_stop_signals(self):
+        """SIGTERM/SIGINT finish the current step, save and return; a second SIGINT interrupts at once."""
+        if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
+            return lambda: None
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+        def handler(signum, frame):
+            if self.stop_requested.is_set() and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            log.warning("received %s: stopping after this step", signal.Signals(signum).name)
+            self.stop_requested.set()
+
+        for sig in previous:
+            signal.signal(sig, handler)
+        return lambda: [signal.signal(sig, h) for sig, h in previous.items()]

@@ -12,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import kernels
 from mmjax.config import ModelConfig
-from mmjax.model.layers import RMSNorm, dense, make_stack, normal, param, rope, run_stack
+from mmjax.model.layers import RMSNorm, dense, make_stack, normal, param, rope, run_stack, zeros
 from mmjax.parallel.sharding import attention, constrain, embed_lookup
 
 RESIDUAL = ("batch", "norm_length", "act_embed")  # logical names of the residual stream
@@ -41,6 +41,8 @@ class DecoderLayer(nnx.Module):
         d, kv, g = t.resolved_head_dim, t.n_kv_heads, t.n_heads // t.n_kv_heads
         self.n_heads, self.n_kv, self.head_dim = t.n_heads, kv, d
         self.rope_theta = t.rope_theta
+        self.rope_llama3 = None if t.rope_scaling == "none" else (
+            t.rope_factor, t.rope_low_freq_factor, t.rope_high_freq_factor, t.rope_original_max_len)
         self.attention_impl = cfg.attention_impl
         self.compute_dtype = compute_dtype
         w = normal(0.02)
@@ -48,6 +50,9 @@ class DecoderLayer(nnx.Module):
         self.attn_norm = RMSNorm(t.dim, **norm)
         # Per kv group: its g query heads, then k, then v (so a TP shard of kv_heads is self-contained).
         self.qkv = param(rngs, w, (t.dim, kv, g + 2, d), ("embed", "kv_heads", None, "head_dim"), param_dtype)
+        # Optional q/k/v biases (model.text.qkv_bias; Qwen2 has them), same layout as qkv's output.
+        self.qkv_bias = param(None, zeros, (kv, g + 2, d), ("kv_heads", None, "head_dim"), param_dtype) \
+            if t.qkv_bias else None
         self.out = param(rngs, w, (t.n_heads, d, t.dim), ("heads", "head_dim", "embed"), param_dtype)
         self.mlp_norm = RMSNorm(t.dim, **norm)
         self.gate_up = param(rngs, w, (t.dim, 2, t.mlp_dim), ("embed", None, "mlp"), param_dtype)
@@ -55,12 +60,13 @@ class DecoderLayer(nnx.Module):
 
     def qkv_proj(self, x, positions):
         b, s, _ = x.shape
-        qkv = dense(x, self.qkv[...], "bse,ekgd->bskgd", self.compute_dtype)
+        bias = None if self.qkv_bias is None else self.qkv_bias[...]
+        qkv = dense(x, self.qkv[...], "bse,ekgd->bskgd", self.compute_dtype, bias)
         g = self.n_heads // self.n_kv
         q = qkv[:, :, :, :g].reshape(b, s, self.n_heads, self.head_dim)
         k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
-        q = constrain(rope(q, positions, self.rope_theta), ("batch", "length", "heads", "head_dim"))
-        k = constrain(rope(k, positions, self.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
+        q = constrain(rope(q, positions, self.rope_theta, self.rope_llama3), ("batch", "length", "heads", "head_dim"))
+        k = constrain(rope(k, positions, self.rope_theta, self.rope_llama3), ("batch", "length", "kv_heads", "head_dim"))
         return q, k, constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
     def finish(self, x, attn):

@@ -102,10 +102,25 @@ class LayerNorm(nnx.Module):
                                   impl=self.impl, out_dtype=self.compute_dtype)
 
 
-def rope(x, positions, theta: float):
+def rope_frequencies(d: int, theta: float, llama3: tuple[float, float, float, int] | None = None):
+    """[D/2] inverse frequencies; `llama3` = (factor, low_freq_factor, high_freq_factor, original_max_len)
+    rescales them as Llama 3.1/3.2 do (long wavelengths / factor, short ones kept, a smooth ramp between)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    if llama3 is None:
+        return inv_freq
+    factor, low, high, original = llama3
+    wavelen = 2 * jnp.pi / inv_freq
+    scaled = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope(x, positions, theta: float, llama3: tuple[float, float, float, int] | None = None):
     """Rotary embedding (HF Llama `rotate_half` layout) of x [B,S,H,D] at integer positions [B,S]."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # [D/2]
+    inv_freq = rope_frequencies(d, theta, llama3)  # [D/2]
     angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B,S,1,D/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     xf = x.astype(jnp.float32)

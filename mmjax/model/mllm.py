@@ -61,6 +61,8 @@ class MLLM(nnx.Module):
         gathered = jnp.take_along_axis(img, flat[:, :, None], axis=1)
         x = jnp.where(is_img[:, :, None], gathered, x)
         block_ids = jnp.where(is_img, rank + 1, 0).astype(jnp.int32)
+        if self.cfg.image_attention == "causal":
+            block_ids = jnp.zeros_like(block_ids)
         return x, block_ids
 
     def __call__(self, tokens, positions, segment_ids, images=None, image_valid=None):

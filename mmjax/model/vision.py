@@ -24,10 +24,18 @@ def sincos2d(grid: int, dim: int, temperature: float = 10000.0) -> jax.Array:
     return jnp.concatenate([jnp.sin(x), jnp.cos(x), jnp.sin(y), jnp.cos(y)], axis=1)
 
 
+ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),  # CLIP
+}
+
+
 class VisionLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
         v = cfg.vision
         d = v.dim // v.n_heads
+        self.act = v.act
         self.compute_dtype = compute_dtype
         self.attention_impl = cfg.attention_impl
         self.activation_impl = cfg.activation_impl
@@ -55,9 +63,12 @@ class VisionLayer(nnx.Module):
         hn, x = self.mlp_norm(dense(attn, self.out[...], "bsnd,nde->bse", self.compute_dtype, self.out_bias[...]),
                               residual=x)
         x = constrain(x, RESIDUAL)
-        h = kernels.bias_gelu(dense(hn, self.fc1[...], "bse,em->bsm", self.compute_dtype),
-                              self.fc1_bias[...].astype(self.compute_dtype), approximate=False,
-                              impl=self.activation_impl)
+        h = dense(hn, self.fc1[...], "bse,em->bsm", self.compute_dtype)
+        bias = self.fc1_bias[...].astype(self.compute_dtype)
+        if self.act in ("gelu", "gelu_tanh"):  # fused bias + GELU kernel
+            h = kernels.bias_gelu(h, bias, approximate=self.act == "gelu_tanh", impl=self.activation_impl)
+        else:
+            h = ACTIVATIONS[self.act](h + bias)
         h = constrain(h, ("batch", None, "mlp"))
         return constrain(x + dense(h, self.fc2[...], "bsm,me->bse", self.compute_dtype, self.fc2_bias[...]),
                          RESIDUAL)
@@ -73,13 +84,19 @@ class VisionEncoder(nnx.Module):
         patch_in = v.patch_size * v.patch_size * v.channels
         self.patch_embed = param(rngs, normal(0.02), (patch_in, v.dim), (None, "embed"), param_dtype)
         self.patch_bias = param(None, zeros, (v.dim,), ("embed",), param_dtype)
+        n_pos = v.num_patches + int(v.class_token)
+        if v.class_token:
+            self.class_embed = param(rngs, normal(0.02), (v.dim,), ("embed",), param_dtype)
         if v.pos_embed == "learned":
-            self.pos_embed = param(rngs, normal(0.02), (v.num_patches, v.dim), (None, "embed"), param_dtype)
+            self.pos_embed = param(rngs, normal(0.02), (n_pos, v.dim), (None, "embed"), param_dtype)
+        norm = dict(eps=v.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype, impl=cfg.norm_impl)
+        if v.pre_norm:
+            self.pre_norm = LayerNorm(v.dim, **norm)
         self.layers = make_stack(
             lambda r: VisionLayer(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=r),
             v.n_layers, rngs, scan=cfg.scan_layers)
-        self.final_norm = LayerNorm(v.dim, eps=v.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype,
-                                    impl=cfg.norm_impl)
+        if v.final_norm:
+            self.final_norm = LayerNorm(v.dim, **norm)
 
     def patchify(self, images):
         """[B,N,H,W,C] -> [B*N, num_patches, p*p*C] (row-major patch order, (py, px, c) inside a patch)."""
@@ -97,8 +114,15 @@ class VisionEncoder(nnx.Module):
                              f"{v.image_size}, {v.channels}] (model.vision.image_size/channels)")
         x = dense(self.patchify(images), self.patch_embed[...], "bsp,pe->bse", self.compute_dtype,
                   self.patch_bias[...])
+        if v.class_token:
+            cls = jnp.broadcast_to(self.class_embed[...].astype(self.compute_dtype), (x.shape[0], 1, v.dim))
+            x = jnp.concatenate([cls, x], axis=1)
         pos = self.pos_embed[...] if v.pos_embed == "learned" else sincos2d(v.image_size // v.patch_size, v.dim)
+        if v.class_token and v.pos_embed != "learned":
+            pos = jnp.concatenate([jnp.zeros((1, v.dim), pos.dtype), pos])
         x = constrain(x + pos.astype(self.compute_dtype), RESIDUAL)
+        if v.pre_norm:
+            x = self.pre_norm(x)
         s = x.shape[1]
         ones = jnp.ones((b * n, s), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b * n, s))
@@ -107,4 +131,8 @@ class VisionEncoder(nnx.Module):
             return layer(h, ones, positions), None
 
         x, _ = run_stack(self.layers, body, x, scan=self.scan, remat_policy=self.remat)
-        return self.final_norm(x).reshape(b, n, s, v.dim)
+        if v.final_norm:
+            x = self.final_norm(x)
+        if v.class_token:  # LLaVA's "default" feature selection: patch tokens only
+            x, s = x[:, 1:], s - 1
+        return x.reshape(b, n, s, v.dim)

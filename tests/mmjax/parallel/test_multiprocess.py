@@ -61,4 +61,6 @@ def test_two_processes_match_one_process(tmp_path):
     for i, log in enumerate(logs):
         assert f"process {i} of 2, 4 local / 8 global devices" in log
         assert f"process {i} of 2 loads 8 rows of each global batch" in log  # half of the 16-row batch
-        np.testing.assert_allclose(losses(tmp_path / f"p{i}"), want, rtol=1e-5)
+    # the losses are global values; only the main process writes metrics
+    np.testing.assert_allclose(losses(tmp_path / "p0"), want, rtol=1e-5)
+    assert not (tmp_path / "p1" / "metrics.jsonl").exists()

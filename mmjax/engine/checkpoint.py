@@ -1,0 +1,462 @@
+"""Checkpoints of a whole run with Orbax: train state, data-iterator position and run metadata.
+
+Layout: `<checkpoint.dir>/<step>/{state,data,meta}`. A step folder appears only once every item is
+written (Orbax writes into a temporary folder and renames it), so a run killed mid-save leaves at most
+a temporary folder that the next run ignores and removes; the checkpoints before it stay valid.
+
+- `state`: the `TrainState` pytree (params, optimizer state, step, RNG key, loss scale), sharded arrays.
+  Restore goes through abstract targets (`jax.ShapeDtypeStruct` carrying this run's `NamedSharding`s),
+  so a checkpoint written on one mesh loads onto another (resharding happens in the read).
+- `data`: the Grain iterator state after the last consumed batch, one JSON file per process (the
+  layout of `grain.checkpoint`), opaque here. It is only valid for the same process count and
+  `data.num_workers`, which `meta` records and resume checks.
+- `meta`: JSON with the resolved config, mesh, process count, loader workers and package versions.
+
+Saves are asynchronous by default: `save` returns once the arrays are copied off the devices and the
+files are written in a background thread, so the train loop stalls only for the device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from mmjax.config import Config, to_dict
+from mmjax.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+STATE, DATA, META, PARAMS = "state", "data", "meta", "params"
+ITEMS = (STATE, DATA, META, PARAMS)  # a training checkpoint has state/data/meta, a params-only one params/meta
+FORMAT_VERSION = 1
+_PACKAGES = ("mmjax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
+
+
+# ------------------------------------------------------------------------------------------------
+# The `data` item: one JSON file per process with that process's iterator state.
+
+
+class DataStateHandler(ocp.CheckpointHandler):
+    """Saves a *snapshot* of the iterator state (the one after the last batch the loop consumed).
+
+    `grain.checkpoint.CheckpointHandler` calls `iterator.get_state()` at save time, which with a
+    prefetching feed is ahead of the train loop; this handler writes the snapshot it is given, in the
+    same per-process file layout, and returns it on restore instead of mutating an iterator.
+    """
+
+    @staticmethod
+    def _file(directory: epath.Path) -> epath.Path:
+        return directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+
+    def save(self, directory: epath.Path, args: "DataStateSave") -> None:
+        state = args.state
+        payload = {"kind": "bytes", "value": state.decode()} if isinstance(state, bytes) else \
+            {"kind": "json", "value": state}
+        self._file(directory).write_text(json.dumps(payload))
+
+    def restore(self, directory: epath.Path, args: "DataStateRestore | None" = None) -> Any:
+        path = self._file(directory)
+        if not path.exists():
+            found = sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+            raise CheckpointError(
+                f"{path} does not exist (found {found}): the data state was written by a different "
+                f"process count than this run's {jax.process_count()}")
+        payload = json.loads(path.read_text())
+        return payload["value"].encode() if payload["kind"] == "bytes" else payload["value"]
+
+    def metadata(self, directory: epath.Path) -> None:
+        return None
+
+    def structure(self, directory: epath.Path) -> None:
+        return None
+
+    def finalize(self, directory: epath.Path) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_save=True)
+@dataclasses.dataclass
+class DataStateSave(ocp.args.CheckpointArgs):
+    state: Any  # a JSON-able dict (Grain DatasetIterator) or bytes (Grain DataLoader)
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_restore=True)
+@dataclasses.dataclass
+class DataStateRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------
+# Metadata
+
+
+def package_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def run_meta(cfg: Config, mesh_sizes: dict[str, int], axis_names: tuple[str, ...], step: int) -> dict[str, Any]:
+    """What a later run needs to judge whether (and how) it can continue from this checkpoint."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": int(step),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": to_dict(cfg),
+        "mesh": {"shape": dict(mesh_sizes), "axis_names": list(axis_names)},
+        "process_count": jax.process_count(),
+        "device_kind": jax.devices()[0].device_kind,
+        "device_count": jax.device_count(),
+        "data": {"num_workers": cfg.data.num_workers, "global_batch_size": cfg.train.global_batch_size,
+                 "seed": cfg.train.seed, "dataset": cfg.data.dataset},
+        "versions": package_versions(),
+    }
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------------------
+# Abstract targets and shape checks
+
+
+def abstract_like(tree: Any) -> Any:
+    """ShapeDtypeStructs with each array's sharding: the restore target for a state shaped like `tree`."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def flat_leaves(tree: Any) -> dict[str, Any]:
+    """{"params/decoder/embedding": leaf, ...}: the same keys for a TrainState, its saved dict and metadata."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    return {"/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path): leaf
+            for path, leaf in leaves if hasattr(leaf, "shape")}
+
+
+def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(int(s) for s in v.shape) for k, v in flat_leaves(tree).items()}
+
+
+def check_shapes(saved: Any, target: Any, where: str) -> None:
+    """Refuse a checkpoint whose arrays differ in name or shape from this run's state (a different model)."""
+    have, want = _flat_shapes(getattr(saved, "tree", saved)), _flat_shapes(target)
+    missing = sorted(set(want) - set(have))
+    extra = sorted(set(have) - set(want))
+    if missing or extra:
+        raise CheckpointError(
+            f"{where} holds a different state tree: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}; it was written for another model config "
+            "(compare its meta config with this run's)")
+    for key in sorted(want, key=lambda k: (not k.startswith("params/"), k)):  # name a parameter first
+        if have[key] != want[key]:
+            raise CheckpointError(
+                f"{where}: {key} has shape {have[key]} in the checkpoint but {want[key]} in this run; the "
+                "model config differs (compare the checkpoint's meta config with this run's)")
+
+
+# ------------------------------------------------------------------------------------------------
+# The manager
+
+
+@dataclasses.dataclass
+class Restored:
+    state: Any
+    data: Any  # this process's iterator state, or None if the checkpoint has none
+    meta: dict[str, Any]
+    step: int
+    path: Path
+
+
+def is_step_dir(path: Path) -> bool:
+    return path.is_dir() and path.name.isdigit() and (path / META).is_dir()
+
+
+class Checkpointer:
+    """A thin policy layer over `ocp.CheckpointManager`: when to save, retention, checked restore."""
+
+    def __init__(self, directory: str | Path, *, every_steps: int = 0, keep: int = 3, keep_every: int = 0,
+                 async_save: bool = True, read_only: bool = False):
+        self.directory = Path(directory).expanduser().absolute()
+        self.every_steps = every_steps
+        self.read_only = read_only
+        if read_only and not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint folder {self.directory} does not exist; pass an existing "
+                                  "checkpoint folder (or step folder inside it) to train.resume")
+        if not read_only and self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint.dir {self.directory} exists and is not a folder; pick another path")
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep or None,
+            keep_period=keep_every or None,
+            enable_async_checkpointing=async_save,
+            create=not read_only,
+            read_only=read_only,
+            # Only temporary folders of interrupted saves are removed; finished steps never are.
+            cleanup_tmp_directories=not read_only,
+        )
+        handlers = {STATE: ocp.StandardCheckpointHandler(), DATA: DataStateHandler(),
+                    META: ocp.JsonCheckpointHandler(), PARAMS: ocp.StandardCheckpointHandler()}
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS,
+                                                 item_handlers=handlers)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot open checkpoint folder {self.directory}: {one_line(e)}") from e
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "Checkpointer":
+        c = cfg.checkpoint
+        return cls(checkpoint_dir(cfg), every_steps=c.every_steps, keep=c.keep, keep_every=c.keep_every,
+                   async_save=c.async_save)
+
+    # -- saving ----------------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def due(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def save(self, step: int, state: Any, data_state: Any, meta: dict[str, Any]) -> float:
+        """Start saving `step` (async unless checkpoint.async=false); returns the seconds it blocked."""
+        start = time.perf_counter()
+        items = {STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}
+        if data_state is not None:
+            items[DATA] = DataStateSave(data_state)
+        saved = self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        if not saved:
+            raise CheckpointError(f"Orbax declined to save step {step} in {self.directory}")
+        blocked = time.perf_counter() - start
+        log.info("checkpoint: step %d saving to %s (blocked %.3fs)", step, self.directory, blocked)
+        return blocked
+
+    def save_params(self, step: int, params: Any, meta: dict[str, Any]) -> None:
+        """A params-only checkpoint (conversion, serving exports): items params + meta, written synchronously."""
+        self.manager.save(step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardSave(params),
+                                                           META: ocp.args.JsonSave(meta)}), force=True)
+        self.manager.wait_until_finished()
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+    # -- restoring -------------------------------------------------------------------------------
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        path = self.directory / str(step)
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+        except Exception as e:  # re-raised with the path: the folder is truncated or corrupt
+            raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {one_line(e)}); it is "
+                                  "truncated or corrupt: resume from another step (train.resume=<step>)") from e
+        if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"checkpoint {path}: meta is not an mmjax checkpoint meta of format {FORMAT_VERSION}")
+        return meta
+
+    def is_params_only(self, step: int) -> bool:
+        path = self.directory / str(step)
+        return (path / PARAMS).is_dir() and not (path / STATE).is_dir()
+
+    def param_shapes(self, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{"decoder/embedding": (shape, dtype)} from metadata only."""
+        tree = _params_metadata(self.directory / str(step))
+        return {k: (tuple(int(s) for s in v.shape), str(np.dtype(v.dtype))) for k, v in flat_leaves(tree).items()}
+
+    def restore_params(self, step: int, target_params: Any) -> Any:
+        """Params of a params-only checkpoint into this run's shapes/shardings; towers it lacks are skipped
+        (e.g. a converted Llama gives only "decoder"), so the returned tree may be a subset."""
+        path = self.directory / str(step)
+        where = f"checkpoint {path}"
+        try:
+            saved = _params_metadata(path)
+        except Exception as e:
+            raise CheckpointError(f"{where} cannot be read ({type(e).__name__}: {one_line(e)}); it is truncated "
+                                  "or corrupt") from e
+        unknown = sorted(set(saved) - set(target_params))
+        if unknown:
+            raise CheckpointError(f"{where} holds towers {unknown} that this model does not have")
+        target = {k: target_params[k] for k in saved}
+        check_shapes(saved, target, where)
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                **{PARAMS: ocp.args.StandardRestore(abstract_like(target))}))
+        except Exception as e:
+            raise CheckpointError(f"{where} cannot be restored ({type(e).__name__}: {one_line(e)}); it is "
+                                  "truncated or corrupt") from e
+        return out[PARAMS]
+
+    def restore(self, step: int, target_state: Any) -> Restored:
+        """Read `step` into the shapes and shardings of `target_state` (arrays or ShapeDtypeStructs)."""
+        path = self.directory / str(step)
+        if step not in self.manager.all_steps():
+            raise CheckpointError(f"{self.directory} has no complete checkpoint for step {step}; "
+                                  f"available steps: {self.all_steps() or 'none'}")
+        where = f"checkpoint {path}"
+        meta = self.read_meta(step)
+        try:
+            saved_tree = self.manager.item_metadata(step)[STATE]
+        except Exception as e:  # re-raised with the path: the folder is truncated or corrupt
+            raise CheckpointError(f"{where} cannot be read ({type(e).__name__}: {one_line(e)}); it is "
+                                  "truncated or corrupt: resume from another step (train.resume=<step>)") from e
+        if saved_tree is None:
+            raise CheckpointError(f"{where}: the state item has no metadata; the folder is incomplete")
+        check_shapes(saved_tree, target_state, where)
+        target = abstract_like(target_state)
+        items = {STATE: ocp.args.StandardRestore(target)}
+        has_data = (path / DATA).is_dir()
+        if has_data:
+            items[DATA] = DataStateRestore()
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{where} cannot be restored ({type(e).__name__}: {one_line(e)}); it is "
+                                  "truncated or corrupt: resume from another step (train.resume=<step>)") from e
+        return Restored(state=out[STATE], data=out[DATA] if has_data else None, meta=meta, step=step, path=path)
+
+
+def _params_metadata(step_dir: Path) -> Any:
+    """Array metadata of the params: the `params` item, or the `params` subtree of a training `state`."""
+    item = step_dir / PARAMS if (step_dir / PARAMS).is_dir() else step_dir / STATE
+    md = ocp.PyTreeCheckpointer().metadata(item)
+    tree = md.item_metadata.tree if hasattr(md, "item_metadata") else getattr(md, "tree", md)
+    return tree if item.name == PARAMS else tree["params"]
+
+
+def numpy_params(step_dir: Path) -> Any:
+    """The parameters of a checkpoint as host numpy arrays, whatever mesh wrote them (no optimizer state
+    is read from a training checkpoint: a partial restore of its `params` subtree)."""
+    step_dir = Path(step_dir)
+    tree = _params_metadata(step_dir)
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree,
+                        is_leaf=lambda x: hasattr(x, "shape"))
+    try:
+        if (step_dir / PARAMS).is_dir():
+            return ocp.PyTreeCheckpointer().restore(step_dir / PARAMS, args=ocp.args.PyTreeRestore(
+                item=tree, restore_args=args))
+        out = ocp.PyTreeCheckpointer().restore(step_dir / STATE, args=ocp.args.PyTreeRestore(
+            item={"params": tree}, restore_args={"params": args}, partial_restore=True))
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {step_dir} cannot be read ({type(e).__name__}: {one_line(e)}); it is "
+                              "truncated or corrupt") from e
+    return out["params"]
+
+
+def checkpoint_dir(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.train.output_dir) / "checkpoints").expanduser().absolute()
+
+
+# ------------------------------------------------------------------------------------------------
+# train.resume
+
+
+def find_resume(cfg: Config, own: Checkpointer | None) -> tuple[Checkpointer, int] | None:
+    """Which checkpoint `train.resume` asks for: (a checkpointer to read it, step), or None = fresh start.
+
+    `own` is this run's checkpointer (None when checkpoint.enabled=false). Refuses, instead of silently
+    overwriting, a fresh start into a folder that already holds checkpoints.
+    """
+    resume = cfg.train.resume
+    own_dir = checkpoint_dir(cfg)
+    if own is not None:
+        reader = own
+    elif own_dir.is_dir():
+        reader = Checkpointer(own_dir, read_only=True)
+    else:
+        reader = None
+    own_steps = reader.all_steps() if reader is not None else []
+    if resume == "never":
+        if own_steps and own is not None:
+            raise CheckpointError(
+                f"train.resume=never but {own_dir} already holds checkpoints (steps {own_steps}); use "
+                "train.resume=auto to continue, or a new checkpoint.dir / train.output_dir to start over")
+        return None
+    if resume == "auto":
+        return (reader, own_steps[-1]) if own_steps else None
+    if isinstance(resume, int) or str(resume).isdigit():
+        step = int(resume)
+        if step not in own_steps:
+            raise CheckpointError(f"train.resume={step}: {own_dir} has no complete checkpoint for step {step}; "
+                                  f"available steps: {own_steps or 'none'}")
+        later = [s for s in own_steps if s > step]
+        if later and own is not None:
+            raise CheckpointError(
+                f"train.resume={step} but {own_dir} also holds later steps {later}, which this run would "
+                "overwrite; continue in a new checkpoint.dir (and point train.resume at this folder's path)")
+        return reader, step
+    path = Path(str(resume)).expanduser().absolute()
+    found = _resume_path(resume, path)
+    if found[0].is_params_only(found[1]) and own_steps:
+        # Weights to *start* from: once this run has its own checkpoints, a restart continues from those.
+        log.info("train.resume=%s holds initial weights, but %s already has step %d: continuing from it",
+                 resume, own_dir, own_steps[-1])
+        return reader, own_steps[-1]
+    return found
+
+
+def _resume_path(resume: str | int, path: Path) -> tuple[Checkpointer, int]:
+    if not path.exists():
+        raise CheckpointError(f"train.resume={resume}: {path} does not exist; pass auto, never, a step, or "
+                              "an existing checkpoint folder")
+    if is_step_dir(path):
+        root, step = path.parent, int(path.name)
+        source = Checkpointer(root, read_only=True)
+        if step not in source.all_steps():
+            raise CheckpointError(f"train.resume={resume}: {path} is not a complete checkpoint; complete steps "
+                                  f"in {root}: {source.all_steps() or 'none'}")
+        return source, step
+    source = Checkpointer(path, read_only=True)
+    steps = source.all_steps()
+    if not steps:
+        raise CheckpointError(f"train.resume={resume}: {path} holds no complete checkpoint (no <step>/meta "
+                              "folders); pass a checkpoint folder written by mmjax")
+    return source, steps[-1]
+
+
+def check_data_compatible(meta: dict[str, Any], cfg: Config, where: str) -> None:
+    """A Grain iterator state only fits the process count and worker count it was written with."""
+    saved_pc = meta.get("process_count")
+    saved_workers = meta.get("data", {}).get("num_workers")
+    if saved_pc != jax.process_count():
+        raise CheckpointError(
+            f"{where}: its data state is for {saved_pc} process(es) but this run has {jax.process_count()}; "
+            f"resume with {saved_pc} process(es) (the device mesh may differ)")
+    if saved_workers != cfg.data.num_workers:
+        raise CheckpointError(
+            f"{where}: its data state is for data.num_workers={saved_workers} but this run has "
+            f"data.num_workers={cfg.data.num_workers}; set data.num_workers={saved_workers}")
+    saved_gbs = meta.get("data", {}).get("global_batch_size")
+    if saved_gbs != cfg.train.global_batch_size:
+        raise CheckpointError(
+            f"{where}: its data position counts batches of {saved_gbs} rows but train.global_batch_size="
+            f"{cfg.train.global_batch_size}; set train.global_batch_size={saved_gbs}")
+
+
+def tree_equal(a: Any, b: Any) -> bool:
+    """Bitwise equality of two state trees matched by key path (a TrainState equals its saved dict)."""
+    fa, fb = flat_leaves(a), flat_leaves(b)
+    return fa.keys() == fb.keys() and all(
+        np.array_equal(np.asarray(jax.device_get(fa[k])), np.asarray(jax.device_get(fb[k]))) for k in fa)

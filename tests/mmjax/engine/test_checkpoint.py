@@ -1,0 +1,239 @@
+"""Checkpoints end to end: exact resume through the CLI, kill/preempt, resharding, refusals.
+
+One module-scoped pair of runs (uninterrupted 2N steps vs N steps + resume, both on fsdp=4,tensor=2)
+feeds the resharding and error tests, so the module compiles the tiny model only a few times.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from mmjax.config import load_config, to_yaml
+from mmjax.engine.checkpoint import Checkpointer, tree_equal
+from mmjax.engine.trainer import Trainer
+from mmjax.errors import CheckpointError
+from mmjax.train import DEFAULT_CONFIG, main
+
+REPO = Path(__file__).resolve().parents[3]
+N = 6
+TINY = [
+    "model.text.dim=64", "model.text.mlp_dim=128", "model.text.n_layers=2", "model.vision.dim=64",
+    "model.vision.mlp_dim=128", "model.vision.n_layers=1", "data.num_train=512", "data.num_eval=32",
+    "data.num_shards=2", "eval.num_examples=4", "eval.batch_size=4", "eval.every_steps=0",
+    "train.global_batch_size=16", "optim.warmup_steps=2", "observe.progress=false", "observe.log_every=1",
+]
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
+
+
+def saved_state(step_dir: Path):
+    """The state item exactly as written (restored in its saved sharding, fetched to numpy)."""
+    return jax.device_get(ocp.StandardCheckpointer().restore(step_dir.absolute() / "state"))
+
+
+def listing(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(uninterrupted run dir, resumed run dir, common args) on fsdp=4,tensor=2."""
+    root = tmp_path_factory.mktemp("ckpt")
+    common = TINY + [f"data.cache_dir={root / 'cache'}", "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2",
+                     f"optim.schedule_steps={2 * N}", f"checkpoint.every_steps={N}"]
+    full, split = root / "full", root / "split"
+    assert main(common + [f"train.output_dir={full}", f"train.steps={2 * N}"]) == 0
+    assert main(common + [f"train.output_dir={split}", f"train.steps={N}"]) == 0
+    assert main(common + [f"train.output_dir={split}", f"train.steps={2 * N}", "train.resume=auto"]) == 0
+    return full, split, common
+
+
+def test_resume_is_bit_identical_through_the_cli(runs):
+    full, split, _ = runs
+    want = losses(full)
+    assert [s for s, _ in want] == list(range(1, 2 * N + 1))
+    assert losses(split) == want  # both legs appended to one metrics.jsonl; equal floats, bit for bit
+    assert sorted(os.listdir(split / "checkpoints"), key=int) == sorted(os.listdir(full / "checkpoints"), key=int) == [str(N), str(2 * N)]
+    a, b = saved_state(full / "checkpoints" / str(2 * N)), saved_state(split / "checkpoints" / str(2 * N))
+    assert tree_equal(a, b) and int(b["step"]) == 2 * N
+    meta = json.loads((split / "checkpoints" / str(2 * N) / "meta" / "metadata").read_text())
+    assert meta["mesh"]["shape"]["fsdp"] == 4 and meta["mesh"]["axis_names"][:2] == ["data", "fsdp"]
+    assert meta["process_count"] == 1 and meta["data"]["num_workers"] == 0
+    assert meta["config"]["train"]["steps"] == 2 * N and "jax" in meta["versions"]
+    data = json.loads((split / "checkpoints" / str(N) / "data" / "process_0-of-1.json").read_text())
+    assert data["value"] == {"next_index": N}  # the Grain position after the N consumed batches
+
+
+@pytest.mark.parametrize("mesh", [("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"), ("mesh.data=1",)],
+                         ids=["data2-fsdp2-tensor2", "one-device"])
+def test_restore_onto_another_mesh_and_continue(runs, tmp_path, mesh):
+    full, _, common = runs
+    step_dir = full / "checkpoints" / str(N)
+    devices = jax.devices()[:1] if mesh == ("mesh.data=1",) else None
+    overrides = [o for o in common if not o.startswith("mesh.")] + list(mesh)
+    cfg = load_config(DEFAULT_CONFIG, overrides + [f"train.output_dir={tmp_path}", f"train.resume={step_dir}",
+                                         f"train.steps={N + 2}"])
+    trainer = Trainer(cfg, devices=devices)
+    assert tree_equal(trainer.state, saved_state(step_dir))
+    leaf = trainer.state.params["decoder"]["layers"]["gate_up"]
+    assert leaf.sharding.mesh.shape == trainer.mesh.shape  # restored straight into this run's layout
+    if devices is None:
+        assert leaf.sharding.spec == trainer.setup.param_shardings["decoder"]["layers"]["gate_up"].spec
+        assert len(leaf.sharding.device_set) == 8
+    trainer.run()
+    assert int(trainer.state.step) == N + 2
+    assert [s for s, _ in losses(tmp_path)] == [N + 1, N + 2]
+    assert all(np.isfinite(l) for _, l in losses(tmp_path))
+
+
+def test_different_model_shape_is_refused_and_nothing_is_deleted(runs, tmp_path):
+    full, _, common = runs
+    before = listing(full)
+    cfg = load_config(DEFAULT_CONFIG, common + ["model.text.mlp_dim=256", f"train.output_dir={tmp_path}",
+                                                f"train.resume={full / 'checkpoints'}", f"train.steps={2 * N + 1}"])
+    with pytest.raises(CheckpointError, match=r"params/decoder/layers/down has shape \(2, 128, 64\) in the "
+                                              r"checkpoint but \(2, 256, 64\) in this run") as e:
+        Trainer(cfg)
+    assert "\n" not in str(e.value)
+    # a Grain iterator state is only valid for the worker count that wrote it
+    cfg = load_config(DEFAULT_CONFIG, common + ["data.num_workers=2", f"train.output_dir={tmp_path}",
+                                                f"train.resume={full / 'checkpoints'}", f"train.steps={2 * N + 1}"])
+    with pytest.raises(CheckpointError, match="data.num_workers=0 but this run has data.num_workers=2"):
+        Trainer(cfg)
+    assert listing(full) == before
+
+
+def test_corrupt_and_missing_checkpoints_give_one_line_errors(runs, tmp_path, capsys):
+    full, _, common = runs
+    copy = tmp_path / "copy"
+    shutil.copytree(full / "checkpoints", copy)
+    for f in (copy / str(2 * N) / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # truncated array data
+    before = listing(copy)
+    target = jax.device_put(saved_state(full / "checkpoints" / str(N)))
+    reader = Checkpointer(copy, read_only=True)
+    with pytest.raises(CheckpointError, match="truncated or corrupt") as e:
+        reader.restore(2 * N, target)
+    assert "\n" not in str(e.value) and str(copy / str(2 * N)) in str(e.value)
+    assert listing(copy) == before
+    assert tree_equal(reader.restore(N, target).state, target)  # an intact step of the same folder still restores
+    shutil.rmtree(copy / str(N) / "meta")  # a step folder missing an item
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        Checkpointer(copy, read_only=True).restore(N, target)
+
+    # through the CLI: exit code 1 and one line naming the path
+    missing = tmp_path / "nowhere"
+    assert main(common + [f"train.output_dir={tmp_path / 'out2'}", f"train.resume={missing}"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(missing) in err[0] and err[0].startswith("error:")
+
+    # a fresh start into a folder that already holds checkpoints would overwrite them: refused
+    before = listing(full)
+    with pytest.raises(CheckpointError, match="train.resume=never"):
+        Trainer(load_config(DEFAULT_CONFIG, common + [f"train.output_dir={full}", "train.resume=never"]))
+    assert listing(full) == before
+
+
+def _spawn(out: Path, cache: Path, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    args = TINY + [f"data.cache_dir={cache}", f"train.output_dir={out}", "train.steps=100000",
+                   "optim.schedule_steps=100000", *extra]
+    return subprocess.Popen([sys.executable, "-m", "mmjax.train", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 400.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer exited ({proc.returncode}) before {what}: {proc.stderr.read()[-2000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def test_sigkill_during_async_save_then_sigterm_saves_and_exits_0(runs, tmp_path):
+    _, _, common = runs
+    cache = next(o for o in common if o.startswith("data.cache_dir=")).split("=", 1)[1]
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    complete = lambda: sorted(int(p.name) for p in ckpts.glob("*") if p.name.isdigit()) if ckpts.is_dir() else []
+    in_flight = lambda: ckpts.is_dir() and any("tmp" in p.name for p in ckpts.iterdir())
+
+    # 1. save every step; SIGKILL while a save's temporary folder exists (after one checkpoint is complete)
+    proc = _spawn(out, Path(cache), "checkpoint.every_steps=1", "checkpoint.keep=2")
+    _wait_for(lambda: len(complete()) >= 2 and in_flight(), proc, "an async save in flight")
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+    last_complete = complete()[-1]
+    seen = len(losses(out))
+
+    # 2. resume=auto picks the last complete step; SIGTERM then finishes the step, saves, exits 0
+    proc = _spawn(out, Path(cache), "checkpoint.every_steps=0", "train.resume=auto")
+    logged = lambda: [s for s, _ in losses(out)[seen:]]
+    _wait_for(lambda: any(s > last_complete + 1 for s in logged()), proc, "training to continue after resume")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0, proc.stderr.read()[-2000:]
+    resumed = logged()
+    assert resumed == list(range(last_complete + 1, resumed[-1] + 1))  # continued from the checkpoint, no gaps
+    assert complete()[-1] == resumed[-1]  # the final checkpoint is the step it stopped at
+    assert not in_flight()
+    state = saved_state(ckpts / str(resumed[-1]))
+    assert int(state["step"]) == resumed[-1]
+
+
+def test_params_only_export_starts_a_new_run_and_native_towers_do_not_export_to_hf(runs, tmp_path):
+    from mmjax.engine.convert import ConversionError, export_hf, export_params, inspect_checkpoint
+
+    full, _, common = runs
+    step_dir = export_params(full / "checkpoints", tmp_path / "params", dtype="bfloat16")
+    info = inspect_checkpoint(tmp_path / "params")
+    assert step_dir.name == str(2 * N) and info["kind"] == "params" and info["step"] == 2 * N
+    assert all(p["dtype"] == "bfloat16" for p in info["params"].values())
+    assert not (step_dir / "state").exists()  # no optimizer state
+    cfg = load_config(DEFAULT_CONFIG, common + [f"train.output_dir={tmp_path / 'ft'}",
+                                                f"train.resume={tmp_path / 'params'}", "train.steps=1"])
+    trainer = Trainer(cfg)  # initial weights only: step 0, fresh optimizer and data position
+    want = jax.tree.map(lambda x: np.asarray(x.astype(jax.numpy.bfloat16)), saved_state(full / "checkpoints" / str(2 * N))["params"])
+    got = jax.tree.map(lambda x: np.asarray(x.astype(jax.numpy.bfloat16)), jax.device_get(trainer.state.params))
+    assert tree_equal(got, want) and int(trainer.state.step) == 0 and trainer.data_state is None
+    # the tiny model (bidirectional image attention, ViT with a final LayerNorm) has no exact LLaVA form
+    with pytest.raises(ConversionError, match="attends causally") as e:
+        export_hf(full / "checkpoints", tmp_path / "hf", image_token_id=3)
+    assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
+    # its decoder alone is a plain Llama: loads with from_pretrained, same embedding table
+    import transformers
+
+    export_hf(full / "checkpoints", tmp_path / "llama", decoder_only=True)
+    llama = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "llama")
+    np.testing.assert_array_equal(llama.model.embed_tokens.weight.detach().numpy(),
+                                  saved_state(full / "checkpoints" / str(2 * N))["params"]["decoder"]["embedding"])
+
+
+def test_checkpoint_config_keys():
+    cfg = load_config(None, ["checkpoint.async=false", "train.resume=12", "checkpoint.keep_every=100"])
+    assert cfg.checkpoint.async_save is False and cfg.train.resume == 12 and cfg.checkpoint.keep_every == 100
+    assert "async: false" in to_yaml(cfg)
+    assert load_config(None, ["train.resume=/some/path"]).train.resume == "/some/path"
+    from mmjax.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="did you mean checkpoint.async"):
+        load_config(None, ["checkpoint.asynch=true"])
+    with pytest.raises(ConfigError, match="checkpoint.every_steps must be >= 0"):
+        load_config(None, ["checkpoint.every_steps=-1"])

@@ -1,0 +1,55 @@
+"""Measure checkpoint save/restore time and the training stall per save (async vs sync).
+
+  python tools/bench_checkpoint.py --config configs/models/llama_1b.yaml [overrides ...] [--dir /tmp/ckpt]
+      [--out docs/perf/results/checkpoint-<date>.json]
+
+Prints a table and writes JSON (date, device, versions, command, numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--dir", default="/tmp/mmjax-bench-checkpoint", help="where checkpoints are written")
+    parser.add_argument("--out", help="JSON result path")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("mmjax.engine.checkpoint_bench").setLevel(logging.INFO)  # partial results as they come
+
+    import jax
+
+    from mmjax.config import load_config, to_dict
+    from mmjax.engine import checkpoint_bench
+    from mmjax.engine.checkpoint import package_versions
+
+    cfg = load_config(args.config, args.overrides)
+    result = checkpoint_bench.run(cfg, args.dir)
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": jax.devices()[0].device_kind, "device_count": jax.device_count(),
+              "versions": package_versions(), "command": " ".join(["python tools/bench_checkpoint.py", *sys.argv[1:]]),
+              "config": {"model": to_dict(cfg.model), "batch": cfg.train.global_batch_size}, **result}
+    print(f"{'':8}{'blocked s':>10}{'total s':>10}{'stall s':>10}{'stall/step':>11}{'% @1000':>9}{'GB/s':>7}")
+    for mode in ("async", "sync"):
+        r = result[mode]
+        print(f"{mode:8}{r['save_blocked_s']:10.3f}{r['save_total_s']:10.2f}{r['stall_s']:10.3f}"
+              f"{r['stall_in_steps']:11.2f}{r['stall_pct_of_step_time_every_1000']:9.3f}{r['write_GBps']:7.2f}")
+    print(f"restore {result['restore_s']:.2f} s ({result['restore_GBps']:.2f} GB/s); step {result['step_time_s']:.4f} s;"
+          f" state {result['state_bytes'] / 1e9:.2f} GB; {result['params'] / 1e9:.3f}B params")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
