@@ -18,8 +18,9 @@ chat about the same image):
 `shapes` is the one question a model can answer from the bag of patches, without finding one object
 first. It is what teaches a from-scratch ViT shape features quickly: every other type needs them *and* an
 attribute lookup, and without it the tiny default model stalled near chance on shapes for ~2500 steps
-(measured: 0.59 overall exact match after 2000 steps; see docs/architecture.md). In a multi-turn train
-record it is always the last turn, so it never gives an earlier answer away.
+(measured: 0.59 overall exact match after 2000 steps). In a multi-turn train record it is always the
+first turn (where eval asks it; asked last, it stalled at 0.28 in eval), and later turns skip what it gives
+away (the shape of a lone object, "is there" about an absent kind).
 
 Records are JSON (never pickle, so shards from untrusted storage are safe to read), LLaVA style:
 
@@ -57,7 +58,7 @@ from mmjax.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
-VERSION = 4
+VERSION = 5
 KINDS = ("circle", "square", "triangle", "cross")
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 35, 35),
@@ -179,13 +180,16 @@ def _article(word: str) -> str:
 
 
 def _question(rng: np.random.Generator, scene: tuple[tuple[int, int, int], ...], qtype: str,
-              bound: set[tuple[int, int, int]]) -> tuple[str, str, str, tuple[int, int, int] | None] | None:
+              bound: set[tuple[int, int, int]], listed: bool = False
+              ) -> tuple[str, str, str, tuple[int, int, int] | None] | None:
     """(qtype, question, answer, object it binds) of type `qtype`, or None if the text would give it away.
 
     `bound` holds the objects whose kind *and* colour earlier turns revealed. A question whose answer
     follows from those ("What shape is the red object?" after "What color is the triangle? red", or "Is
     there a blue triangle?" once the triangle is known to be red; kinds and colours are distinct within a
-    scene) is never asked: every answer must come from the image.
+    scene) is never asked: every answer must come from the image. `listed`: an earlier "shapes" turn named
+    every kind present, so a shape question about a lone object and an "is there" about an absent kind
+    would be given away too.
     """
     free = [o for o in scene if o not in bound]
     if qtype == "count":
@@ -198,7 +202,7 @@ def _question(rng: np.random.Generator, scene: tuple[tuple[int, int, int], ...],
         cell, kind, _ = scene[int(rng.integers(len(scene)))]
         return qtype, f"Where is the {KINDS[kind]}?", POSITIONS[cell], None
     if qtype in ("color", "shape"):
-        if not free:
+        if not free or (qtype == "shape" and listed and len(scene) == 1):
             return None
         obj = free[int(rng.integers(len(free)))]
         _, kind, color = obj
@@ -220,6 +224,10 @@ def _question(rng: np.random.Generator, scene: tuple[tuple[int, int, int], ...],
                   if (k, c) not in present and k not in known_kinds and c not in known_colors]
         kinds = {k for k, _ in present}
         colors = {c for _, c in present}
+        if listed:
+            absent = [(k, c) for k, c in absent if k in kinds]
+            if not absent:
+                return None
         hard = [(k, c) for k, c in absent if k in kinds or c in colors]
         pool = hard if hard and rng.random() < 0.5 else absent
         k, c = pool[int(rng.integers(len(pool)))]
@@ -234,11 +242,12 @@ def _questions(rng: np.random.Generator, scene: tuple[tuple[int, int, int], ...]
     bound: set[tuple[int, int, int]] = set()
     out = []
     qtypes = [QTYPES[int(i)] for i in rng.permutation(len(QTYPES))[:k]]
-    if "shapes" in qtypes:  # last: it names every kind, which would give later answers away
+    listed = "shapes" in qtypes
+    if listed:  # first, as in eval records (the only question); later turns avoid what it gives away
         qtypes.remove("shapes")
-        qtypes.append("shapes")
+        qtypes.insert(0, "shapes")
     for qtype in qtypes:
-        qa = _question(rng, scene, qtype, bound)
+        qa = _question(rng, scene, qtype, bound, listed and qtype != "shapes")
         if qa is None:
             continue
         *text, obj = qa

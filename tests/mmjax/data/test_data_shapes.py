@@ -60,6 +60,7 @@ def test_record_format_and_answers_match_scene(questions):
         colors = {kind: color for _, kind, color in scene}
         assert len(set(colors.values())) == len(scene) == len(cells)  # distinct kinds and colours
         known: list[tuple[str, str]] = []
+        listed: set[str] = set()  # kinds a "shapes" turn named
         for user, assistant, q in zip(turns[::2], turns[1::2], rec["qtypes"]):
             question, answer = user["content"].removeprefix("<image>\n"), assistant["content"]
             words = question.rstrip("?").split()
@@ -69,17 +70,20 @@ def test_record_format_and_answers_match_scene(questions):
             elif q == "shape":
                 assert {c: k for k, c in colors.items()}[words[-2]] == answer
                 assert words[-2] not in {c for _, c in known}
+                assert not (listed and len(scene) == 1)  # a lone object's kind was listed
             elif q == "count":
                 assert answer == NUMBERS[len(scene) - 1]
             elif q == "position":
                 assert answer == POSITIONS[cells[words[-1]]]
             elif q == "shapes":
                 assert answer.replace(",", "").replace(" and", "").split() == [k for k in KINDS if k in cells]
-                assert user is turns[-2]  # always the last turn
+                assert user is turns[0]  # always the first turn
+                listed = set(cells)
             else:
                 color, kind = words[-2:]
                 assert answer == ("yes" if colors.get(kind) == color else "no")
                 assert kind not in {k for k, _ in known} and color not in {c for _, c in known}
+                assert not listed or kind in listed  # an absent kind would be a give-away
             if (pair := _revealed(question, answer, q)) is not None:
                 known.append(pair)
         # the pixels agree with the scene: each shape's cell holds pixels near its colour
