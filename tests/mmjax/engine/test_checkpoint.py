@@ -74,7 +74,9 @@ def test_resume_is_bit_identical_through_the_cli(runs):
     assert meta["process_count"] == 1 and meta["data"]["num_workers"] == 0
     assert meta["config"]["train"]["steps"] == 2 * N and "jax" in meta["versions"]
     data = json.loads((split / "checkpoints" / str(N) / "data" / "process_0-of-1.json").read_text())
-    assert data["value"] == {"next_index": N}  # the Grain position after the N consumed batches
+    # the loader position after the N consumed batches of 16 rows (unpacked: one record per row)
+    assert data["value"]["next_position"] == 16 * N and data["value"]["held_positions"] == []
+    assert data["value"]["num_workers"] == 0 and data["value"]["process_count"] == 1
 
 
 @pytest.mark.parametrize("mesh", [("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"), ("mesh.data=1",)],
