@@ -15,7 +15,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +251,7 @@ def bench_train_step(rows: list, impls: dict, batch=8, seq=2048, steps=10, confi
     import optax
     import yaml
     from flax import nnx
-    from mmjax.config import ModelConfig, TextConfig, from_tree
+    from mmjax.config import ModelConfig, from_tree
     from mmjax.engine.steps import loss_sums
     from mmjax.model.decoder import Decoder
 
