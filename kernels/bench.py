@@ -246,42 +246,28 @@ def bench_cross_entropy(rows: list, n=16384, e=2048, v=128256, dtype=jnp.bfloat1
 
 
 def bench_train_step(rows: list, impls: dict, batch=8, seq=2048, steps=10, config="configs/models/llama_1b.yaml"):
-    """Decoder built directly (llama_1b dims, bf16 compute, f32 params), synthetic tokens, AdamW step."""
+    """The decoder (llama_1b dims, `model.text_only`, bf16 compute, f32 params), synthetic tokens, AdamW step."""
     import dataclasses
     import optax
     import yaml
     from flax import nnx
     from mmjax.config import ModelConfig, from_tree
     from mmjax.engine.steps import loss_sums
-    from mmjax.model.decoder import Decoder
+    from mmjax.model import MLLM
 
     tree = yaml.safe_load(open(config))["model"]
     base = from_tree(ModelConfig, {k: v for k, v in tree.items() if k not in ("vision", "projector")})
+    base = dataclasses.replace(base, text_only=True, compute_dtype="bfloat16")
     tok = jax.random.randint(jax.random.PRNGKey(0), (batch, seq), 0, base.vocab_size)
     data = dict(tokens=tok, targets=jnp.roll(tok, -1, axis=1), loss_mask=jnp.ones((batch, seq), jnp.int32),
                 segment_ids=jnp.ones((batch, seq), jnp.int32),
-                positions=jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)),
-                images=jnp.zeros((batch, 0)), image_valid=jnp.zeros((batch, 0)))
-
-    class LM(nnx.Module):
-        def __init__(self, cfg):
-            self.cfg = cfg
-            self.dec = Decoder(cfg, param_dtype=jnp.float32, compute_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-
-        def __call__(self, tokens, positions, segment_ids, images, image_valid):
-            return self.dec(self.dec.embed(tokens), positions, segment_ids)
-
-        def hidden(self, tokens, positions, segment_ids, images, image_valid):
-            return self.dec.hidden(self.dec.embed(tokens), positions, segment_ids)
-
-        def output_matrix(self):
-            return self.dec.output_matrix()
+                positions=jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)))
 
     t = base.text
     n_params = None
     for name, kw in impls.items():
         cfg = dataclasses.replace(base, **kw)
-        model = LM(cfg)
+        model = MLLM(cfg, image_token_id=0, rngs=nnx.Rngs(0))  # text_only: the decoder alone
         graphdef, params = nnx.split(model)
         n_params = sum(p.size for p in jax.tree.leaves(params))
         opt = optax.adamw(1e-4)
