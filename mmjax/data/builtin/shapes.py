@@ -13,7 +13,7 @@ chat about the same image):
     exists    Is there a blue square?              -> yes | no (balanced; half the "no" share a colour or kind)
     shapes    Which shapes are there?              -> circle | circle and cross | circle, square and cross | ...
 
-38 answers in all; the most common (yes/no) is under 10% of records.
+34 answers in all (24 single words + 10 multi-kind lists); the most common (yes/no) is under 10% of records.
 
 `shapes` is the one question a model can answer from the bag of patches, without finding one object
 first. It is what teaches a from-scratch ViT shape features quickly: every other type needs them *and* an
