@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import json
+from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -25,10 +27,14 @@ def make_generate_fn(graphdef: nnx.GraphDef, *, max_new_tokens: int, eos_id: int
     return jax.jit(generate)
 
 
+def normalize_answer(text: str) -> str:
+    """Exact match ignores case and runs of whitespace."""
+    return " ".join(text.lower().split())
+
+
 def exact_match_scores(predictions: list[str], answers: list[str], qtypes: list[str]) -> dict[str, float]:
     """`eval/exact_match` overall and `eval/exact_match/<qtype>` (whitespace- and case-insensitive)."""
-    norm = lambda s: " ".join(s.lower().split())
-    hits = [norm(p) == norm(a) for p, a in zip(predictions, answers, strict=True)]
+    hits = [normalize_answer(p) == normalize_answer(a) for p, a in zip(predictions, answers, strict=True)]
     out = {"eval/exact_match": float(np.mean(hits)) if hits else 0.0}
     by_type: dict[str, list[bool]] = collections.defaultdict(list)
     for hit, qtype in zip(hits, qtypes):
@@ -36,6 +42,16 @@ def exact_match_scores(predictions: list[str], answers: list[str], qtypes: list[
     for qtype in sorted(by_type.keys() - {""}):  # user datasets have no question types
         out[f"eval/exact_match/{qtype}"] = float(np.mean(by_type[qtype]))
     return out
+
+
+def write_predictions(path: str | Path, eval_set: Any, predictions: list[str]) -> None:
+    """One JSON line per held-out example (id, qtype, answer, prediction, hit): what a score hides."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i, (pred, answer) in enumerate(zip(predictions, eval_set.answers, strict=True)):
+            row = {"id": eval_set.ids[i], "qtype": eval_set.qtypes[i], "answer": answer, "prediction": pred,
+                   "hit": normalize_answer(pred) == normalize_answer(answer)}
+            f.write(json.dumps(row) + "\n")
 
 
 class Evaluator:

@@ -20,7 +20,7 @@ import kernels
 from mmjax.config import Config, to_yaml
 from mmjax.data.pipeline import load_eval_examples, make_train_dataset, open_dataset
 from mmjax.engine import checkpoint as ckpt
-from mmjax.engine.evaluate import Evaluator, make_generate_fn
+from mmjax.engine.evaluate import Evaluator, make_generate_fn, write_predictions
 from mmjax.engine.feed import DeviceFeed
 from mmjax.engine.init import create_train_state, model_setup
 from mmjax.engine.optimizer import learning_rate_schedule, make_optimizer
@@ -141,9 +141,12 @@ class Trainer:
                 if self.evaluator is not None and ((every and step % every == 0) or step == cfg.train.steps):
                     with monitor.excluded("the evaluation to finish"):  # eval time is not train step time
                         eval_start = time.perf_counter()
-                        last_eval, _ = self.evaluator.run(self.state.params)
+                        last_eval, predictions = self.evaluator.run(self.state.params)
                         last_eval["time/eval"] = time.perf_counter() - eval_start
                     monitor.write(step, last_eval)
+                    if jax.process_index() == 0:
+                        write_predictions(Path(cfg.train.output_dir) / "eval" / f"step_{step:07d}.jsonl",
+                                          self.evaluator.eval_set, predictions)
         finally:
             restore_signals()
             if self.checkpointer is not None:

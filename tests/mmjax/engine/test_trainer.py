@@ -42,6 +42,12 @@ def test_short_run_lowers_loss_and_writes_files(tmp_path, cache_dir):
     assert len(evals) == 1 and evals[0]["step"] == 40
     assert {"eval/baseline_majority", "eval/exact_match/color", "eval/exact_match/count"} <= set(evals[0])
     assert result["eval/exact_match"] == evals[0]["eval/exact_match"]
+    # the per-example predictions behind that score: one line per held-out example, hits agreeing with it
+    rows = read_jsonl(out / "eval" / "step_0000040.jsonl")
+    assert len(rows) == 32 and {"id", "qtype", "answer", "prediction", "hit"} <= set(rows[0])
+    assert np.mean([r["hit"] for r in rows]) == pytest.approx(result["eval/exact_match"])
+    color = [r["hit"] for r in rows if r["qtype"] == "color"]
+    assert np.mean(color) == pytest.approx(result["eval/exact_match/color"])
 
 
 def test_grad_accumulation_matches_one_big_batch(tmp_path, cache_dir):
