@@ -12,8 +12,14 @@ a temporary folder that the next run ignores and removes; the checkpoints before
   `data.num_workers`, which `meta` records and resume checks.
 - `meta`: JSON with the resolved config, mesh, process count, loader workers and package versions.
 
-Saves are asynchronous by default: `save` returns once the arrays are copied off the devices and the
-files are written in a background thread, so the train loop stalls only for the device-to-host copy.
+Saves are asynchronous by default. Orbax's own async save returns only after the device-to-host copy
+(seconds for a billion-parameter state: the loop stalls for it), so with `checkpoint.device_snapshot`
+(default) `save` first copies the state into fresh device buffers (milliseconds: device memory
+bandwidth), hands that snapshot to Orbax from a background thread and returns. The train step may then
+donate the original buffers; the copy off the devices and the file writes overlap training. The
+snapshot needs as much free device memory as the train state; if the copy does not fit, the save falls
+back to Orbax's blocking copy with a warning. One save is in flight at a time: the next `save` (and
+every read of the folder) first waits for it.
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ import importlib.metadata
 import json
 import logging
 import platform
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -131,6 +139,29 @@ def run_meta(cfg: Config, mesh_sizes: dict[str, int], axis_names: tuple[str, ...
     }
 
 
+@jax.jit
+def _copy_arrays(arrays: list[jax.Array]) -> list[jax.Array]:
+    return [jnp.copy(a) for a in arrays]  # not donated: XLA writes fresh buffers with the same shardings
+
+
+def _device_copy(state: Any) -> Any | None:
+    """A copy of `state`'s arrays in new device buffers (a snapshot the train step cannot donate away);
+    None, with a warning, if device memory cannot hold it."""
+    leaves, treedef = jax.tree.flatten(state)
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    try:
+        copies = _copy_arrays([leaves[i] for i in where])
+    except Exception as e:  # XlaRuntimeError RESOURCE_EXHAUSTED: the snapshot does not fit next to the state
+        if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+            raise
+        log.warning("checkpoint: no device memory for a snapshot of the train state (%s); this save blocks for "
+                    "the device-to-host copy (set checkpoint.device_snapshot=false to skip the attempt)", one_line(e))
+        return None
+    for i, copy in zip(where, copies):
+        leaves[i] = copy
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def one_line(e: BaseException, limit: int = 300) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -194,10 +225,13 @@ class Checkpointer:
     """A thin policy layer over `ocp.CheckpointManager`: when to save, retention, checked restore."""
 
     def __init__(self, directory: str | Path, *, every_steps: int = 0, keep: int = 3, keep_every: int = 0,
-                 async_save: bool = True, read_only: bool = False):
+                 async_save: bool = True, device_snapshot: bool = True, read_only: bool = False):
         self.directory = Path(directory).expanduser().absolute()
         self.every_steps = every_steps
         self.read_only = read_only
+        self.device_snapshot = async_save and device_snapshot
+        self._saver: threading.Thread | None = None  # the background save of a device snapshot
+        self._saver_error: BaseException | None = None
         if read_only and not self.directory.is_dir():
             raise CheckpointError(f"checkpoint folder {self.directory} does not exist; pass an existing "
                                   "checkpoint folder (or step folder inside it) to train.resume")
@@ -224,31 +258,68 @@ class Checkpointer:
     def from_config(cls, cfg: Config) -> "Checkpointer":
         c = cfg.checkpoint
         return cls(checkpoint_dir(cfg), every_steps=c.every_steps, keep=c.keep, keep_every=c.keep_every,
-                   async_save=c.async_save)
+                   async_save=c.async_save, device_snapshot=c.device_snapshot)
 
     # -- saving ----------------------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
+        self._join_saver()
         return sorted(self.manager.all_steps())
 
     def latest_step(self) -> int | None:
+        self._join_saver()
         return self.manager.latest_step()
 
     def due(self, step: int) -> bool:
         return bool(self.every_steps) and step % self.every_steps == 0
 
     def save(self, step: int, state: Any, data_state: Any, meta: dict[str, Any]) -> float:
-        """Start saving `step` (async unless checkpoint.async=false); returns the seconds it blocked."""
+        """Start saving `step` (async unless checkpoint.async=false); returns the seconds it blocked.
+
+        `state` may be donated to the next train step as soon as this returns.
+        """
         start = time.perf_counter()
+        self._join_saver()
+        snapshot = _device_copy(state) if self.device_snapshot else None
+        if snapshot is not None:
+            self._saver = threading.Thread(target=self._save_in_background, args=(step, snapshot, data_state, meta),
+                                           name=f"mmjax-checkpoint-{step}")
+            self._saver.start()
+        else:
+            self._save_items(step, state, data_state, meta)
+        blocked = time.perf_counter() - start
+        log.info("checkpoint: step %d saving to %s (blocked %.3fs%s)", step, self.directory, blocked,
+                 ", device snapshot" if snapshot is not None else "")
+        return blocked
+
+    def is_saving(self) -> bool:
+        """A save is still being handed over or written."""
+        return (self._saver is not None and self._saver.is_alive()) or self.manager.is_saving_in_progress()
+
+    def _save_items(self, step: int, state: Any, data_state: Any, meta: dict[str, Any]) -> None:
         items = {STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)}
         if data_state is not None:
             items[DATA] = DataStateSave(data_state)
-        saved = self.manager.save(step, args=ocp.args.Composite(**items), force=True)
-        if not saved:
+        if not self.manager.save(step, args=ocp.args.Composite(**items), force=True):
             raise CheckpointError(f"Orbax declined to save step {step} in {self.directory}")
-        blocked = time.perf_counter() - start
-        log.info("checkpoint: step %d saving to %s (blocked %.3fs)", step, self.directory, blocked)
-        return blocked
+
+    def _save_in_background(self, step: int, snapshot: Any, data_state: Any, meta: dict[str, Any]) -> None:
+        try:
+            self._save_items(step, snapshot, data_state, meta)
+        except BaseException as e:  # re-raised in the train loop by the next save/wait
+            self._saver_error = e
+
+    def _join_saver(self) -> None:
+        """Wait for the background hand-off of a device snapshot; re-raise its error in this thread."""
+        if self._saver is not None:
+            self._saver.join()
+            self._saver = None
+        if self._saver_error is not None:
+            error, self._saver_error = self._saver_error, None
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(f"saving a checkpoint in {self.directory} failed "
+                                  f"({type(error).__name__}: {one_line(error)})") from error
 
     def save_params(self, step: int, params: Any, meta: dict[str, Any]) -> None:
         """A params-only checkpoint (conversion, serving exports): items params + meta, written synchronously."""
@@ -257,14 +328,17 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def wait(self) -> None:
+        self._join_saver()
         self.manager.wait_until_finished()
 
     def close(self) -> None:
+        self._join_saver()
         self.manager.close()
 
     # -- restoring -------------------------------------------------------------------------------
 
     def read_meta(self, step: int) -> dict[str, Any]:
+        self._join_saver()
         path = self.directory / str(step)
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]

@@ -2,7 +2,9 @@
 
 The loop is the trainer's: the jitted train step on synthetic batches, `Checkpointer.save` between two
 steps exactly where the trainer calls it. Stall = (time of the steps that overlap the save, plus the
-time `save` blocked) - (the same number of steps at the baseline step time). `tools/bench_checkpoint.py`
+time `save` blocked) - (the same number of steps at the baseline step time). Modes: "snapshot" (async
+with a device snapshot, the default), "async" (Orbax's async save: blocks for the device-to-host copy),
+"sync"; each saves `saves_per_mode` times (the first save of a process also pays set-up). `tools/bench_checkpoint.py`
 is the CLI.
 """
 
@@ -60,8 +62,14 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def run(cfg: Config, directory: str | Path, *, warmup: int = 3, baseline_steps: int = 10,
-        max_overlap_steps: int = 400) -> dict[str, Any]:
+MODES = ("snapshot", "async", "sync")  # async + device snapshot (default) | Orbax async | synchronous
+
+
+def run(cfg: Config, directory: str | Path, *, modes: tuple[str, ...] = MODES, saves_per_mode: int = 2,
+        warmup: int = 3, baseline_steps: int = 10, max_overlap_steps: int = 400) -> dict[str, Any]:
+    """`modes` in order (the last one must be "sync": its checkpoint is the one restored)."""
+    if not modes or modes[-1] != "sync" or set(modes) - set(MODES):
+        raise ValueError(f"modes must be taken from {MODES} and end with sync, got {modes}")
     directory = Path(directory)
     mesh = make_mesh(cfg)
     sizes = resolve_mesh_shape(cfg.mesh, mesh.devices.size)
@@ -83,28 +91,33 @@ def run(cfg: Config, directory: str | Path, *, warmup: int = 3, baseline_steps: 
                               "compile_s": compile_s, "mesh": sizes}
     log.info("baseline: %s", result)
 
-    for mode in ("async", "sync"):
+    for mode in modes:  # several saves per mode, into one folder: the first save of a process pays set-up
         root = directory / mode
         shutil.rmtree(root, ignore_errors=True)
-        saver = ckpt.Checkpointer(root, keep=1, async_save=mode == "async")
-        step = int(jax.device_get(state.step))
-        meta = ckpt.run_meta(cfg, sizes, tuple(mesh.axis_names), step)
-        t_start = time.perf_counter()
-        blocked = saver.save(step, state, {"next_index": step}, meta)
-        overlap: list[float] = []
-        while saver.manager.is_saving_in_progress() and len(overlap) < max_overlap_steps:
-            state, times = _timed_steps(step_fn, state, batch, 1)
-            overlap += times
-        saver.wait()
-        total = time.perf_counter() - t_start
-        stall = blocked + sum(overlap) - step_s * len(overlap)
-        result[mode] = {"save_blocked_s": blocked, "save_total_s": total, "steps_during_save": len(overlap),
-                        "stall_s": stall, "stall_in_steps": stall / step_s,
-                        "bytes_on_disk": _dir_bytes(root / str(step)),
-                        "write_GBps": _dir_bytes(root / str(step)) / total / 1e9}
+        saver = ckpt.Checkpointer(root, keep=1, async_save=mode != "sync", device_snapshot=mode == "snapshot")
+        saves = []
+        for _ in range(saves_per_mode):
+            step = int(jax.device_get(state.step))
+            meta = ckpt.run_meta(cfg, sizes, tuple(mesh.axis_names), step)
+            t_start = time.perf_counter()
+            blocked = saver.save(step, state, {"next_index": step}, meta)
+            overlap: list[float] = []
+            while saver.is_saving() and len(overlap) < max_overlap_steps:
+                state, times = _timed_steps(step_fn, state, batch, 1)
+                overlap += times
+            saver.wait()
+            total = time.perf_counter() - t_start
+            stall = blocked + sum(overlap) - step_s * len(overlap)
+            size = _dir_bytes(root / str(step))
+            saves.append({"step": step, "save_blocked_s": blocked, "save_total_s": total,
+                          "steps_during_save": len(overlap), "stall_s": stall, "stall_in_steps": stall / step_s,
+                          "bytes_on_disk": size, "write_GBps": size / total / 1e9})
+            log.info("%s save: %s", mode, saves[-1])
+            state, _ = _timed_steps(step_fn, state, batch, 1)  # the next save is of a new step
         saver.close()
-        log.info("%s save: %s", mode, result[mode])
-        if mode == "async":
+        summary = {key: statistics.mean(r[key] for r in saves) for key in saves[0] if key != "step"}
+        result[mode] = {**summary, "saves": saves}
+        if mode != "sync":
             shutil.rmtree(root, ignore_errors=True)  # keep one checkpoint on disk at a time
 
     # restore the sync checkpoint onto the same shardings (a fresh process would do exactly this)
@@ -120,7 +133,7 @@ def run(cfg: Config, directory: str | Path, *, warmup: int = 3, baseline_steps: 
     state, after = _timed_steps(step_fn, restored.state, batch, 2)  # training continues from the restore
     result["steps_after_restore_ok"] = bool(np.isfinite(after).all())
     for every in (100, 1000):
-        for mode in ("async", "sync"):
+        for mode in modes:
             result[mode][f"stall_pct_of_step_time_every_{every}"] = 100 * result[mode]["stall_s"] / (every * step_s)
     shutil.rmtree(directory, ignore_errors=True)
     return result
