@@ -66,6 +66,9 @@ class VisionConfig:
     # "learned" (CLIP/SigLIP style, what converted checkpoints carry) or "sincos2d" (fixed 2-D sin/cos,
     # MAE/big_vision style: patch positions are distinct from step 0, which a from-scratch tower needs)
     pos_embed: str = "learned"
+    # sincos2d frequencies run from 1 down to 1/pos_temperature. 10000 suits 14x14+ grids; on a tiny grid
+    # (3x3 patches) most of them barely change across the image, so small towers want ~3-10
+    pos_temperature: float = 10000.0
     # CLIP-tower options (LLaVA checkpoints set them; defaults keep the plain ViT above):
     class_token: bool = False  # a learned [CLS] token is prepended (and dropped from the output)
     pre_norm: bool = False  # LayerNorm on the embeddings before the first block (CLIP's pre_layrnorm)
@@ -477,6 +480,8 @@ def validate(cfg: Config) -> None:
     need(v.dim % v.n_heads == 0, f"model.vision.dim={v.dim} is not divisible by model.vision.n_heads={v.n_heads}")
     need(v.pos_embed in ("learned", "sincos2d"),
          f"model.vision.pos_embed={v.pos_embed!r} is not one of: learned, sincos2d")
+    need(v.pos_temperature > 1.0,
+         f"model.vision.pos_temperature must be > 1 (1 makes every sincos2d frequency the same), got {v.pos_temperature}")
     need(v.pos_embed != "sincos2d" or v.dim % 4 == 0,
          f"model.vision.pos_embed=sincos2d needs model.vision.dim divisible by 4, got {v.dim}")
     need(v.act in ("gelu", "gelu_tanh", "quick_gelu"),

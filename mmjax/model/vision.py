@@ -117,7 +117,10 @@ class VisionEncoder(nnx.Module):
         if v.class_token:
             cls = jnp.broadcast_to(self.class_embed[...].astype(self.compute_dtype), (x.shape[0], 1, v.dim))
             x = jnp.concatenate([cls, x], axis=1)
-        pos = self.pos_embed[...] if v.pos_embed == "learned" else sincos2d(v.image_size // v.patch_size, v.dim)
+        if v.pos_embed == "learned":
+            pos = self.pos_embed[...]
+        else:
+            pos = sincos2d(v.image_size // v.patch_size, v.dim, v.pos_temperature)
         if v.class_token and v.pos_embed != "learned":
             pos = jnp.concatenate([jnp.zeros((1, v.dim), pos.dtype), pos])
         x = constrain(x + pos.astype(self.compute_dtype), RESIDUAL)

@@ -219,3 +219,19 @@ def test_vision_remat_grads(helpers):
     for a, b_ in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b_), atol=1e-6, rtol=1e-5)
     assert float(jnp.abs(g0["layers"]["qkv"][...]).max()) > 0
+
+
+def test_sincos2d_separates_patches_more_at_low_temperature():
+    """Every patch of a 3x3 grid gets its own code; at the ViT default temperature (10000) most dims barely
+    change across so small a grid, which is why the tiny config lowers it."""
+    from mmjax.model.vision import sincos2d
+
+    def min_distance(pos):
+        d = np.linalg.norm(pos[:, None] - pos[None], axis=-1)
+        return d[~np.eye(len(pos), dtype=bool)].min()
+
+    wide, narrow = np.asarray(sincos2d(3, 128, 10000.0)), np.asarray(sincos2d(3, 128, 3.0))
+    assert wide.shape == narrow.shape == (9, 128)
+    np.testing.assert_allclose(wide[4, [0, 64]], [np.sin(1.0), np.sin(1.0)], rtol=1e-6)  # centre cell: x = y = 1
+    assert min_distance(wide) > 0
+    assert min_distance(narrow) > 2 * min_distance(wide)
