@@ -85,6 +85,11 @@ class ProjectorConfig:
     """LLaVA-1.5 projector: Linear(vision -> hidden) -> GELU -> Linear(hidden -> text)."""
 
     hidden_dim: int = 0  # 0 = text.dim
+    # "learned": a [image_tokens, text.dim] table added to the projected image tokens, so the decoder reads
+    # where a patch sits from the token itself. Without it, only the ViT's position code (diluted by the
+    # tower) and the decoder's 1-D RoPE order carry it; RoPE separates rows but hardly columns. LLaVA
+    # checkpoints have none ("none").
+    pos_embed: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,6 +485,8 @@ def validate(cfg: Config) -> None:
     need(v.dim % v.n_heads == 0, f"model.vision.dim={v.dim} is not divisible by model.vision.n_heads={v.n_heads}")
     need(v.pos_embed in ("learned", "sincos2d"),
          f"model.vision.pos_embed={v.pos_embed!r} is not one of: learned, sincos2d")
+    need(cfg.model.projector.pos_embed in ("none", "learned"),
+         f"model.projector.pos_embed={cfg.model.projector.pos_embed!r} is not one of: none, learned")
     need(v.pos_temperature > 1.0,
          f"model.vision.pos_temperature must be > 1 (1 makes every sincos2d frequency the same), got {v.pos_temperature}")
     need(v.pos_embed != "sincos2d" or v.dim % 4 == 0,

@@ -48,6 +48,7 @@ def test_base_loop_is_an_error(tmp_path):
     ("model.compute_dtype=float8", "model.compute_dtype"),
     ("train.grad_accum_steps=5", "not divisible by train.grad_accum_steps"),
     ("model.max_seq_len=8", "model.max_seq_len=8 cannot hold"),
+    ("model.projector.pos_embed=sincos", "model.projector.pos_embed='sincos' is not one of: none, learned"),
     ("model.vision.pos_temperature=1", "model.vision.pos_temperature must be > 1"),
     ("mesh.data=-1", None),
 ])

@@ -223,6 +223,9 @@ def export_hf(ckpt: str | Path, out: str | Path, *, step: int | None = None, fam
         token = image_token_id if image_token_id is not None else hf_info.get("image_token_id")
         if token is None:
             raise ConversionError("the checkpoint does not record the image token id; pass --image-token-id")
+        if m.projector.pos_embed != "none":
+            raise ConversionError(f"model.projector.pos_embed={m.projector.pos_embed}: LLaVA's projector has no "
+                                  "image-token position table, so the exported model would compute something else")
         vision_hf = vision_config_to_hf(m.vision, dtype)
         if vision_hf["model_type"] == "clip_vision_model" and np.any(params["vision"]["patch_bias"]):
             raise ConversionError("vision/patch_bias is non-zero but CLIP's patch embedding has no bias")

@@ -235,3 +235,27 @@ def test_sincos2d_separates_patches_more_at_low_temperature():
     np.testing.assert_allclose(wide[4, [0, 64]], [np.sin(1.0), np.sin(1.0)], rtol=1e-6)  # centre cell: x = y = 1
     assert min_distance(wide) > 0
     assert min_distance(narrow) > 2 * min_distance(wide)
+
+
+def test_projector_position_table_is_added_per_image_token(helpers):
+    """model.projector.pos_embed=learned: image token k of every image reaches the decoder shifted by table
+    row k (the patch's place, in the decoder's space); text tokens are untouched."""
+    import dataclasses
+
+    from mmjax.config import ProjectorConfig
+
+    cfg = dataclasses.replace(helpers["tiny_config"](), projector=ProjectorConfig(pos_embed="learned"))
+    model = helpers["random_model"](cfg)
+    t = cfg.image_tokens
+    images = jnp.asarray(np.random.default_rng(0).standard_normal((1, 2, 8, 8, 3)), jnp.float32)
+    img, text = helpers["image_token"], [helpers["image_token"] + k for k in (1, 2, 3)]
+    tokens = jnp.asarray([[text[0]] + [img] * t + [text[1]] + [img] * t + [text[2]]], jnp.int32)
+    x, _ = model.embed(tokens, images, jnp.ones((1, 2), bool))
+    table = np.asarray(model.projector.pos_embed[...])
+    assert table.shape == (t, cfg.text.dim) and np.abs(table).max() > 0
+    model.projector.pos_embed[...] = jnp.zeros_like(model.projector.pos_embed[...])
+    x0, _ = model.embed(tokens, images, jnp.ones((1, 2), bool))
+    diff = np.asarray(x - x0)[0]
+    np.testing.assert_allclose(diff[1:1 + t], table, atol=1e-5)
+    np.testing.assert_allclose(diff[2 + t:2 + 2 * t], table, atol=1e-5)
+    np.testing.assert_array_equal(diff[[0, 1 + t, 2 + 2 * t]], 0)
