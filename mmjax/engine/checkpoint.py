@@ -19,7 +19,8 @@ bandwidth), hands that snapshot to Orbax from a background thread and returns. T
 donate the original buffers; the copy off the devices and the file writes overlap training. The
 snapshot needs as much free device memory as the train state; if the copy does not fit, the save falls
 back to Orbax's blocking copy with a warning. One save is in flight at a time: the next `save` (and
-every read of the folder) first waits for it.
+every read of the folder) first waits for it. Single-process runs only: with several processes, Orbax's
+save barriers are device collectives, which must not be issued from a thread beside the train step's.
 """
 
 from __future__ import annotations
@@ -229,7 +230,13 @@ class Checkpointer:
         self.directory = Path(directory).expanduser().absolute()
         self.every_steps = every_steps
         self.read_only = read_only
-        self.device_snapshot = async_save and device_snapshot
+        # Multi-process: Orbax's save barriers are device collectives (sync_global_devices) that must not
+        # interleave with the train step's collectives from another thread, so the hand-off stays in the loop.
+        self.device_snapshot = async_save and device_snapshot and jax.process_count() == 1
+        if async_save and device_snapshot and not self.device_snapshot and not read_only:
+            log.info("checkpoint: %d processes, so saves use Orbax's blocking device-to-host copy (the device "
+                     "snapshot hand-off runs Orbax's collective barriers off the train loop's thread)",
+                     jax.process_count())
         self._saver: threading.Thread | None = None  # the background save of a device snapshot
         self._saver_error: BaseException | None = None
         if read_only and not self.directory.is_dir():
