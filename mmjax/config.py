@@ -233,8 +233,9 @@ class CheckpointConfig:
     keep: int = 3  # latest checkpoints kept; 0 = keep all
     keep_every: int = 0  # additionally keep every step that is a multiple of this forever; 0 = none
     async_save: bool = dataclasses.field(default=True, metadata={"key": "async"})
-    # async only: copy the state on the device first and save that from a background thread, so the loop
-    # does not wait for the device-to-host copy (needs free device memory the size of the train state)
+    # async, single-process only: copy the state on the device first and save that from a background
+    # thread, so the loop does not wait for the device-to-host copy (needs free device memory the size of
+    # the train state)
     device_snapshot: bool = True
 
 
