@@ -12,6 +12,9 @@ except (ImportError, AttributeError):  # pragma: no cover
     CompilerParams = None
 
 TILE_ELEMS = 16384  # elements per program: enough bytes in flight per SM without spilling
+# Row tiles one backward program walks when it also reduces over rows (dscale, dbias): few enough programs
+# that the float32 partial sums stay small, enough of them to fill every SM several times over.
+TILES_PER_PROGRAM = 16
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 1):
@@ -42,4 +45,4 @@ def col_mask(width: int, real: int):
     return jnp.arange(width) < real
 
 
-__all__ = ["compiler_params", "next_pow2", "rows_per_block", "pad_cols", "col_mask", "pl"]
+__all__ = ["TILES_PER_PROGRAM", "compiler_params", "next_pow2", "rows_per_block", "pad_cols", "col_mask", "pl"]

@@ -1,15 +1,28 @@
-"""Test session setup: 8 simulated CPU devices (set before jax is imported anywhere)."""
+"""Test session setup: 8 simulated CPU devices, or the real GPU when `-m gpu` selects the GPU tests.
+
+The environment is set in `pytest_configure`, before any test module imports jax: the default run pins
+JAX to the CPU (so CI behaves the same on a GPU host), while `pytest -m gpu` leaves the platform to JAX.
+"""
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import pytest
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+
+def _selects_gpu_tests(config) -> bool:
+    expr = config.option.markexpr or ""
+    return "gpu" in expr and "not gpu" not in expr
+
+
+def pytest_configure(config):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    if not _selects_gpu_tests(config):
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def pytest_collection_modifyitems(config, items):
+    import jax
+
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a GPU; run on the device with `pytest -m gpu`")

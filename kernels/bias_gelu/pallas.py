@@ -34,15 +34,25 @@ def _fwd_kernel(x_ref, b_ref, s_ref, y_ref, *, spec, r, bc, c):
     y_ref[...] = y.astype(y_ref.dtype)
 
 
-def _bwd_kernel(x_ref, b_ref, s_ref, g_ref, dx_ref, db_ref, *, spec, r, bc, c):
-    z = x_ref[...].astype(jnp.float32) + b_ref[...].astype(jnp.float32)[None, :]
-    _, dgelu = gelu_and_grad(z, spec.approximate)
-    dz = g_ref[...].astype(jnp.float32) * dgelu
-    if spec.rate > 0:
-        keep = keep_mask(jnp.max(s_ref[...]), _index(pl.program_id(0), pl.program_id(1), r, bc, c), spec.rate)
-        dz = jnp.where(keep, dz * (1.0 / (1.0 - spec.rate)), 0.0)
-    dx_ref[...] = dz.astype(dx_ref.dtype)
-    db_ref[...] = jnp.sum(dz, axis=0)
+def _bwd_kernel(x_ref, b_ref, s_ref, g_ref, dx_ref, db_ref, *, spec, r, bc, c, n_tiles):
+    """Walks `_rows.TILES_PER_PROGRAM` row tiles of one column block; one partial db row per program."""
+    b = b_ref[...].astype(jnp.float32)[None, :]
+    seed = jnp.max(s_ref[...])
+    col_block = pl.program_id(1)  # read outside the loop: interpret mode cannot lower it inside one
+    lo = pl.program_id(0) * _rows.TILES_PER_PROGRAM
+    hi = jnp.minimum(lo + _rows.TILES_PER_PROGRAM, n_tiles)
+
+    def tile(t, acc):
+        rows = pl.ds(t * r, r)
+        _, dgelu = gelu_and_grad(x_ref[rows, :].astype(jnp.float32) + b, spec.approximate)
+        dz = g_ref[rows, :].astype(jnp.float32) * dgelu
+        if spec.rate > 0:
+            keep = keep_mask(seed, _index(t, col_block, r, bc, c), spec.rate)
+            dz = jnp.where(keep, dz * (1.0 / (1.0 - spec.rate)), 0.0)
+        dx_ref[rows, :] = dz.astype(dx_ref.dtype)
+        return acc + jnp.sum(dz, axis=0)
+
+    db_ref[...] = jax.lax.fori_loop(lo, hi, tile, jnp.zeros((bc,), jnp.float32))
 
 
 def _specs(r, bc):
@@ -67,12 +77,15 @@ def fwd(spec, x, bias, seed):
 def bwd(spec, x, bias, seed, g):
     n, c = x.shape
     r, bc, cp = tiles(n, c)
-    tile, vec, sd = _specs(r, bc)
+    _, vec, sd = _specs(r, bc)
+    n_tiles = n // r
+    programs = -(-n_tiles // _rows.TILES_PER_PROGRAM)
+    column = pl.BlockSpec((n, bc), lambda i, j: (0, j))  # all rows of one column block: the kernel walks them
     dx, db = pl.pallas_call(
-        functools.partial(_bwd_kernel, spec=spec, r=r, bc=bc, c=c), grid=(n // r, cp // bc),
-        in_specs=[tile, vec, sd, tile],
-        out_specs=[tile, pl.BlockSpec((None, bc), lambda i, j: (i, j))],
-        out_shape=[jax.ShapeDtypeStruct((n, cp), x.dtype), jax.ShapeDtypeStruct((n // r, cp), jnp.float32)],
-        interpret=interpret(), compiler_params=_rows.compiler_params(4), name="mmjax_bias_gelu_bwd")(
+        functools.partial(_bwd_kernel, spec=spec, r=r, bc=bc, c=c, n_tiles=n_tiles), grid=(programs, cp // bc),
+        in_specs=[column, vec, sd, column],
+        out_specs=[column, pl.BlockSpec((None, bc), lambda i, j: (i, j))],
+        out_shape=[jax.ShapeDtypeStruct((n, cp), x.dtype), jax.ShapeDtypeStruct((programs, cp), jnp.float32)],
+        interpret=interpret(), compiler_params=_rows.compiler_params(4, num_stages=2), name="mmjax_bias_gelu_bwd")(
         _rows.pad_cols(x, cp), _rows.pad_cols(bias, cp), seed, _rows.pad_cols(g, cp))
     return dx[:, :c], db.sum(0)[:c]

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import jax_triton as jt
 
+from kernels._rows import TILES_PER_PROGRAM
 from kernels.bias_gelu import HASH_K0, HASH_K1, HASH_K2
 from kernels.bias_gelu.pallas import tiles
 from kernels.bias_gelu.triton_src import bias_gelu_bwd, bias_gelu_fwd
@@ -26,8 +27,11 @@ def fwd(spec, x, bias, seed):
 def bwd(spec, x, bias, seed, g):
     n, c = x.shape
     r, bc, cp = tiles(n, c)
+    n_tiles = n // r
+    programs = -(-n_tiles // TILES_PER_PROGRAM)
     dx, db = jt.triton_call(x, bias, seed, g.astype(x.dtype), kernel=bias_gelu_bwd,
                             out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                       jax.ShapeDtypeStruct((n // r, c), jnp.float32)],
-                            grid=(n // r, cp // bc), num_warps=4, num_stages=1, **_meta(spec, c, r, bc))
+                                       jax.ShapeDtypeStruct((programs, c), jnp.float32)],
+                            grid=(programs, cp // bc), num_warps=4, num_stages=1, N_TILES=n_tiles,
+                            TILES=TILES_PER_PROGRAM, **_meta(spec, c, r, bc))
     return dx, db.sum(0)

@@ -2,7 +2,8 @@
 
 Same math, tiling and dropout hash as `pallas.py` / `keep_mask` (the hash constants are int32-safe
 literals so Triton's integer promotion keeps the arithmetic in uint32). Kernels take a [rows, C] row-major
-view; program (i, j) handles rows [i*R, (i+1)*R) and columns [j*BC, (j+1)*BC) (masked past C).
+view; forward program (i, j) handles rows [i*R, (i+1)*R) and columns [j*BC, (j+1)*BC) (masked past C); the
+backward walks several row tiles per program so its float32 db partial sums stay small.
 """
 
 import triton
@@ -59,20 +60,25 @@ def bias_gelu_fwd(x_ptr, b_ptr, s_ptr, y_ptr, C: tl.constexpr, R: tl.constexpr, 
 
 
 @triton.jit
-def bias_gelu_bwd(x_ptr, b_ptr, s_ptr, g_ptr, dx_ptr, db_ptr, C: tl.constexpr, R: tl.constexpr, BC: tl.constexpr,
-         APPROX: tl.constexpr, RATE: tl.constexpr, THRESH: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
-         K2: tl.constexpr):
-    rows = tl.program_id(0) * R + tl.arange(0, R)
+def bias_gelu_bwd(x_ptr, b_ptr, s_ptr, g_ptr, dx_ptr, db_ptr, N_TILES: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+         BC: tl.constexpr, TILES: tl.constexpr, APPROX: tl.constexpr, RATE: tl.constexpr, THRESH: tl.constexpr,
+         K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr):
+    # Program (i, j) walks row tiles [i*TILES, min((i+1)*TILES, N_TILES)) and writes one partial db row.
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     inb = cols < C
-    offs = rows[:, None] * C + cols[None, :]
-    m = inb[None, :]
-    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + cols, mask=inb, other=0.0).to(tl.float32)
-    _, dy = _gelu_grad(x + b[None, :], APPROX)
-    dz = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32) * dy
-    if RATE > 0:
-        keep = _keep(tl.load(s_ptr), offs, THRESH, K0, K1, K2)
-        dz = tl.where(keep, dz * (1.0 / (1.0 - RATE)), 0.0)
-    tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=m)
-    tl.store(db_ptr + tl.program_id(0) * C + cols, tl.sum(dz, axis=0), mask=inb)
+    acc = tl.zeros((BC,), tl.float32)
+    for k in tl.range(0, TILES, num_stages=2):  # a static trip count; tiles past N_TILES are masked out
+        t = tl.program_id(0) * TILES + k
+        rows = t * R + tl.arange(0, R)
+        m = inb[None, :] & (rows < N_TILES * R)[:, None]
+        offs = rows[:, None] * C + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        _, dy = _gelu_grad(x + b[None, :], APPROX)
+        dz = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32) * dy
+        if RATE > 0:
+            keep = _keep(tl.load(s_ptr), offs, THRESH, K0, K1, K2)
+            dz = tl.where(keep, dz * (1.0 / (1.0 - RATE)), 0.0)
+        tl.store(dx_ptr + offs, dz.to(dx_ptr.dtype.element_ty), mask=m)
+        acc += tl.sum(dz, axis=0)
+    tl.store(db_ptr + tl.program_id(0) * C + cols, acc, mask=inb)

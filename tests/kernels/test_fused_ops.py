@@ -101,7 +101,9 @@ def test_model_fused_loss_matches_logits_loss():
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("shape", [(3, 10, 48), (4, 64)])  # padded width 48 -> 64; odd row count
+# padded width 48 -> 64 and an odd row count; 37 row tiles of 16 x 1024: three backward programs, the last
+# walking 5 tiles (the per-program dscale/dbias partial sums)
+@pytest.mark.parametrize("shape", [(3, 10, 48), (4, 64), (592, 1000)])
 def test_norms_pallas_matches_reference(kind, residual, shape):
     e = shape[-1]
     x, r, scale, bias = arr(shape), arr(shape), arr((e,)), arr((e,))
@@ -134,8 +136,10 @@ def test_norm_bf16():
 
 @pytest.mark.parametrize("approximate", [False, True])
 @pytest.mark.parametrize("rate", [0.0, 0.25])
-def test_bias_gelu_pallas_matches_reference(approximate, rate):
-    x, b, w = arr((3, 5, 40)), arr((40,)), arr((3, 5, 40))
+# (148, 40): 37 row tiles of 4, three backward programs (the last walking 5 tiles); (36, 1100): two column blocks
+@pytest.mark.parametrize("shape", [(3, 5, 40), (148, 40), (36, 1100)])
+def test_bias_gelu_pallas_matches_reference(approximate, rate, shape):
+    x, b, w = arr(shape), arr((shape[-1],)), arr(shape)
     seed = jnp.int32(11)
     f = lambda impl: jax.jit(jax.value_and_grad(
         lambda x, b: jnp.sum(kernels.bias_gelu(x, b, approximate=approximate, dropout_rate=rate, seed=seed,
@@ -146,7 +150,8 @@ def test_bias_gelu_pallas_matches_reference(approximate, rate):
         close(a, b_, 1e-4)
     y = kernels.bias_gelu(x, b, dropout_rate=rate, seed=seed, impl="pallas")
     dropped = float(np.mean(np.asarray(y) == 0))
-    assert (dropped == 0) if rate == 0 else (0.1 < dropped < 0.4)
+    # at rate 0 only GELU's own underflow gives zeros (x < -4 or so: a handful of 40k normal samples)
+    assert (dropped < 1e-3) if rate == 0 else (0.1 < dropped < 0.4)
     if rate:  # another seed drops other elements
         y2 = kernels.bias_gelu(x, b, dropout_rate=rate, seed=12, impl="pallas")
         assert not np.array_equal(np.asarray(y) == 0, np.asarray(y2) == 0)

@@ -22,8 +22,12 @@ import numpy as np, torch, jax, jax.numpy as jnp
 from kernels.bias_gelu import HASH_K0, HASH_K1, HASH_K2, bias_gelu_reference
 from kernels.bias_gelu.pallas import tiles
 from kernels.bias_gelu.triton_src import bias_gelu_bwd, bias_gelu_fwd
-n, c = 12, 40
+from kernels._rows import TILES_PER_PROGRAM
+n, c = 148, 40  # 37 row tiles of 4: three backward programs, the last walking 5 tiles
 r, bc, cp = tiles(n, c)
+n_tiles = n // r
+programs = -(-n_tiles // TILES_PER_PROGRAM)
+assert programs == 3, (r, programs)
 rng = np.random.default_rng(0)
 x, g = (rng.standard_normal((n, c)).astype(np.float32) for _ in range(2))
 b = rng.standard_normal(c).astype(np.float32)
@@ -31,10 +35,11 @@ for rate in (0.0, 0.3):
     for approx in (False, True):
         meta = dict(C=c, R=r, BC=bc, APPROX=approx, RATE=rate, THRESH=int(rate * (1 << 24)), K0=HASH_K0, K1=HASH_K1,
                     K2=HASH_K2)
-        y, dx, db = torch.zeros(n, c), torch.zeros(n, c), torch.zeros(n // r, c)
+        y, dx, db = torch.zeros(n, c), torch.zeros(n, c), torch.zeros(programs, c)
         s = torch.full((16,), 7, dtype=torch.int32)
         bias_gelu_fwd[(n // r, cp // bc)](torch.tensor(x), torch.tensor(b), s, y, **meta)
-        bias_gelu_bwd[(n // r, cp // bc)](torch.tensor(x), torch.tensor(b), s, torch.tensor(g), dx, db, **meta)
+        bias_gelu_bwd[(programs, cp // bc)](torch.tensor(x), torch.tensor(b), s, torch.tensor(g), dx, db,
+                                            N_TILES=n_tiles, TILES=TILES_PER_PROGRAM, **meta)
         want, vjp = jax.vjp(lambda x, b: bias_gelu_reference(x, b, approximate=approx, dropout_rate=rate, seed=7),
                             jnp.asarray(x), jnp.asarray(b))
         gx, gb = vjp(jnp.asarray(g))
