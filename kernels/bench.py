@@ -340,7 +340,7 @@ def run_all(sections=SECTIONS, *, train_steps: int = 10, train_impls: dict | Non
         "norms": lambda: bench_norms(rows),
         "bias_gelu": lambda: bench_bias_gelu(rows),
         "softmax": lambda: bench_softmax(rows),
-        "train_step": lambda: bench_train_step(rows, train_impls, steps=train_steps),
+        "train_step": lambda: _train_steps(rows, train_impls, train_steps),
     }
     if set(sections) & {"norms", "bias_gelu", "softmax"}:
         record["ceilings"]["copy_gbps_measured_now"] = bench_copy(rows)
@@ -350,6 +350,13 @@ def run_all(sections=SECTIONS, *, train_steps: int = 10, train_impls: dict | Non
         if save is not None:
             save(record)
     return record
+
+
+def _train_steps(rows: list, impls: dict, steps: int):
+    """B8 x 2048 for every configuration, then B2 x 2048 for `auto` against `xla` everywhere: the batch at
+    which the all-XLA step (full [B, H, S, S] scores, full-vocab logits) fits in memory."""
+    bench_train_step(rows, impls, batch=8, steps=steps)
+    bench_train_step(rows, {k: v for k, v in impls.items() if k in ("auto", "xla")}, batch=2, steps=steps)
 
 
 def table(record: dict) -> str:
