@@ -162,11 +162,14 @@ def _torch_sdpa(rows, b, s, h, d, shape, fwd_flops):
 
 
 def _fwd_bwd(f):
-    """jit(forward + backward of f(x, p) with a real cotangent dy): a constant one (grad of sum) would let
-    XLA fold the backward into the forward and skip reading dy."""
+    """jit(forward + backward of f(x, p) with a real cotangent dy), returning y as well, as in training.
+
+    A constant cotangent (grad of sum) lets XLA fold the backward into the forward and skip reading dy;
+    dropping y lets it delete the forward kernel altogether (both inflated earlier GB/s figures past 100%).
+    """
     def run(x, p, dy):
         y, vjp = jax.vjp(f, x, p)
-        return vjp(dy.astype(y.dtype))
+        return y, vjp(dy.astype(y.dtype))
     return jax.jit(run)
 
 
@@ -310,6 +313,16 @@ def bench_train_step(rows: list, impls: dict, batch=8, seq=2048, steps=10, confi
 SECTIONS = ("attention", "cross_entropy", "norms", "bias_gelu", "softmax", "train_step")
 
 
+def train_configs() -> dict[str, dict]:
+    """The train-step configurations by name (`tools/bench_kernels.py --train-impls` picks among them)."""
+    every_xla = dict(attention_impl="xla", norm_impl="xla", loss_impl="xla")
+    auto = dict(attention_impl="auto", norm_impl="auto", loss_impl="auto")
+    # "xla" everywhere materialises [B, H, S, S] scores and [B*S, V] logits: at B8 S2048 it ran out of the
+    # H200's memory on 2026-12-03, so baselines with cuDNN attention are timed as well.
+    return {"auto": auto, "auto+cudnn_attention": dict(auto, attention_impl="cudnn"), "xla": every_xla,
+            "cudnn_attention+xla": dict(every_xla, attention_impl="cudnn")}
+
+
 def run_all(sections=SECTIONS, *, train_steps: int = 10, train_impls: dict | None = None, save=None) -> dict:
     """Runs the selected benchmarks in one process (peers timed in the same run) and returns the record.
 
@@ -329,11 +342,7 @@ def run_all(sections=SECTIONS, *, train_steps: int = 10, train_impls: dict | Non
                   device=getattr(dev, "device_kind", str(dev)), versions=versions,
                   ceilings=dict(matmul_tflops=PEAK_TFLOPS, copy_gbps=PEAK_GBPS, copy_gbps_measured_now=None),
                   rows=[])
-    every_xla = dict(attention_impl="xla", norm_impl="xla", loss_impl="xla")
-    # "xla" everywhere materialises [B, H, S, S] scores and [B*S, V] logits: at B8 S2048 it ran out of the
-    # H200's memory on 2026-12-03, so a baseline with cuDNN attention (the rest XLA) is timed as well.
-    train_impls = train_impls or {"auto": dict(attention_impl="auto", norm_impl="auto", loss_impl="auto"),
-                                  "xla": every_xla, "cudnn_attention+xla": dict(every_xla, attention_impl="cudnn")}
+    train_impls = train_impls or train_configs()
     steps = {
         "attention": lambda: bench_attention(rows),
         "cross_entropy": lambda: bench_cross_entropy(rows),

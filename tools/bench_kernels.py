@@ -24,6 +24,8 @@ def main() -> None:
     p.add_argument("--out", default="docs/perf/results", help="folder for kernels-<date>.json")
     p.add_argument("--readme", default="docs/perf/README.md", help="markdown file whose kernel table is replaced")
     p.add_argument("--train-steps", type=int, default=10)
+    p.add_argument("--train-impls", nargs="+", choices=list(bench.train_configs()),
+                   help="train-step configurations to time (default: all)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     out = Path(args.out)
@@ -37,7 +39,8 @@ def main() -> None:
         if args.readme:
             bench.write_readme_section(args.readme, record, command)
 
-    record = bench.run_all(args.sections, train_steps=args.train_steps, save=save)
+    impls = {k: v for k, v in bench.train_configs().items() if k in args.train_impls} if args.train_impls else None
+    record = bench.run_all(args.sections, train_steps=args.train_steps, train_impls=impls, save=save)
     print(bench.table(record))
     print(f"wrote {path}")
 

@@ -186,6 +186,9 @@ def _cudnn_guard(ctx: Ctx) -> str | None:
         return f"head_dim {d} is not a multiple of 8 <= 128"
     if ctx.get("sq") is not None and ctx.get("sq") != ctx.get("sk"):
         return "query and key lengths differ (cuDNN's causal mask is top-left aligned)"
+    if ctx.get("sq") is not None and ctx.get("sq") % 2:
+        # jax's cuDNN lowering raises NotImplementedError for odd lengths on its training path (H200, jax 0.11.2)
+        return f"odd sequence length {ctx.get('sq')} (cuDNN's training kernels need an even one)"
     if ctx.get("has_blocks") and not ctx.explicit:
         # Expressible only when every block id is 0; checked at run time, but image batches never are.
         return "bidirectional image blocks cannot be expressed with cuDNN's padding/causal masks"

@@ -44,9 +44,10 @@ _BIG = 2 ** 30
 class FlashConfig:
     """Tile sizes and Triton launch parameters (all block sizes powers of two, >= 16)."""
 
-    # Defaults from the sweep on an H200 (docs/perf/results/attention-sweep-2026-12-03.json, D=128 bf16):
-    # forward 128x128/8 warps/3 stages 356 TFLOP/s (128x64: 334); backward 64x64/4 warps: fwd+bwd 262
-    # TFLOP/s, whereas Triton's tutorial tiles (dKV 32x128, dQ 128x32) spill the 128x128 fp32
+    # Defaults from the sweeps on an H200 (docs/perf/results/attention-sweep-2026-12-03*.json, D=128 bf16):
+    # forward 128x128/8 warps/3 stages 356 TFLOP/s (128x64: 334; 2 stages 339; 4 stages exceed shared
+    # memory); backward 64x64/4 warps/2 stages: fwd+bwd 316 TFLOP/s (3 stages 265, 4 stages 259; 128-row
+    # tiles 137-172), whereas Triton's tutorial tiles (dKV 32x128, dQ 128x32) spill the 128x128 fp32
     # accumulators and ran at 51.
     block_q: int = 128
     block_k: int = 128
@@ -57,7 +58,7 @@ class FlashConfig:
     dq_block_q: int = 64
     dq_block_k: int = 64
     bwd_num_warps: int = 4
-    bwd_num_stages: int = 3
+    bwd_num_stages: int = 2
     interpret: bool | None = None  # None: interpret when compiled for CPU
 
     @property

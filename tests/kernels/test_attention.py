@@ -173,6 +173,8 @@ def test_registry_and_errors():
     assert available()[:2] == ["pallas", "cudnn"]
     assert not supports("pallas", "gpu", jnp.bfloat16, capability=(7, 5))
     assert not supports("cudnn", "gpu", jnp.float32)
+    assert supports("cudnn", "gpu", jnp.bfloat16, sq=1024, sk=1024, head_dim=128)
+    assert not supports("cudnn", "gpu", jnp.bfloat16, sq=777, sk=777, head_dim=128)  # odd: cuDNN training raises
     q, k, v, seg, pos = make_inputs(8, [[12], [12]])
     with pytest.raises(ValueError, match="unknown attention implementation"):
         call("nope", q, k, v, seg, pos, True)

@@ -32,8 +32,9 @@ def _packed(b, s, rng):
 SHAPES = [(2, 1024, 8, 2, 64), (1, 777, 4, 4, 128), (2, 512, 4, 1, 80)]  # GQA; ragged S, D=128; MQA, D=80
 
 
-CASES = [("pallas", s) for s in SHAPES] + [("cudnn", s) for s in SHAPES[:2]] + [("xla", SHAPES[1]),
-                                                                                ("chunked", SHAPES[1])]
+# cuDNN: even lengths only (its guard refuses S=777: jax's cuDNN training path raises for odd lengths)
+CASES = [("pallas", s) for s in SHAPES] + [("cudnn", SHAPES[0]), ("cudnn", SHAPES[2]), ("xla", SHAPES[1]),
+                                           ("chunked", SHAPES[1])]
 
 
 @pytest.mark.parametrize("impl,shape", CASES, ids=[f"{i}-S{s[1]}-D{s[4]}" for i, s in CASES])
