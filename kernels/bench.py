@@ -173,6 +173,16 @@ def _fwd_bwd(f):
     return jax.jit(run)
 
 
+def _add_norm_fwd_bwd(impl: str, residual):
+    """jit(forward + backward of the residual-fused RMSNorm) with real cotangents for both outputs."""
+    import kernels
+
+    def run(x, scale, dy, ds):
+        (y, s), vjp = jax.vjp(lambda x, sc: kernels.rms_norm(x, sc, eps=1e-5, residual=residual, impl=impl), x, scale)
+        return y, s, vjp((dy, ds))
+    return jax.jit(run)
+
+
 def bench_copy(rows: list, n=32768, e=4096, dtype=jnp.bfloat16) -> float | None:
     """The measured ceiling: x + 1 (one read, one write) at the size used for the row kernels."""
     x = jnp.ones((n, e), dtype)
@@ -199,8 +209,13 @@ def bench_norms(rows: list, n=32768, e=4096, dtype=jnp.bfloat16, impls=("pallas"
              (x, scale, r), nbytes=5 * b)
         res = jax.jit(lambda x, r: kernels.rms_norm(x, scale, eps=1e-5, residual=r, impl=impl))
         _run(rows, "add_rms_norm_fwd", impl, shape, res, (x, r), nbytes=4 * b)
+        # the decoder's case: fwd reads x, r, writes y, s; bwd reads s, dy, ds, writes dx (= d residual)
+        _run(rows, "add_rms_norm_fwd_bwd", impl, shape, _add_norm_fwd_bwd(impl, r), (x, scale, x[::-1], r[::-1]),
+             nbytes=8 * b)
         ln = jax.jit(lambda x: kernels.layer_norm(x, scale, bias, eps=1e-5, impl=impl))
         _run(rows, "layer_norm_fwd", impl, shape, ln, (x,), nbytes=2 * b)
+        _run(rows, "layer_norm_fwd_bwd", impl, shape,
+             _fwd_bwd(lambda x, s: kernels.layer_norm(x, s, bias, eps=1e-5, impl=impl)), (x, scale, r), nbytes=5 * b)
 
 
 def bench_bias_gelu(rows: list, n=32768, e=4096, dtype=jnp.bfloat16, impls=("triton", "pallas", "xla"),

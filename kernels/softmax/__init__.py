@@ -6,8 +6,11 @@ An optional boolean `mask` (True = keep) broadcastable to x gives masked rows ze
 
 | impl     | where                                | notes                                     |
 |----------|--------------------------------------|-------------------------------------------|
+| `xla`    | anywhere                             | jnp (the reference); `auto` picks it       |
 | `pallas` | GPU sm80+ (CPU: interpret, explicit) | one read, one write each way; custom_vjp  |
-| `xla`    | anywhere                             | jnp (the reference)                       |
+
+`auto` prefers XLA: on an H200 (2026-12-03, [32768, 4096] bf16) XLA's fusion ran the forward in 0.155 ms
+and forward+backward in 0.334 ms, the Pallas kernel in 0.193 / 0.467 ms (docs/perf/README.md).
 """
 
 from __future__ import annotations
@@ -95,8 +98,8 @@ def _pallas_guard(ctx):
     return reason
 
 
-OP.register("xla", softmax_reference, _dispatch.any_float, priority=0)
-OP.register("pallas", _pallas, _pallas_guard, priority=10)
+OP.register("xla", softmax_reference, _dispatch.any_float, priority=10)
+OP.register("pallas", _pallas, _pallas_guard, priority=0)  # explicit: slower than XLA's fusion (docstring)
 
 
 def softmax(x, mask=None, *, impl: str = "auto"):
