@@ -104,8 +104,8 @@ def _run(rows: list, op: str, impl: str, shape: str, fn: Callable, args, *, flop
 # Attention
 
 
-def bench_attention(rows: list, b=4, s=4096, h=16, d=128, dtype=jnp.bfloat16, impls=("pallas", "cudnn", "xla"),
-                    configs=None, torch_sdpa=True):
+def bench_attention(rows: list, b=4, s=4096, h=16, d=128, dtype=jnp.bfloat16,
+                    impls=("mgpu", "pallas", "cudnn", "xla"), configs=None, torch_sdpa=True):
     import kernels
     from kernels.attention import flash_attention
     key = jax.random.PRNGKey(0)

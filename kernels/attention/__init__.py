@@ -7,6 +7,7 @@ masked rows.
 
 | impl        | where                    | notes                                                             |
 |-------------|--------------------------|-------------------------------------------------------------------|
+| `mgpu`      | GPU sm90 exactly, bf16/fp16, D 64/128 | Mosaic GPU (wgmma + TMA, warp-specialised) forward, full mask semantic, GQA; backward = `pallas`'s kernels. `auto` takes it at D=128 only (H200: fwd 525 vs 357 TFLOP/s for `pallas`; D=64 not yet compared) |
 | `pallas`    | GPU sm80+ (CPU: interpret, explicit only) | flash fwd+bwd, full mask semantic, GQA, any S/D  |
 | `cudnn`     | GPU sm80+, bf16/fp16, D<=128 | `jax.nn.dot_product_attention(implementation='cudnn')` when the batch is one right-padded sequence per row (checked at run time; otherwise the next implementation runs) |
 | `xla`       | anywhere, S x S fits     | `jax.nn.dot_product_attention` with an explicit mask             |
@@ -26,11 +27,12 @@ from kernels import _dispatch
 from kernels._dispatch import Ctx
 from kernels._sharding import shard_attention
 from kernels.attention.chunked import chunked_attention
+from kernels.attention.flash_mgpu import MgpuFlashConfig, flash_attention_mgpu, supports_mgpu
 from kernels.attention.flash_pallas import FlashConfig, flash_attention
 from kernels.attention.reference import attention_reference, check_shapes, make_mask
 
 __all__ = ["attention", "supports", "available", "make_mask", "attention_reference", "OP", "FlashConfig",
-           "flash_attention", "chunked_attention"]
+           "flash_attention", "MgpuFlashConfig", "flash_attention_mgpu", "chunked_attention"]
 
 OP = _dispatch.Op("attention")
 # The XLA path materialises the [B, H, Sq, Sk] float32 scores (and the mask); above this it yields to
@@ -73,7 +75,7 @@ def attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positio
     if chosen.name == "cudnn":
         fallback = _cudnn_fallback(ctx)
         return shard_attention(lambda q, k, v, **kw: _cudnn(q, k, v, fallback=fallback, **kw), q, k, v, **inputs)
-    if chosen.name == "pallas":  # a custom call: run it per shard under kernels.sharding(mesh)
+    if chosen.name in ("pallas", "mgpu"):  # custom calls: run them per shard under kernels.sharding(mesh)
         return shard_attention(chosen.fn, q, k, v, **inputs)
     return chosen.fn(q, k, v, **inputs)
 
@@ -149,6 +151,10 @@ def _pallas(q, k, v, **inputs):
     return flash_attention(q, k, v, **inputs)
 
 
+def _mgpu(q, k, v, **inputs):
+    return flash_attention_mgpu(q, k, v, **inputs)
+
+
 def _chunked(q, k, v, **inputs):
     return chunked_attention(q, k, v, **inputs)
 
@@ -176,6 +182,18 @@ def _pallas_guard(ctx: Ctx) -> str | None:
     return None
 
 
+def _mgpu_guard(ctx: Ctx) -> str | None:
+    reason = supports_mgpu(ctx)
+    if reason or ctx.explicit:
+        return reason
+    if ctx.get("sq") is not None and ctx.get("sq") < 16:
+        return f"{ctx.get('sq')} query rows (decode) run faster in XLA than in 128-row tiles"
+    if ctx.get("head_dim") != 128:
+        return (f"head_dim {ctx.get('head_dim')}: measured faster than `pallas` at 128 only"
+                " (explicit impl='mgpu' runs it)")
+    return None
+
+
 def _cudnn_guard(ctx: Ctx) -> str | None:
     if ctx.platform != "gpu" or ctx.capability is None or ctx.capability < (8, 0):
         return f"cuDNN flash attention needs a CUDA GPU with sm80+, have {ctx.platform} {ctx.capability}"
@@ -200,3 +218,4 @@ OP.register("chunked", _chunked, _dispatch.any_float, priority=5)
 OP.register("xla", _xla, _xla_guard, priority=10)
 OP.register("cudnn", _cudnn, _cudnn_guard, priority=20)
 OP.register("pallas", _pallas, _pallas_guard, priority=30)
+OP.register("mgpu", _mgpu, _mgpu_guard, priority=40)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels.attention import available, supports
+from kernels import _dispatch
+from kernels.attention import OP, available, supports
 
 ATOL = 1e-5
 IMPLS = ("reference", "xla", "chunked")  # pallas: tests/kernels/test_flash.py (interpret mode)
@@ -170,7 +171,13 @@ def test_registry_and_errors():
     assert supports("xla", "gpu", jnp.bfloat16)
     assert not supports("reference", "cpu", jnp.int32)
     assert not supports("nope", "cpu", jnp.float32)
-    assert available()[:2] == ["pallas", "cudnn"]
+    assert available()[:3] == ["mgpu", "pallas", "cudnn"]
+    assert supports("mgpu", "gpu", jnp.bfloat16, head_dim=128, sq=1024, sk=1024)
+    assert not supports("mgpu", "gpu", jnp.bfloat16, head_dim=128, capability=(8, 0))  # wgmma: sm90 only
+    assert not supports("mgpu", "gpu", jnp.float32, head_dim=128)
+    auto_ctx = lambda d: OP.select("auto", _dispatch.Ctx(
+        "gpu", jnp.dtype("bfloat16"), (9, 0), facts=(("head_dim", d), ("sk", 1024), ("sq", 1024)))).name
+    assert auto_ctx(128) == "mgpu" and auto_ctx(64) == "pallas"  # mgpu measured faster at D=128 only
     assert not supports("pallas", "gpu", jnp.bfloat16, capability=(7, 5))
     assert not supports("cudnn", "gpu", jnp.float32)
     assert supports("cudnn", "gpu", jnp.bfloat16, sq=1024, sk=1024, head_dim=128)

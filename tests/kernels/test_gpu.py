@@ -76,7 +76,11 @@ def test_attention_auto_picks_pallas_on_sm80_plus():
     from kernels.attention import OP
     ctx = _dispatch.make_ctx(jnp.bfloat16, batch=1, sq=1024, sk=1024, heads=8, kv_heads=2, head_dim=64,
                              has_blocks=False)
-    assert OP.select("auto", ctx).name == "pallas"
+    assert OP.select("auto", ctx).name == "pallas"  # head_dim 64: mgpu is explicit-only there
+    if jax.devices()[0].compute_capability == "9.0":
+        ctx128 = _dispatch.make_ctx(jnp.bfloat16, batch=1, sq=1024, sk=1024, heads=8, kv_heads=2, head_dim=128,
+                                    has_blocks=False)
+        assert OP.select("auto", ctx128).name == "mgpu"
 
 
 def _close(a, b, tol):

@@ -1,0 +1,233 @@
+"""H200 (sm90) checks of the Mosaic GPU flash-attention forward (`kernels.attention.flash_mgpu`).
+
+Run on the device: `JAX_PLATFORMS=cuda pytest -m gpu tests/kernels/test_gpu_mgpu.py -v`.
+Forward output and lse (log2 units) against the float32 reference built from `make_mask`; gradients of
+the custom_vjp (Mosaic GPU forward + Pallas-Triton backward) against the reference's. Tolerances: bf16
+outputs 2e-2 relative to max |ref|; lse 2e-2 absolute (log2 units); gradients 5e-2 relative to max |ref|.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels._dispatch import make_ctx
+from kernels.attention import flash_mgpu as fm
+from kernels.attention.reference import attention_reference, make_mask
+
+pytestmark = pytest.mark.gpu
+
+
+def _is_sm90():
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")) == "9.0"
+
+
+requires_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an sm90 (H100/H200) GPU as jax.devices()[0]")
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts: dict of q_segment_ids/kv_segment_ids/q_positions/kv_positions[/block ids] (self-attention)
+
+
+def _plain(b, s):
+    seg = jnp.ones((b, s), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    return dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos)
+
+
+def _packed(b, s, rng, pad=64):
+    """Several segments per row, positions restarting per segment, the last `pad`+ tokens padding."""
+    seg = np.zeros((b, s), np.int32)
+    pos = np.zeros((b, s), np.int32)
+    for row in range(b):
+        i, sid = 0, 1
+        while i < s - pad:
+            n = min(int(rng.integers(1, s // 3)), s - pad - i)
+            seg[row, i:i + n], pos[row, i:i + n] = sid, np.arange(n)
+            i, sid = i + n, sid + 1
+    seg, pos = jnp.asarray(seg), jnp.asarray(pos)
+    return dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos)
+
+
+def _image_blocks(b, s, rng):
+    """Packed segments with bidirectional image blocks (block ids != 0) inside them."""
+    lay = _packed(b, s, rng, pad=37)
+    seg = np.asarray(lay["q_segment_ids"])
+    blk = np.zeros((b, s), np.int32)
+    bid = 1
+    for row in range(b):
+        for sid in np.unique(seg[row]):
+            if sid == 0:
+                continue
+            idx = np.nonzero(seg[row] == sid)[0]
+            if len(idx) < 16:
+                continue
+            a = int(rng.integers(0, len(idx) - 8))
+            m = int(rng.integers(8, min(300, len(idx) - a) + 1))
+            blk[row, idx[a:a + m]] = bid
+            bid += 1
+    blk = jnp.asarray(blk)
+    return dict(lay, q_block_ids=blk, kv_block_ids=blk)
+
+
+def _qkv(b, s, h, kv, d, dtype, rng):
+    mk = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    return mk(b, s, h, d), mk(b, s, kv, d), mk(b, s, kv, d)
+
+
+def _mask(lay, causal):
+    return make_mask(lay["q_segment_ids"], lay["kv_segment_ids"], lay["q_positions"], lay["kv_positions"],
+                     causal=causal, q_block_ids=lay.get("q_block_ids"), kv_block_ids=lay.get("kv_block_ids"))
+
+
+def _reference_lse(q, k, mask):
+    """[B, H, Sq] float32 log2-sum-exp2 of the scaled scores (log2 units, like flash_pallas); 0 where empty."""
+    b, sq, h, d = q.shape
+    g = h // k.shape[2]
+    kk = jnp.repeat(k, g, axis=2)  # head h uses kv head h // g
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kk.astype(jnp.float32)) / math.sqrt(d)
+    s = jnp.where(mask[:, None], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1) * math.log2(math.e)
+    return jnp.where(mask.any(-1)[:, None], lse, 0.0)
+
+
+def _check_forward(q, k, v, lay, causal, tol=2e-2):
+    o, lse = jax.jit(lambda q, k, v: fm.flash_attention_mgpu_fwd(q, k, v, causal=causal, **lay))(q, k, v)
+    mask = _mask(lay, causal)
+    ref = attention_reference(q, k, v, mask).astype(jnp.float32)
+    o = o.astype(jnp.float32)
+    assert o.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(lse)))
+    scale = float(jnp.max(jnp.abs(ref)))
+    err = float(jnp.max(jnp.abs(o - ref)))
+    assert err <= tol * scale, f"output error {err:.4g} > {tol} * {scale:.4g}"
+    empty = ~mask.any(-1)  # [B, Sq]: rows that attend nothing are exactly zero
+    assert float(jnp.max(jnp.where(empty[:, :, None, None], jnp.abs(o), 0.0))) == 0.0
+    lse_ref = _reference_lse(q, k, mask)
+    lerr = float(jnp.max(jnp.abs(lse - lse_ref)))
+    assert lerr <= 2e-2, f"lse error {lerr:.4g} (log2 units)"
+    return o, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+
+
+@requires_sm90
+def test_guard_accepts_this_device():
+    ctx = make_ctx(jnp.bfloat16, explicit=True, head_dim=128)
+    assert fm.supports_mgpu(ctx) is None
+
+
+@requires_sm90
+def test_forward_plain_causal_gqa_d128():
+    rng = np.random.default_rng(0)
+    q, k, v = _qkv(2, 1024, 8, 2, 128, jnp.bfloat16, rng)
+    _check_forward(q, k, v, _plain(2, 1024), causal=True)
+
+
+@requires_sm90
+def test_forward_packed_causal_d64_ragged():
+    rng = np.random.default_rng(1)
+    q, k, v = _qkv(2, 777, 4, 1, 64, jnp.bfloat16, rng)
+    _check_forward(q, k, v, _packed(2, 777, rng), causal=True)
+
+
+@requires_sm90
+def test_forward_image_blocks_d64_ragged():
+    rng = np.random.default_rng(2)
+    q, k, v = _qkv(2, 777, 4, 2, 64, jnp.bfloat16, rng)
+    _check_forward(q, k, v, _image_blocks(2, 777, rng), causal=True)
+
+
+@requires_sm90
+def test_forward_image_blocks_d128():
+    rng = np.random.default_rng(3)
+    q, k, v = _qkv(1, 1024, 4, 4, 128, jnp.bfloat16, rng)
+    _check_forward(q, k, v, _image_blocks(1, 1024, rng), causal=True)
+
+
+@requires_sm90
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_non_causal_packed(d):
+    rng = np.random.default_rng(4)
+    q, k, v = _qkv(2, 640, 4, 2, d, jnp.bfloat16, rng)
+    _check_forward(q, k, v, _packed(2, 640, rng), causal=False)
+
+
+@requires_sm90
+def test_forward_fp16_and_mask_everywhere():
+    """fp16, and skip_full_tile_mask=False (every tile masked element-wise) must agree."""
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(1, 512, 2, 1, 128, jnp.float16, rng)
+    lay = _plain(1, 512)
+    o1, l1 = _check_forward(q, k, v, lay, causal=True)
+    cfg = fm.MgpuFlashConfig(skip_full_tile_mask=False)
+    o2, l2 = fm.flash_attention_mgpu_fwd(q, k, v, causal=True, config=cfg, **lay)
+    np.testing.assert_allclose(np.asarray(o2, np.float32), np.asarray(o1), atol=1e-2)
+    np.testing.assert_allclose(np.asarray(l2), np.asarray(l1), atol=1e-3)
+
+
+@requires_sm90
+def test_forward_cross_lengths_and_block_kv_64():
+    """Sq != Sk (decode-like: queries at the end of the cache) and block_kv=64 with 3 steps."""
+    rng = np.random.default_rng(6)
+    b, sq, sk, h, kv, d = 2, 200, 900, 4, 2, 64
+    q = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((b, sk, kv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((b, sk, kv, d)), jnp.bfloat16)
+    lay = dict(q_segment_ids=jnp.ones((b, sq), jnp.int32), kv_segment_ids=jnp.ones((b, sk), jnp.int32),
+               q_positions=jnp.broadcast_to(jnp.arange(sk - sq, sk, dtype=jnp.int32), (b, sq)),
+               kv_positions=jnp.broadcast_to(jnp.arange(sk, dtype=jnp.int32), (b, sk)))
+    cfg = fm.MgpuFlashConfig(block_kv=64, max_concurrent_steps=3)
+    o, lse = fm.flash_attention_mgpu_fwd(q, k, v, causal=True, config=cfg, **lay)
+    ref = attention_reference(q, k, v, _mask(lay, True)).astype(jnp.float32)
+    err = float(jnp.max(jnp.abs(o.astype(jnp.float32) - ref)))
+    assert err <= 2e-2 * float(jnp.max(jnp.abs(ref)))
+    assert float(jnp.max(jnp.abs(lse - _reference_lse(q, k, _mask(lay, True))))) <= 2e-2
+
+
+@requires_sm90
+def test_matches_flash_pallas_forward():
+    """Same padded shapes: the Mosaic GPU forward and the Triton forward agree closely."""
+    from kernels.attention.flash_pallas import flash_attention
+    rng = np.random.default_rng(7)
+    q, k, v = _qkv(2, 512, 4, 2, 128, jnp.bfloat16, rng)
+    lay = _image_blocks(2, 512, rng)
+    o1 = fm.flash_attention_mgpu(q, k, v, causal=True, **lay)
+    o2 = flash_attention(q, k, v, causal=True, **lay)
+    np.testing.assert_allclose(np.asarray(o1, np.float32), np.asarray(o2, np.float32), atol=2e-2)
+
+
+@requires_sm90
+@pytest.mark.parametrize("name,d", [("packed-blocks-d64", 64), ("plain-d128", 128)])
+def test_gradients_custom_vjp(name, d):
+    rng = np.random.default_rng(8)
+    b, s, h, kv = 2, 384, 4, 2
+    q, k, v = _qkv(b, s, h, kv, d, jnp.bfloat16, rng)
+    lay = _image_blocks(b, s, rng) if name.startswith("packed") else _plain(b, s)
+    ct = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    mask = _mask(lay, True)
+
+    def loss_mgpu(q, k, v):
+        return jnp.sum(fm.flash_attention_mgpu(q, k, v, causal=True, **lay).astype(jnp.float32) * ct)
+
+    def loss_ref(q, k, v):
+        return jnp.sum(attention_reference(q, k, v, mask).astype(jnp.float32) * ct)
+
+    f32 = lambda t: t.astype(jnp.float32)
+    got = jax.jit(jax.grad(loss_mgpu, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss_ref, argnums=(0, 1, 2))(f32(q), f32(k), f32(v))
+    for nm, g, w in zip("qkv", got, want):
+        assert g.shape == w.shape and g.dtype == q.dtype
+        g = f32(g)
+        assert bool(jnp.all(jnp.isfinite(g))), f"d{nm} not finite"
+        scale = float(jnp.max(jnp.abs(w)))
+        err = float(jnp.max(jnp.abs(g - w)))
+        assert err <= 5e-2 * scale, f"d{nm} error {err:.4g} > 5e-2 * {scale:.4g}"
