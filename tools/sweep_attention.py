@@ -1,0 +1,92 @@
+"""Tile sweep for the flash-attention kernels: Pallas-Triton forward/backward tiles and Mosaic GPU forward tiles.
+
+    python tools/sweep_attention.py [--out docs/perf/results/attention-sweep-<date>.json]
+
+Each candidate is timed forward and forward+backward at B4 S4096 H16 D128 bf16 causal (the bench's shape),
+the Mosaic GPU ones also at D64 H32; a candidate that fails (e.g. exceeds shared memory) is listed with its
+error. The defaults in `FlashConfig` / `MgpuFlashConfig` come from runs of this sweep (docs/perf/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def pallas_candidates():
+    from kernels.attention import FlashConfig as C
+    wide = dict(dkv_block_q=64, dkv_block_k=128, dq_block_q=128, dq_block_k=64)
+    return {
+        "default": C(),
+        "bwd_s3": C(bwd_num_stages=3),
+        "bwd_s4": C(bwd_num_stages=4),
+        "bwd_kv128_q128_w8s3": C(**wide, bwd_num_warps=8, bwd_num_stages=3),
+        "bwd_kv128_q128_w8s2": C(**wide, bwd_num_warps=8, bwd_num_stages=2),
+        "bwd_kv128_q128_w4s2": C(**wide, bwd_num_warps=4, bwd_num_stages=2),
+        "bwd_128_w8s2": C(dkv_block_q=128, dkv_block_k=128, dq_block_q=128, dq_block_k=128, bwd_num_warps=8),
+        "bwd_kv32x128_q128x32_w4s3": C(dkv_block_q=32, dkv_block_k=128, dq_block_q=128, dq_block_k=32,
+                                        bwd_num_stages=3),
+        "fwd_w8s4": C(num_stages=4),
+        "fwd_w8s2": C(num_stages=2),
+        "fwd_q128k64w4s3": C(block_k=64, num_warps=4),
+    }
+
+
+def mgpu_candidates():
+    from kernels.attention import MgpuFlashConfig as M
+    return {"default": None, "kv64": M(block_kv=64), "steps2": M(max_concurrent_steps=2)}
+
+
+def sweep_mgpu(rows: list, b=4, s=4096):
+    import jax
+    import jax.numpy as jnp
+
+    from kernels import bench
+    from kernels.attention import flash_attention_mgpu
+    for h, d in ((16, 128), (32, 64)):
+        keys = jax.random.split(jax.random.PRNGKey(0), 3)
+        q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
+        seg = jnp.ones((b, s), jnp.int32)
+        pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        kw = dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos, causal=True)
+        fwd_flops = 4 * b * h * s * s * d / 2
+        shape = f"B{b} S{s} H{h} D{d} bfloat16 causal"
+        for name, cfg in mgpu_candidates().items():
+            call = lambda q, k, v, cfg=cfg: flash_attention_mgpu(q, k, v, config=cfg, **kw)
+            grad = jax.grad(lambda q, k, v: jnp.sum(call(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+            bench._run(rows, "attention_fwd", f"mgpu[{name}]", shape, jax.jit(call), (q, k, v), flops=fwd_flops)
+            bench._run(rows, "attention_fwd_bwd", f"mgpu[{name}]+pallas_bwd", shape, jax.jit(grad), (q, k, v),
+                       flops=3.5 * fwd_flops)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=f"docs/perf/results/attention-sweep-{datetime.date.today().isoformat()}.json")
+    p.add_argument("--skip", nargs="*", default=[], choices=["pallas", "mgpu"])
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from kernels import bench
+    rows: list = []
+    if "pallas" not in args.skip:
+        for name, cfg in pallas_candidates().items():
+            bench.bench_attention(rows, impls=(), configs={name: cfg}, torch_sdpa=False)
+    if "mgpu" not in args.skip:
+        sweep_mgpu(rows)
+    record = [r.as_dict() for r in rows]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=1))
+    for r in rows:
+        ms = "" if r.ms is None else f"{r.ms:8.3f} ms"
+        tf = "" if r.tflops is None else f"{r.tflops:5.0f} TFLOP/s"
+        print(f"{r.op:18} {r.impl:32} {r.shape:36} {ms} {tf} {r.note[:80]}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
