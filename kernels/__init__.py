@@ -13,14 +13,16 @@ from kernels.cross_entropy import OP as _CROSS_ENTROPY
 from kernels.cross_entropy import linear_cross_entropy
 from kernels.norms import OP as _NORM
 from kernels.norms import layer_norm, rms_norm
+from kernels.paged_attention import OP as _PAGED_ATTENTION
+from kernels.paged_attention import paged_attention
 from kernels.softmax import OP as _SOFTMAX
 from kernels.softmax import softmax
 
-__all__ = ["sharding", "attention", "linear_cross_entropy", "rms_norm", "layer_norm", "bias_gelu", "softmax",
-           "attention_impls", "norm_impls", "cross_entropy_impls", "activation_impls", "OPS"]
+__all__ = ["sharding", "attention", "paged_attention", "linear_cross_entropy", "rms_norm", "layer_norm",
+           "bias_gelu", "softmax", "attention_impls", "norm_impls", "cross_entropy_impls", "activation_impls", "OPS"]
 
-OPS = {"attention": _ATTENTION, "cross_entropy": _CROSS_ENTROPY, "norm": _NORM, "bias_gelu": _BIAS_GELU,
-       "softmax": _SOFTMAX}
+OPS = {"attention": _ATTENTION, "paged_attention": _PAGED_ATTENTION, "cross_entropy": _CROSS_ENTROPY,
+       "norm": _NORM, "bias_gelu": _BIAS_GELU, "softmax": _SOFTMAX}
 
 
 def attention_impls() -> list[str]:

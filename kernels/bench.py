@@ -157,6 +157,24 @@ def _torch_sdpa(rows, b, s, h, d, shape, fwd_flops):
         rows.append(Row("attention_fwd", "torch_sdpa", shape, None, note=f"skipped: {e}"))
 
 
+def bench_paged_attention(rows: list, b=32, h=32, kvh=8, d=128, page_size=16, length=2048, dtype=jnp.bfloat16,
+                          impls=("pallas", "xla")):
+    """One decode step over a paged cache: every sequence `length` tokens, pages shuffled in the pool."""
+    import kernels
+    max_pages = length // page_size
+    n_pages = b * max_pages
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    q = jax.random.normal(keys[0], (b, h, d), dtype)
+    k, v = (jax.random.normal(kk, (kvh, n_pages, page_size, d), dtype) for kk in keys[1:3])
+    table = jax.random.permutation(keys[3], n_pages).reshape(b, max_pages).astype(jnp.int32)
+    lengths = jnp.full((b,), length, jnp.int32)
+    nbytes = 2 * k.size * k.dtype.itemsize  # K and V once; q and the output are negligible
+    shape = f"B{b} H{h} KV{kvh} D{d} page{page_size} len{length} {jnp.dtype(dtype).name}"
+    for impl in impls:
+        f = jax.jit(lambda q, k, v, t, n, impl=impl: kernels.paged_attention(q, k, v, t, n, impl=impl))
+        _run(rows, "paged_attention_decode", impl, shape, f, (q, k, v, table, lengths), nbytes=nbytes)
+
+
 # ----------------------------------------------------------------------------------------------
 # Memory-bound ops
 
@@ -325,7 +343,7 @@ def bench_train_step(rows: list, impls: dict, batch=8, seq=2048, steps=10, confi
 # ----------------------------------------------------------------------------------------------
 # One run, one JSON, one table
 
-SECTIONS = ("attention", "cross_entropy", "norms", "bias_gelu", "softmax", "train_step")
+SECTIONS = ("attention", "paged_attention", "cross_entropy", "norms", "bias_gelu", "softmax", "train_step")
 
 
 def train_configs() -> dict[str, dict]:
@@ -360,13 +378,14 @@ def run_all(sections=SECTIONS, *, train_steps: int = 10, train_impls: dict | Non
     train_impls = train_impls or train_configs()
     steps = {
         "attention": lambda: bench_attention(rows),
+        "paged_attention": lambda: bench_paged_attention(rows),
         "cross_entropy": lambda: bench_cross_entropy(rows),
         "norms": lambda: bench_norms(rows),
         "bias_gelu": lambda: bench_bias_gelu(rows),
         "softmax": lambda: bench_softmax(rows),
         "train_step": lambda: _train_steps(rows, train_impls, train_steps),
     }
-    if set(sections) & {"norms", "bias_gelu", "softmax"}:
+    if set(sections) & {"norms", "bias_gelu", "softmax", "paged_attention"}:
         record["ceilings"]["copy_gbps_measured_now"] = bench_copy(rows)
     for name in sections:
         steps[name]()

@@ -154,3 +154,17 @@ def test_linear_cross_entropy_gpu():
     _close(lc, lx, 1e-3)
     for a, b in zip(gc, gx):
         _close(a, b, 3e-2)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_paged_attention_gpu(page_size):
+    from kernels.paged_attention import paged_attention_reference
+    rng = np.random.default_rng(5)
+    b, h, kvh, d, max_pages = 4, 32, 8, 128, 2048 // page_size
+    n_pages = b * max_pages + 7
+    q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((kvh, n_pages, page_size, d)), jnp.bfloat16) for _ in range(2))
+    table = jnp.asarray(rng.permutation(n_pages)[:b * max_pages].reshape(b, max_pages), jnp.int32)
+    lengths = jnp.asarray([1, 777, 2048, 0], jnp.int32)
+    got = kernels.paged_attention(q, k, v, table, lengths, impl="pallas")
+    _close(got, paged_attention_reference(q, k, v, table, lengths), 2e-2)
