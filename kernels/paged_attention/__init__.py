@@ -12,7 +12,7 @@ never read.
 
 | impl     | where                                | notes                                               |
 |----------|--------------------------------------|-----------------------------------------------------|
-| `pallas` | GPU sm80+ (CPU: interpret, explicit) | one program per (sequence, kv head): the group's query heads attend page blocks gathered through the page table, online softmax; D and page_size powers of two |
+| `pallas` | GPU sm80+ (CPU: interpret, explicit) | one program per (sequence, kv head): the group's query heads attend page blocks gathered through the page table, online softmax; D and page_size powers of two, pool in q's dtype |
 | `xla`    | anywhere                             | gathers the pages into a dense cache and masks (the reference) |
 
 The serving engine does not use a paged cache yet. This op is the decode kernel for it, and has been
@@ -88,6 +88,9 @@ def _pallas_guard(ctx) -> str | None:
         return f"head_dim {d} is not a power of two >= 16 (padding it would copy the whole cache pool)"
     if page_size is not None and not _pow2(page_size):
         return f"page_size {page_size} is not a power of two (Triton tiles)"
+    kv_dtype = ctx.get("kv_dtype")
+    if kv_dtype is not None and kv_dtype != str(ctx.dtype):
+        return f"cache pool dtype {kv_dtype} differs from q's {ctx.dtype} (casting would copy the whole pool)"
     return None
 
 
@@ -98,5 +101,6 @@ OP.register("pallas", _pallas, _pallas_guard, priority=10)
 def paged_attention(q, k_pages, v_pages, page_table, lengths, *, impl: str = "auto"):
     """Decode attention over a paged KV cache; see the module docstring for the layout."""
     check_inputs(q, k_pages, v_pages, page_table, lengths)
-    ctx = _dispatch.make_ctx(q.dtype, explicit=impl != "auto", head_dim=q.shape[-1], page_size=k_pages.shape[2])
+    ctx = _dispatch.make_ctx(q.dtype, explicit=impl != "auto", head_dim=q.shape[-1], page_size=k_pages.shape[2],
+                             kv_dtype=str(k_pages.dtype))
     return OP.select(impl, ctx).fn(q, k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32))

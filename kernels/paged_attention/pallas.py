@@ -53,7 +53,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, *, pages_per_block: int
 
 
 def paged_attention_pallas(q, k_pages, v_pages, page_table, lengths):
-    """q [B,H,D]; k/v pages [KV,P,page_size,D] (D a power of two >= 16); page_table [B,M]; lengths [B]."""
+    """q [B,H,D]; k/v pages [KV,P,page_size,D] in q's dtype (D a power of two >= 16); page_table [B,M]; lengths [B]."""
     b, h, d = q.shape
     kvh, n_pages, page_size, _ = k_pages.shape
     g = h // kvh
@@ -74,5 +74,5 @@ def paged_attention_pallas(q, k_pages, v_pages, page_table, lengths):
                   pl.BlockSpec((1,), lambda i, j: (i,))],
         out_specs=head_block, out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype), interpret=_interpret(),
         compiler_params=compiler_params(4, 2), name="mmjax_paged_attention",
-    )(qg, k_pages.astype(q.dtype), v_pages.astype(q.dtype), table, lengths)
+    )(qg, k_pages, v_pages, table, lengths)
     return out[:, :, :g].reshape(b, h, d)

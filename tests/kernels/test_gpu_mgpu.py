@@ -1,6 +1,6 @@
 """H200 (sm90) checks of the Mosaic GPU flash-attention forward (`kernels.attention.flash_mgpu`).
 
-Run on the device: `JAX_PLATFORMS=cuda pytest -m gpu tests/kernels/test_gpu_mgpu.py -v`.
+Run on the device: `pytest -m gpu tests/kernels/test_gpu_mgpu.py -v`.
 Forward output and lse (log2 units) against the float32 reference built from `make_mask`; gradients of
 the custom_vjp (Mosaic GPU forward + Pallas-Triton backward) against the reference's. Tolerances: bf16
 outputs 2e-2 relative to max |ref|; lse 2e-2 absolute (log2 units); gradients 5e-2 relative to max |ref|.
@@ -97,8 +97,9 @@ def _reference_lse(q, k, mask):
     return jnp.where(mask.any(-1)[:, None], lse, 0.0)
 
 
-def _check_forward(q, k, v, lay, causal, tol=2e-2):
-    o, lse = jax.jit(lambda q, k, v: fm.flash_attention_mgpu_fwd(q, k, v, causal=causal, **lay))(q, k, v)
+def _check_forward(q, k, v, lay, causal, tol=2e-2, config=None):
+    o, lse = jax.jit(lambda q, k, v: fm.flash_attention_mgpu_fwd(q, k, v, causal=causal, config=config, **lay))(
+        q, k, v)
     mask = _mask(lay, causal)
     ref = attention_reference(q, k, v, mask).astype(jnp.float32)
     o = o.astype(jnp.float32)
@@ -125,32 +126,23 @@ def test_guard_accepts_this_device():
     assert fm.supports_mgpu(ctx) is None
 
 
-@requires_sm90
-def test_forward_plain_causal_gqa_d128():
-    rng = np.random.default_rng(0)
-    q, k, v = _qkv(2, 1024, 8, 2, 128, jnp.bfloat16, rng)
-    _check_forward(q, k, v, _plain(2, 1024), causal=True)
+# (seed, B, S, H, KV, D, layout): plain causal GQA at D128; packed and image-block layouts at a ragged S
+FORWARD_CASES = {
+    "plain_causal_gqa_d128": (0, 2, 1024, 8, 2, 128, "plain"),
+    "packed_causal_d64_ragged": (1, 2, 777, 4, 1, 64, "packed"),
+    "image_blocks_d64_ragged": (2, 2, 777, 4, 2, 64, "image_blocks"),
+    "image_blocks_d128": (3, 1, 1024, 4, 4, 128, "image_blocks"),
+}
 
 
 @requires_sm90
-def test_forward_packed_causal_d64_ragged():
-    rng = np.random.default_rng(1)
-    q, k, v = _qkv(2, 777, 4, 1, 64, jnp.bfloat16, rng)
-    _check_forward(q, k, v, _packed(2, 777, rng), causal=True)
-
-
-@requires_sm90
-def test_forward_image_blocks_d64_ragged():
-    rng = np.random.default_rng(2)
-    q, k, v = _qkv(2, 777, 4, 2, 64, jnp.bfloat16, rng)
-    _check_forward(q, k, v, _image_blocks(2, 777, rng), causal=True)
-
-
-@requires_sm90
-def test_forward_image_blocks_d128():
-    rng = np.random.default_rng(3)
-    q, k, v = _qkv(1, 1024, 4, 4, 128, jnp.bfloat16, rng)
-    _check_forward(q, k, v, _image_blocks(1, 1024, rng), causal=True)
+@pytest.mark.parametrize("case", list(FORWARD_CASES))
+def test_forward_causal(case):
+    seed, b, s, h, kv, d, layout = FORWARD_CASES[case]
+    rng = np.random.default_rng(seed)
+    q, k, v = _qkv(b, s, h, kv, d, jnp.bfloat16, rng)
+    lay = _plain(b, s) if layout == "plain" else (_packed if layout == "packed" else _image_blocks)(b, s, rng)
+    _check_forward(q, k, v, lay, causal=True)
 
 
 @requires_sm90
@@ -185,12 +177,7 @@ def test_forward_cross_lengths_and_block_kv_64():
     lay = dict(q_segment_ids=jnp.ones((b, sq), jnp.int32), kv_segment_ids=jnp.ones((b, sk), jnp.int32),
                q_positions=jnp.broadcast_to(jnp.arange(sk - sq, sk, dtype=jnp.int32), (b, sq)),
                kv_positions=jnp.broadcast_to(jnp.arange(sk, dtype=jnp.int32), (b, sk)))
-    cfg = fm.MgpuFlashConfig(block_kv=64, max_concurrent_steps=3)
-    o, lse = fm.flash_attention_mgpu_fwd(q, k, v, causal=True, config=cfg, **lay)
-    ref = attention_reference(q, k, v, _mask(lay, True)).astype(jnp.float32)
-    err = float(jnp.max(jnp.abs(o.astype(jnp.float32) - ref)))
-    assert err <= 2e-2 * float(jnp.max(jnp.abs(ref)))
-    assert float(jnp.max(jnp.abs(lse - _reference_lse(q, k, _mask(lay, True))))) <= 2e-2
+    _check_forward(q, k, v, lay, causal=True, config=fm.MgpuFlashConfig(block_kv=64, max_concurrent_steps=3))
 
 
 @requires_sm90

@@ -75,6 +75,7 @@ def test_auto_on_cpu_is_xla_and_guards(caplog):
     assert OP.reason("pallas", gpu(head_dim=128, page_size=16)) is None
     assert "power of two" in OP.reason("pallas", gpu(head_dim=80, page_size=16))
     assert "page_size 12" in OP.reason("pallas", gpu(head_dim=64, page_size=12))
+    assert "differs from q's" in OP.reason("pallas", gpu(head_dim=64, page_size=16, kv_dtype="float32"))
     assert OP.reason("pallas", _dispatch.Ctx("gpu", jnp.dtype("bfloat16"), (7, 5))) is not None
 
 
