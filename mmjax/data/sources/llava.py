@@ -119,10 +119,11 @@ class LlavaSource(RecordSource):
     def _read(self, block: int, position: int) -> dict[str, Any]:
         url = self.files[block]
         start, end = (int(x) for x in self.spans[block][position])
-        stream = self._streams.get(block)
-        stream.seek(start)
+        with self._streams.use(block) as stream:  # seek + read as one step: Grain reads from several threads
+            stream.seek(start)
+            raw = stream.read(end - start)
         where = f"{url.rsplit('/', 1)[-1]}#{position}"
-        record = parse_json_record(stream.read(end - start), where)
+        record = parse_json_record(raw, where)
         rid = str(record.get("id", where))
         value = record.get("images", record.get("image"))
         items = [] if value is None else value if isinstance(value, list) else [value]

@@ -34,7 +34,8 @@ class ParquetSource(RecordSource):
         self._tables: OrderedDict[int, list[dict[str, Any]]] = OrderedDict()
         names, sizes, self._groups = [], [], []
         for f, url in enumerate(self.files):
-            meta = self._file(f).metadata
+            with self._handles.use(f) as parquet_file:
+                meta = parquet_file.metadata
             if "conversations" not in meta.schema.names:
                 raise DataError(f"{url}: Parquet needs a 'conversations' column; it has {meta.schema.names}")
             for g in range(meta.num_row_groups):
@@ -56,19 +57,17 @@ class ParquetSource(RecordSource):
         except (OSError, ValueError) as e:  # pyarrow raises ArrowInvalid (a ValueError) for non-Parquet
             raise DataError(f"{url} cannot be read as Parquet ({e})") from e
 
-    def _file(self, f: int) -> pq.ParquetFile:
-        return self._handles.get(f)
-
     def _rows(self, block: int) -> list[dict[str, Any]]:
-        rows = self._tables.get(block)
-        if rows is None:
-            f, g = self._groups[block]
-            rows = self._file(f).read_row_group(g).to_pylist()
-            self._tables[block] = rows
-            while len(self._tables) > _CACHED_GROUPS:
-                self._tables.popitem(last=False)
-        else:
-            self._tables.move_to_end(block)
+        f, g = self._groups[block]
+        # The file's lock also guards the decoded-group cache: Grain reads from several threads.
+        with self._handles.use(f) as parquet_file:
+            rows = self._tables.get(block)
+            if rows is None:
+                rows = self._tables[block] = parquet_file.read_row_group(g).to_pylist()
+                while len(self._tables) > _CACHED_GROUPS:
+                    self._tables.popitem(last=False)
+            else:
+                self._tables.move_to_end(block)
         return rows
 
     def _read(self, block: int, position: int) -> dict[str, Any]:

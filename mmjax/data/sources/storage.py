@@ -7,6 +7,7 @@ environment variables. Files are read in blocks with read-ahead, never slurped w
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -100,34 +101,46 @@ def open_stream(url: str, options: dict[str, Any], cache_type: str = "readahead"
 
 
 class OpenFiles:
-    """At most `limit` open file objects, least recently used closed first (a dataset may have 1000s of files)."""
+    """At most `limit` open file objects, least recently used closed first (a dataset may have 1000s of files).
+
+    Thread-safe: Grain reads records from several threads, and a file object's seek + read (or pyarrow's
+    reads through it) must not interleave with another thread's, nor may a handle in use be closed. Use
+    `with files.use(key) as handle:`; the lock is held until the block ends.
+    """
 
     def __init__(self, opener: Callable[[int], Any], limit: int = 16):
         self._opener = opener
         self._limit = limit
         self._open: OrderedDict[int, Any] = OrderedDict()
+        self._lock = threading.RLock()
 
-    def __getstate__(self) -> dict[str, Any]:  # open files are per process
-        return {"_opener": self._opener, "_limit": self._limit, "_open": OrderedDict()}
+    def __getstate__(self) -> dict[str, Any]:  # open files and locks are per process
+        return {"_opener": self._opener, "_limit": self._limit}
 
-    def get(self, key: int) -> Any:
-        handle = self._open.get(key)
-        if handle is None:
-            handle = self._open[key] = self._opener(key)
-            while len(self._open) > self._limit:
-                old = self._open.popitem(last=False)[1]
-                close = getattr(old, "close", None)
-                if close is not None:
-                    close()
-        else:
-            self._open.move_to_end(key)
-        return handle
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["_opener"], state["_limit"])
+
+    @contextlib.contextmanager
+    def use(self, key: int):
+        with self._lock:
+            handle = self._open.get(key)
+            if handle is None:
+                handle = self._open[key] = self._opener(key)
+                while len(self._open) > self._limit:
+                    old = self._open.popitem(last=False)[1]
+                    close = getattr(old, "close", None)
+                    if close is not None:
+                        close()
+            else:
+                self._open.move_to_end(key)
+            yield handle
 
     def clear(self) -> None:
-        while self._open:
-            old = self._open.popitem()[1]
-            if hasattr(old, "close"):
-                old.close()
+        with self._lock:
+            while self._open:
+                old = self._open.popitem()[1]
+                if hasattr(old, "close"):
+                    old.close()
 
 
 def read_bytes(url: str, options: dict[str, Any]) -> bytes:
