@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -15,6 +17,26 @@ TILE_ELEMS = 16384  # elements per program: enough bytes in flight per SM withou
 # Row tiles one backward program walks when it also reduces over rows (dscale, dbias): few enough programs
 # that the float32 partial sums stay small, enough of them to fill every SM several times over.
 TILES_PER_PROGRAM = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTiling:
+    """Launch shape of one row-wise op's kernels. Each op module holds its own `TILING`; the defaults come
+    from `tools/sweep_rows.py` on an H200 (docs/perf/README.md), and the sweep swaps them per candidate."""
+
+    tile_elems: int = TILE_ELEMS                # elements per forward tile (rows = tile_elems // width)
+    tiles_per_program: int = TILES_PER_PROGRAM  # row tiles one backward program walks
+    fwd_warps: int = 8                          # warps of a full-size forward tile
+    bwd_warps: int = 8                          # the same for the backward
+    bwd_stages: int = 2                         # Triton pipeline stages of the backward's row-tile loop
+    max_cols: int = 1024                        # widest column block (ops that also tile columns)
+
+    def warps(self, tile: int, fwd: bool) -> int:
+        """Warps for a tile of `tile` elements: halved (down to 4) per halving below `tile_elems`."""
+        w, full = (self.fwd_warps if fwd else self.bwd_warps), self.tile_elems
+        while w > 4 and tile * 2 <= full:
+            w, full = w // 2, full // 2
+        return w
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 1):
@@ -45,4 +67,4 @@ def col_mask(width: int, real: int):
     return jnp.arange(width) < real
 
 
-__all__ = ["TILES_PER_PROGRAM", "compiler_params", "next_pow2", "rows_per_block", "pad_cols", "col_mask", "pl"]
+__all__ = ["RowTiling", "TILES_PER_PROGRAM", "compiler_params", "next_pow2", "rows_per_block", "pad_cols", "col_mask", "pl"]

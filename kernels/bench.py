@@ -179,6 +179,25 @@ def bench_paged_attention(rows: list, b=32, h=32, kvh=8, d=128, page_size=16, le
 # Memory-bound ops
 
 
+def save_sweep(path, rows: list) -> None:
+    """Write a tuning sweep's rows (with the date and command line) to `path` and print one line per row."""
+    import datetime
+    import json
+    import sys
+    from pathlib import Path
+    record = {"date": datetime.date.today().isoformat(), "command": " ".join(["python", *sys.argv]),
+              "rows": [r.as_dict() for r in rows]}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(record, indent=1))
+    for r in rows:
+        ms = "" if r.ms is None else f"{r.ms:8.3f} ms"
+        rate = "" if r.tflops is None else f"{r.tflops:5.0f} TFLOP/s"
+        rate += "" if r.gbps is None else f"{r.gbps:6.0f} GB/s"
+        frac = "" if r.fraction is None else f"{r.fraction:4.0%}"
+        print(f"{r.op:18} {r.impl:32} {r.shape:36} {ms} {rate} {frac} {r.note[:80]}")
+    print(f"wrote {path}")
+
+
 def _fwd_bwd(f):
     """jit(forward + backward of f(x, p) with a real cotangent dy), returning y as well, as in training.
 

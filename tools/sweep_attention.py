@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import sys
 from pathlib import Path
@@ -48,7 +47,7 @@ def sweep_mgpu(rows: list, b=4, s=4096):
     import jax.numpy as jnp
 
     from kernels import bench
-    from kernels.attention import flash_attention_mgpu
+    from kernels.attention import flash_attention, flash_attention_mgpu
     for h, d in ((16, 128), (32, 64)):
         keys = jax.random.split(jax.random.PRNGKey(0), 3)
         q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
@@ -57,6 +56,12 @@ def sweep_mgpu(rows: list, b=4, s=4096):
         kw = dict(q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos, kv_positions=pos, causal=True)
         fwd_flops = 4 * b * h * s * s * d / 2
         shape = f"B{b} S{s} H{h} D{d} bfloat16 causal"
+        # Pallas-Triton at the same shapes, for the `auto` choice between the two forwards (D64 included)
+        pallas = lambda q, k, v: flash_attention(q, k, v, **kw)
+        pgrad = jax.grad(lambda q, k, v: jnp.sum(pallas(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+        bench._run(rows, "attention_fwd", "pallas[default]", shape, jax.jit(pallas), (q, k, v), flops=fwd_flops)
+        bench._run(rows, "attention_fwd_bwd", "pallas[default]", shape, jax.jit(pgrad), (q, k, v),
+                   flops=3.5 * fwd_flops)
         for name, cfg in mgpu_candidates().items():
             call = lambda q, k, v, cfg=cfg: flash_attention_mgpu(q, k, v, config=cfg, **kw)
             grad = jax.grad(lambda q, k, v: jnp.sum(call(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
@@ -78,14 +83,7 @@ def main() -> None:
             bench.bench_attention(rows, impls=(), configs={name: cfg}, torch_sdpa=False)
     if "mgpu" not in args.skip:
         sweep_mgpu(rows)
-    record = [r.as_dict() for r in rows]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1))
-    for r in rows:
-        ms = "" if r.ms is None else f"{r.ms:8.3f} ms"
-        tf = "" if r.tflops is None else f"{r.tflops:5.0f} TFLOP/s"
-        print(f"{r.op:18} {r.impl:32} {r.shape:36} {ms} {tf} {r.note[:80]}")
-    print(f"wrote {args.out}")
+    bench.save_sweep(args.out, rows)
 
 
 if __name__ == "__main__":

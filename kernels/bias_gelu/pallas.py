@@ -12,11 +12,15 @@ from kernels import _rows
 from kernels._dispatch import interpret
 from kernels.bias_gelu import gelu_and_grad, keep_mask
 
+# Shared by this module and the jax-triton kernels (`triton_kernels.py`): same tiles, same dropout indices.
+TILING = _rows.RowTiling(tile_elems=8192, fwd_warps=4, bwd_warps=4, bwd_stages=2, max_cols=1024)
+
 
 def tiles(n, c):
-    bc = min(_rows.next_pow2(max(c, 16)), 1024)
+    """(rows per tile, column block, padded columns) for a [n, c] view under `TILING`."""
+    bc = min(_rows.next_pow2(max(c, 16)), TILING.max_cols)
     cp = -(-c // bc) * bc
-    return _rows.rows_per_block(n, bc, 8192), bc, cp
+    return _rows.rows_per_block(n, bc, TILING.tile_elems), bc, cp
 
 
 def _index(i, j, r, bc, c):
@@ -34,13 +38,13 @@ def _fwd_kernel(x_ref, b_ref, s_ref, y_ref, *, spec, r, bc, c):
     y_ref[...] = y.astype(y_ref.dtype)
 
 
-def _bwd_kernel(x_ref, b_ref, s_ref, g_ref, dx_ref, db_ref, *, spec, r, bc, c, n_tiles):
-    """Walks `_rows.TILES_PER_PROGRAM` row tiles of one column block; one partial db row per program."""
+def _bwd_kernel(x_ref, b_ref, s_ref, g_ref, dx_ref, db_ref, *, spec, r, bc, c, n_tiles, per_program):
+    """Walks `per_program` row tiles of one column block; one partial db row per program."""
     b = b_ref[...].astype(jnp.float32)[None, :]
     seed = jnp.max(s_ref[...])
     col_block = pl.program_id(1)  # read outside the loop: interpret mode cannot lower it inside one
-    lo = pl.program_id(0) * _rows.TILES_PER_PROGRAM
-    hi = jnp.minimum(lo + _rows.TILES_PER_PROGRAM, n_tiles)
+    lo = pl.program_id(0) * per_program
+    hi = jnp.minimum(lo + per_program, n_tiles)
 
     def tile(t, acc):
         rows = pl.ds(t * r, r)
@@ -69,7 +73,8 @@ def fwd(spec, x, bias, seed):
     y = pl.pallas_call(functools.partial(_fwd_kernel, spec=spec, r=r, bc=bc, c=c), grid=(n // r, cp // bc),
                        in_specs=[tile, vec, sd], out_specs=tile,
                        out_shape=jax.ShapeDtypeStruct((n, cp), x.dtype), interpret=interpret(),
-                       compiler_params=_rows.compiler_params(4), name="mmjax_bias_gelu_fwd")(
+                       compiler_params=_rows.compiler_params(TILING.warps(r * bc, fwd=True)),
+                       name="mmjax_bias_gelu_fwd")(
         _rows.pad_cols(x, cp), _rows.pad_cols(bias, cp), seed)
     return y[:, :c]
 
@@ -79,13 +84,15 @@ def bwd(spec, x, bias, seed, g):
     r, bc, cp = tiles(n, c)
     _, vec, sd = _specs(r, bc)
     n_tiles = n // r
-    programs = -(-n_tiles // _rows.TILES_PER_PROGRAM)
+    per_program = TILING.tiles_per_program
+    programs = -(-n_tiles // per_program)
     column = pl.BlockSpec((n, bc), lambda i, j: (0, j))  # all rows of one column block: the kernel walks them
     dx, db = pl.pallas_call(
-        functools.partial(_bwd_kernel, spec=spec, r=r, bc=bc, c=c, n_tiles=n_tiles), grid=(programs, cp // bc),
+        functools.partial(_bwd_kernel, spec=spec, r=r, bc=bc, c=c, n_tiles=n_tiles, per_program=per_program), grid=(programs, cp // bc),
         in_specs=[column, vec, sd, column],
         out_specs=[column, pl.BlockSpec((None, bc), lambda i, j: (i, j))],
         out_shape=[jax.ShapeDtypeStruct((n, cp), x.dtype), jax.ShapeDtypeStruct((programs, cp), jnp.float32)],
-        interpret=interpret(), compiler_params=_rows.compiler_params(4, num_stages=2), name="mmjax_bias_gelu_bwd")(
+        interpret=interpret(), compiler_params=_rows.compiler_params(TILING.warps(r * bc, fwd=False), num_stages=TILING.bwd_stages),
+        name="mmjax_bias_gelu_bwd")(
         _rows.pad_cols(x, cp), _rows.pad_cols(bias, cp), seed, _rows.pad_cols(g, cp))
     return dx[:, :c], db.sum(0)[:c]

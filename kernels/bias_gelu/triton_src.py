@@ -61,14 +61,14 @@ def bias_gelu_fwd(x_ptr, b_ptr, s_ptr, y_ptr, C: tl.constexpr, R: tl.constexpr, 
 
 @triton.jit
 def bias_gelu_bwd(x_ptr, b_ptr, s_ptr, g_ptr, dx_ptr, db_ptr, N_TILES: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
-         BC: tl.constexpr, TILES: tl.constexpr, APPROX: tl.constexpr, RATE: tl.constexpr, THRESH: tl.constexpr,
+         BC: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, APPROX: tl.constexpr, RATE: tl.constexpr, THRESH: tl.constexpr,
          K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr):
     # Program (i, j) walks row tiles [i*TILES, min((i+1)*TILES, N_TILES)) and writes one partial db row.
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     inb = cols < C
     b = tl.load(b_ptr + cols, mask=inb, other=0.0).to(tl.float32)
     acc = tl.zeros((BC,), tl.float32)
-    for k in tl.range(0, TILES, num_stages=2):  # a static trip count; tiles past N_TILES are masked out
+    for k in tl.range(0, TILES, num_stages=STAGES):  # a static trip count; tiles past N_TILES are masked out
         t = tl.program_id(0) * TILES + k
         rows = t * R + tl.arange(0, R)
         m = inb[None, :] & (rows < N_TILES * R)[:, None]

@@ -18,6 +18,8 @@ from jax.experimental import pallas as pl
 from kernels import _rows
 from kernels._dispatch import interpret as _interpret
 
+TILING = _rows.RowTiling()
+
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
@@ -28,6 +30,11 @@ class _Static:
     e: int            # real feature width
     rows: int
     interpret: bool
+    tiling: _rows.RowTiling
+
+    @property
+    def tiles_per_program(self) -> int:
+        return self.tiling.tiles_per_program
 
 
 def _fwd_kernel(*refs, st: _Static):
@@ -63,7 +70,7 @@ def _fwd_kernel(*refs, st: _Static):
 
 
 def _bwd_kernel(*refs, st: _Static, n_tiles: int):
-    """One program walks `_rows.TILES_PER_PROGRAM` consecutive row tiles, keeping dscale/dbias in registers.
+    """One program walks `TILING.tiles_per_program` consecutive row tiles, keeping dscale/dbias in registers.
 
     One partial row per program instead of per tile: with per-tile partials the float32 [n/rows, E] sums
     were as large as the input itself and cost a third of the backward's memory traffic.
@@ -98,8 +105,8 @@ def _bwd_kernel(*refs, st: _Static, n_tiles: int):
         dscale, dbias = acc
         return dscale + jnp.sum(g * xhat, axis=0), (dbias + jnp.sum(g, axis=0) if st.has_bias else dbias)
 
-    lo = pl.program_id(0) * _rows.TILES_PER_PROGRAM
-    hi = jnp.minimum(lo + _rows.TILES_PER_PROGRAM, n_tiles)
+    lo = pl.program_id(0) * st.tiles_per_program
+    hi = jnp.minimum(lo + st.tiles_per_program, n_tiles)
     zeros = jnp.zeros((ep,), jnp.float32)
     dscale, dbias = jax.lax.fori_loop(lo, hi, tile, (zeros, zeros))
     dscale_ref[...] = dscale
@@ -126,7 +133,7 @@ def _fwd(st: _Static, x, res, scale, bias):
     out_specs = [row] + ([row] if st.has_res else []) + [stat, stat]
     res_out = pl.pallas_call(functools.partial(_fwd_kernel, st=st), grid=(n // st.rows,), in_specs=in_specs,
                              out_specs=out_specs, out_shape=outs, interpret=st.interpret,
-                             compiler_params=_rows.compiler_params(4 if ep * st.rows <= 8192 else 8),
+                             compiler_params=_rows.compiler_params(st.tiling.warps(ep * st.rows, fwd=True)),
                              name="mmjax_norm_fwd")(*ins)
     y = res_out[0]
     s = res_out[1] if st.has_res else x
@@ -139,7 +146,7 @@ def _bwd(st: _Static, s, g, gs, scale, mean, rstd):
     whole = pl.BlockSpec((n, ep), lambda i: (0, 0))  # the kernel walks its own row tiles
     whole_stat = pl.BlockSpec((n,), lambda i: (0,))
     n_tiles = n // st.rows
-    programs = -(-n_tiles // _rows.TILES_PER_PROGRAM)
+    programs = -(-n_tiles // st.tiles_per_program)
     ins = [s, g] + ([gs] if st.has_res else []) + [scale, mean, rstd]
     in_specs = [whole, whole] + ([whole] if st.has_res else []) + [vec, whole_stat, whole_stat]
     outs = [jax.ShapeDtypeStruct(s.shape, s.dtype), jax.ShapeDtypeStruct((programs, ep), jnp.float32)]
@@ -149,7 +156,8 @@ def _bwd(st: _Static, s, g, gs, scale, mean, rstd):
         out_specs.append(part)
     r = pl.pallas_call(functools.partial(_bwd_kernel, st=st, n_tiles=n_tiles), grid=(programs,), in_specs=in_specs,
                        out_specs=out_specs, out_shape=outs, interpret=st.interpret,
-                       compiler_params=_rows.compiler_params(4 if ep * st.rows <= 8192 else 8, num_stages=2),
+                       compiler_params=_rows.compiler_params(st.tiling.warps(ep * st.rows, fwd=False),
+                                                            num_stages=st.tiling.bwd_stages),
                        name="mmjax_norm_bwd")(*ins)
     return r[0], r[1].sum(0), (r[2].sum(0) if st.has_bias else None)
 
@@ -184,7 +192,7 @@ def norm(x, scale, bias=None, residual=None, *, eps: float, center: bool, out_dt
     n = x2.shape[0]
     res2 = None if residual is None else _rows.pad_cols(residual.astype(x.dtype).reshape(-1, e), ep)
     st = _Static(center=center, has_bias=bias is not None, has_res=residual is not None, eps=float(eps), e=e,
-                 rows=_rows.rows_per_block(n, ep), interpret=_interpret())
+                 rows=_rows.rows_per_block(n, ep, TILING.tile_elems), interpret=_interpret(), tiling=TILING)
     y, s = _norm(st, x2, res2, _rows.pad_cols(scale, ep), None if bias is None else _rows.pad_cols(bias, ep))
     y = y[:, :e].reshape(shape)
     if out_dtype is not None:

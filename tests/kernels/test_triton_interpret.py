@@ -20,9 +20,9 @@ pytestmark = pytest.mark.skipif(
 SCRIPT = r"""
 import numpy as np, torch, jax, jax.numpy as jnp
 from kernels.bias_gelu import HASH_K0, HASH_K1, HASH_K2, bias_gelu_reference
-from kernels.bias_gelu.pallas import tiles
+from kernels.bias_gelu.pallas import TILING, tiles
 from kernels.bias_gelu.triton_src import bias_gelu_bwd, bias_gelu_fwd
-from kernels._rows import TILES_PER_PROGRAM
+TILES_PER_PROGRAM = TILING.tiles_per_program
 n, c = 148, 40  # 37 row tiles of 4: three backward programs, the last walking 5 tiles
 r, bc, cp = tiles(n, c)
 n_tiles = n // r
@@ -39,7 +39,8 @@ for rate in (0.0, 0.3):
         s = torch.full((16,), 7, dtype=torch.int32)
         bias_gelu_fwd[(n // r, cp // bc)](torch.tensor(x), torch.tensor(b), s, y, **meta)
         bias_gelu_bwd[(programs, cp // bc)](torch.tensor(x), torch.tensor(b), s, torch.tensor(g), dx, db,
-                                            N_TILES=n_tiles, TILES=TILES_PER_PROGRAM, **meta)
+                                            N_TILES=n_tiles, TILES=TILES_PER_PROGRAM, STAGES=TILING.bwd_stages,
+                                            **meta)
         want, vjp = jax.vjp(lambda x, b: bias_gelu_reference(x, b, approximate=approx, dropout_rate=rate, seed=7),
                             jnp.asarray(x), jnp.asarray(b))
         gx, gb = vjp(jnp.asarray(g))

@@ -1,0 +1,123 @@
+"""Launch-shape sweep for the row-wise kernels: RMSNorm (Pallas) and bias+GELU (jax-triton).
+
+    python tools/sweep_rows.py [--ops rms_norm bias_gelu] [--out docs/perf/results/rows-sweep-<date>.json]
+
+Each candidate `RowTiling` (tile size, row tiles per backward program, warps, backward pipeline stages)
+replaces the op module's `TILING` and is timed on the bench's [32768, 4096] bf16 rows: forward and
+forward+backward, in GB/s and as a fraction of 3.75 TB/s. A failing candidate is listed with its error.
+The bias+GELU rows also time the tanh approximation: when it is much faster than the erf form at the same
+tiles, the kernel is limited by arithmetic, not by memory. The defaults in `kernels/norms/pallas.py` and
+`kernels/bias_gelu/pallas.py` come from runs of this sweep (docs/perf/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def norm_candidates() -> dict:
+    from kernels.norms.pallas import TILING as d
+    r = lambda **kw: dataclasses.replace(d, **kw)
+    return {
+        "default": d,
+        "tile8k": r(tile_elems=8192), "tile32k": r(tile_elems=32768),
+        "fwd_w4": r(fwd_warps=4), "fwd_w16": r(fwd_warps=16),
+        "bwd_w4": r(bwd_warps=4), "bwd_w16": r(bwd_warps=16),
+        "bwd_s1": r(bwd_stages=1), "bwd_s3": r(bwd_stages=3),
+        "tpp4": r(tiles_per_program=4), "tpp8": r(tiles_per_program=8), "tpp32": r(tiles_per_program=32),
+        "tile8k_tpp32": r(tile_elems=8192, tiles_per_program=32),
+        "tile8k_bwd_w8_s3": r(tile_elems=8192, bwd_warps=8, bwd_stages=3),
+        "tile32k_w16": r(tile_elems=32768, fwd_warps=16, bwd_warps=16, tiles_per_program=8),
+    }
+
+
+def gelu_candidates() -> dict:
+    from kernels.bias_gelu.pallas import TILING as d
+    r = lambda **kw: dataclasses.replace(d, **kw)
+    return {
+        "default": d,
+        "tile4k": r(tile_elems=4096), "tile16k": r(tile_elems=16384), "tile16k_w8": r(tile_elems=16384, fwd_warps=8,
+                                                                                    bwd_warps=8),
+        "cols2k": r(max_cols=2048), "cols4k_tile16k_w8": r(max_cols=4096, tile_elems=16384, fwd_warps=8, bwd_warps=8),
+        "w8": r(fwd_warps=8, bwd_warps=8), "w2": r(fwd_warps=2, bwd_warps=2),
+        "bwd_s1": r(bwd_stages=1), "bwd_s3": r(bwd_stages=3),
+        "tpp8": r(tiles_per_program=8), "tpp32": r(tiles_per_program=32),
+    }
+
+
+def sweep_norms(rows: list, n=32768, e=4096):
+    import jax
+    import jax.numpy as jnp
+
+    import kernels
+    from kernels import bench
+    from kernels.norms import pallas as mod
+    x = jax.random.normal(jax.random.PRNGKey(1), (n, e), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.PRNGKey(2), (n, e), jnp.bfloat16)
+    scale = jnp.ones((e,), jnp.float32)
+    b = x.size * x.dtype.itemsize
+    shape = f"[{n},{e}] bfloat16"
+    default = mod.TILING
+    try:
+        for name, tiling in norm_candidates().items():
+            mod.TILING = tiling
+            rms = lambda x, s: kernels.rms_norm(x, s, eps=1e-5, impl="pallas")
+            bench._run(rows, "rms_norm_fwd", f"pallas[{name}]", shape, jax.jit(rms), (x, scale), nbytes=2 * b)
+            bench._run(rows, "rms_norm_fwd_bwd", f"pallas[{name}]", shape, bench._fwd_bwd(rms), (x, scale, dy),
+                       nbytes=5 * b)
+    finally:
+        mod.TILING = default
+
+
+def sweep_bias_gelu(rows: list, n=32768, e=4096):
+    import jax
+    import jax.numpy as jnp
+
+    import kernels
+    from kernels import bench
+    from kernels.bias_gelu import pallas as mod
+    x = jax.random.normal(jax.random.PRNGKey(3), (n, e), jnp.bfloat16)
+    bias = jax.random.normal(jax.random.PRNGKey(4), (e,), jnp.bfloat16)
+    b = x.size * x.dtype.itemsize
+    default = mod.TILING
+    try:
+        for name, tiling in gelu_candidates().items():
+            mod.TILING = tiling
+            for approx in (False, True):
+                shape = f"[{n},{e}] bfloat16 {'tanh' if approx else 'erf'}"
+                f = lambda x, bb, a=approx: kernels.bias_gelu(x, bb, approximate=a, impl="triton")
+                bench._run(rows, "bias_gelu_fwd", f"triton[{name}]", shape, jax.jit(f), (x, bias), nbytes=2 * b)
+                if not approx:
+                    bench._run(rows, "bias_gelu_fwd_bwd", f"triton[{name}]", shape, bench._fwd_bwd(f),
+                               (x, bias, x[::-1]), nbytes=5 * b)
+    finally:
+        mod.TILING = default
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", nargs="+", default=["rms_norm", "bias_gelu"], choices=["rms_norm", "bias_gelu"])
+    p.add_argument("--shape", nargs=2, type=int, default=[32768, 4096], metavar=("ROWS", "WIDTH"))
+    p.add_argument("--out", default=f"docs/perf/results/rows-sweep-{datetime.date.today().isoformat()}.json")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from kernels import bench
+    rows: list = []
+    n, e = args.shape
+    bench.bench_copy(rows, n, e)
+    if "rms_norm" in args.ops:
+        sweep_norms(rows, n, e)
+    if "bias_gelu" in args.ops:
+        sweep_bias_gelu(rows, n, e)
+    bench.save_sweep(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
