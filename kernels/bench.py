@@ -365,7 +365,8 @@ def train_configs() -> dict[str, dict]:
     auto = dict(attention_impl="auto", norm_impl="auto", loss_impl="auto")
     # "xla" everywhere materialises [B, H, S, S] scores and [B*S, V] logits: at B8 S2048 it ran out of the
     # H200's memory on 2026-12-03, so baselines with cuDNN attention are timed as well.
-    return {"auto": auto, "auto+cudnn_attention": dict(auto, attention_impl="cudnn"), "xla": every_xla,
+    return {"auto": auto, "auto+cudnn_attention": dict(auto, attention_impl="cudnn"),
+            "auto+pallas_attention": dict(auto, attention_impl="pallas"), "xla": every_xla,
             "cudnn_attention+xla": dict(every_xla, attention_impl="cudnn")}
 
 

@@ -25,30 +25,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def norm_candidates() -> dict:
     from kernels.norms.pallas import TILING as d
     r = lambda **kw: dataclasses.replace(d, **kw)
+    # First sweep (results/rows-sweep-2026-12-03.json): 8 -> 16 backward warps 81 -> 83%; 4 warps spill (11%);
+    # 32k-element tiles 45%; 8k tiles 74% fwd+bwd (fwd 97%); tiles per program and stages within 1%.
     return {
         "default": d,
-        "tile8k": r(tile_elems=8192), "tile32k": r(tile_elems=32768),
-        "fwd_w4": r(fwd_warps=4), "fwd_w16": r(fwd_warps=16),
-        "bwd_w4": r(bwd_warps=4), "bwd_w16": r(bwd_warps=16),
-        "bwd_s1": r(bwd_stages=1), "bwd_s3": r(bwd_stages=3),
-        "tpp4": r(tiles_per_program=4), "tpp8": r(tiles_per_program=8), "tpp32": r(tiles_per_program=32),
-        "tile8k_tpp32": r(tile_elems=8192, tiles_per_program=32),
-        "tile8k_bwd_w8_s3": r(tile_elems=8192, bwd_warps=8, bwd_stages=3),
-        "tile32k_w16": r(tile_elems=32768, fwd_warps=16, bwd_warps=16, tiles_per_program=8),
+        "bwd_w16": r(bwd_warps=16), "bwd_w32": r(bwd_warps=32),
+        "bwd_w16_s1": r(bwd_warps=16, bwd_stages=1), "bwd_w16_s3": r(bwd_warps=16, bwd_stages=3),
+        "bwd_w16_tpp8": r(bwd_warps=16, tiles_per_program=8), "bwd_w16_tpp32": r(bwd_warps=16, tiles_per_program=32),
+        "tile8k_bwd_w16": r(tile_elems=8192, bwd_warps=16), "fwd_w16_bwd_w16": r(fwd_warps=16, bwd_warps=16),
     }
 
 
 def gelu_candidates() -> dict:
     from kernels.bias_gelu.pallas import TILING as d
     r = lambda **kw: dataclasses.replace(d, **kw)
+    # First sweep: 8k-element tiles (8 x 1024, 4 warps) fwd 79% / fwd+bwd 83%; 4k tiles 86% / 90%; 2048-wide
+    # column blocks 80% / 90%; 3 backward stages 79% / 89%; 16k tiles 56% (87% with 8 warps); 2 warps 59%.
     return {
         "default": d,
-        "tile4k": r(tile_elems=4096), "tile16k": r(tile_elems=16384), "tile16k_w8": r(tile_elems=16384, fwd_warps=8,
-                                                                                    bwd_warps=8),
-        "cols2k": r(max_cols=2048), "cols4k_tile16k_w8": r(max_cols=4096, tile_elems=16384, fwd_warps=8, bwd_warps=8),
-        "w8": r(fwd_warps=8, bwd_warps=8), "w2": r(fwd_warps=2, bwd_warps=2),
-        "bwd_s1": r(bwd_stages=1), "bwd_s3": r(bwd_stages=3),
-        "tpp8": r(tiles_per_program=8), "tpp32": r(tiles_per_program=32),
+        "bwd_s3": r(bwd_stages=3), "cols2k": r(max_cols=2048), "cols2k_bwd_s3": r(max_cols=2048, bwd_stages=3),
+        "tile2k": r(tile_elems=2048), "tile8k_cols2k": r(tile_elems=8192, max_cols=2048),
+        "tile8k_w8": r(tile_elems=8192, fwd_warps=8, bwd_warps=8), "tpp8": r(tiles_per_program=8),
     }
 
 

@@ -71,16 +71,16 @@ def test_attention_gpu(impl, shape):
             assert err < 5e-2, f"{impl} d{name}: relative error {err:.3g}"
 
 
-def test_attention_auto_picks_pallas_on_sm80_plus():
+def test_attention_auto_picks_the_fastest_flash_kernel():
+    """sm90: the Mosaic GPU forward at head_dim 64 and 128; other sm80+ GPUs (or D=80): Pallas-Triton."""
     from kernels import _dispatch
     from kernels.attention import OP
-    ctx = _dispatch.make_ctx(jnp.bfloat16, batch=1, sq=1024, sk=1024, heads=8, kv_heads=2, head_dim=64,
-                             has_blocks=False)
-    assert OP.select("auto", ctx).name == "pallas"  # head_dim 64: mgpu is explicit-only there
-    if jax.devices()[0].compute_capability == "9.0":
-        ctx128 = _dispatch.make_ctx(jnp.bfloat16, batch=1, sq=1024, sk=1024, heads=8, kv_heads=2, head_dim=128,
-                                    has_blocks=False)
-        assert OP.select("auto", ctx128).name == "mgpu"
+    hopper = jax.devices()[0].compute_capability == "9.0"
+    for d in (64, 128, 80):
+        ctx = _dispatch.make_ctx(jnp.bfloat16, batch=1, sq=1024, sk=1024, heads=8, kv_heads=2, head_dim=d,
+                                 has_blocks=False)
+        want = "mgpu" if hopper and d in (64, 128) else "pallas"
+        assert OP.select("auto", ctx).name == want, d
 
 
 def _close(a, b, tol):
