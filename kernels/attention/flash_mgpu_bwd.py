@@ -50,6 +50,7 @@ LOG2E = math.log2(math.e)
 MASK = _fp.MASK
 SMEM_LIMIT = 227 * 1024
 _SMEM_RESERVE = 4096
+_DEBUG: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +170,13 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             k_w, v_w = k_smem.at[wg], v_smem.at[wg]
-            plgpu.barrier_wait(kv_bar)
+            rows = pl.ds(kvi * (2 * bkv) + wg * bkv, bkv)
+            plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kv_head], k_w, kv_bar.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kv_head], v_w, kv_bar.at[wg])
+            for src, dst in zip(km_refs, km_smem):
+                plgpu.copy_gmem_to_smem(src.at[bi, rows], dst.at[wg], kv_bar.at[wg])
+            plgpu.barrier_wait(kv_bar.at[0])  # both halves: at D=128 dQ reads the other warpgroup's K
+            plgpu.barrier_wait(kv_bar.at[1])
             kvec = [vload(r.at[wg], row) for r in km_smem]
             bcast_row = lambda x: lax.broadcast_in_dim(x, (bkv, bq), [0])
             bcast_col = lambda x: lax.broadcast_in_dim(x, (bkv, bq), [1])
@@ -277,7 +284,6 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
             k_w[...] = (dk * scale).astype(k_w.dtype)
             v_w[...] = dv.astype(v_w.dtype)
             plgpu.commit_smem()
-            rows = pl.ds(kvi * (2 * bkv) + wg * bkv, bkv)
             plgpu.copy_smem_to_gmem(k_w, dk_ref.at[bi, rows, kv_head])
             plgpu.copy_smem_to_gmem(v_w, dv_ref.at[bi, rows, kv_head])
             plgpu.wait_smem_to_gmem(0)
@@ -285,12 +291,6 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
-            for w in range(2):
-                rows = pl.ds(kvi * (2 * bkv) + w * bkv, bkv)
-                plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kv_head], k_smem.at[w], kv_bar)
-                plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kv_head], v_smem.at[w], kv_bar)
-                for src, dst in zip(km_refs, km_smem):
-                    plgpu.copy_gmem_to_smem(src.at[bi, rows], dst.at[w], kv_bar)
             nn = jnp.maximum(n, 1)
 
             @pl.loop(0, groups * n)
@@ -333,7 +333,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
         pl.run_scoped(
             lambda *scoped: body(*refs, *scoped),
             smem,
-            plgpu.Barrier(num_arrivals=2 * (2 + nm)),                     # K, V, kv vectors (both halves)
+            plgpu.Barrier(num_arrivals=2 + nm, num_barriers=2),           # K, V, kv vectors per warpgroup
             plgpu.Barrier(num_arrivals=2 + nm, num_barriers=steps),       # Q, lse, q vectors per slot
             plgpu.Barrier(num_arrivals=2, num_barriers=steps),            # dO, delta per slot
             plgpu.Barrier(num_arrivals=2, num_barriers=steps),            # slot consumed (both compute wgs)
@@ -356,7 +356,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
         dk, dv, dq = plgpu.kernel(
             entry_interp, out_type=kv_out + [jax.ShapeDtypeStruct((nkv, b, sq, h, d), jnp.float32)],
             grid=(nkv, kvh, b), grid_names=("kv_seq", "kv_heads", "batch"), num_threads=3, thread_name="wg",
-            compiler_params=params, interpret=InterpretGPUParams(uninitialized_memory="zero"))(*args)
+            compiler_params=params, interpret=InterpretGPUParams(uninitialized_memory="zero", **_DEBUG))(*args)
         return dq.sum(0), dk, dv
     # dQ accumulates across CTAs by TMA reduce-add: a zeroed float32 Ref, aliased in and out by pl.kernel
     # (plgpu.kernel's batching wrapper does not take Ref operands).
