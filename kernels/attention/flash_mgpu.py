@@ -1,5 +1,7 @@
 """Flash-attention FORWARD for Hopper (sm90a) with Pallas' Mosaic GPU backend; backward from `flash_pallas`.
 
+(`MgpuFlashConfig(bwd_impl="mgpu")` selects the Mosaic GPU backward of `flash_mgpu_bwd` instead.)
+
 Why: the Triton-lowered forward in `flash_pallas` tops out around 356 TFLOP/s on an H200 (D=128 bf16).
 Hopper's throughput needs wgmma + TMA + warp specialisation, which Triton-through-Pallas does not expose;
 Mosaic GPU does. This module is an FA3-style forward (in the spirit of jax's
