@@ -1,5 +1,7 @@
 """Flash-attention FORWARD for Hopper (sm90a) with Pallas' Mosaic GPU backend; backward from `flash_pallas`.
 
+(`MgpuFlashConfig(bwd_impl="mgpu")` selects the Mosaic GPU backward of `flash_mgpu_bwd` instead.)
+
 Why: the Triton-lowered forward in `flash_pallas` tops out around 356 TFLOP/s on an H200 (D=128 bf16).
 Hopper's throughput needs wgmma + TMA + warp specialisation, which Triton-through-Pallas does not expose;
 Mosaic GPU does. This module is an FA3-style forward (in the spirit of jax's
@@ -56,6 +58,7 @@ import numpy as np
 from jax import lax
 
 from kernels._dispatch import Ctx
+from kernels.attention import flash_mgpu_bwd as _mb
 from kernels.attention import flash_pallas as _fp
 
 LOG2E = math.log2(math.e)
@@ -92,6 +95,18 @@ class MgpuFlashConfig:
     skip_full_tile_mask: bool = True          # skip the element-wise mask on provably full key tiles
     bwd: _fp.FlashConfig | None = None        # None: flash_pallas.default_config(head_dim)
     interpret: bool = False                   # Mosaic GPU interpreter (CPU tests; slow)
+    # Backward: "pallas" = flash_pallas' Triton kernels (configured by `bwd`); "mgpu" = the Mosaic GPU
+    # kernel of `flash_mgpu_bwd` (tiles below). "pallas" stays the default until the H200 confirms speed.
+    bwd_impl: str = "pallas"
+    bwd_block_q: int = 64                     # mgpu backward: query rows per streamed step
+    bwd_block_kv: int = 64                    # mgpu backward: key rows per compute warpgroup (CTA: 2x)
+    bwd_max_concurrent_steps: int | None = None  # mgpu backward ring depth; None: deepest that fits
+
+    @property
+    def bwd_tiles(self) -> _mb.BwdTiles:
+        return _mb.BwdTiles(block_q=self.bwd_block_q, block_kv=self.bwd_block_kv,
+                            max_concurrent_steps=self.bwd_max_concurrent_steps,
+                            skip_full_tile_mask=self.skip_full_tile_mask)
 
     def check(self):
         if self.block_q not in (64, 128):
@@ -103,6 +118,9 @@ class MgpuFlashConfig:
             raise ValueError(f"MgpuFlashConfig.max_concurrent_steps={s} must be None or 2..4")
         if self.bwd is not None:
             self.bwd.check()
+        if self.bwd_impl not in ("pallas", "mgpu"):
+            raise ValueError(f"MgpuFlashConfig.bwd_impl={self.bwd_impl!r} must be 'pallas' or 'mgpu'")
+        self.bwd_tiles.check()
 
     def smem_bytes(self, head_dim: int, itemsize: int, steps: int, n_meta: int) -> int:
         """Shared memory the kernel allocates (excluding barriers and Mosaic's scratch)."""
@@ -134,6 +152,8 @@ class MgpuFlashConfig:
         """(Sq multiple, Sk multiple) the padded lengths must have for this forward and `bwd`'s kernels."""
         mq = math.lcm(2 * self.block_q, bwd.dq_block_q, bwd.dkv_block_q)
         mk = math.lcm(self.block_kv, bwd.dq_block_k, bwd.dkv_block_k)
+        if self.bwd_impl == "mgpu":
+            mq, mk = math.lcm(mq, self.bwd_block_q), math.lcm(mk, 2 * self.bwd_block_kv)
         return mq, mk
 
 
@@ -193,6 +213,7 @@ class _MStatic:
     has_blk: bool
     groups: int
     steps: int
+    bwd: _mb.BwdStatic | None = None  # set when cfg.bwd_impl == "mgpu"
 
 
 def _fwd_call(st: _MStatic, q, k, v, qmeta, kmeta, bnd):
@@ -418,7 +439,10 @@ def _attn_fwd(st, pst, q, k, v, qm, km, kq, kk, bnds):
 
 def _attn_bwd(st, pst, res, do):
     res, extra = res
-    dq, dk, dv = _fp._bwd_call(pst, res, do)
+    if st.bwd is not None:
+        dq, dk, dv = _mb.mgpu_bwd_call(st.bwd, res, extra, do)
+    else:
+        dq, dk, dv = _fp._bwd_call(pst, res, do)
     zero = lambda t: jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), t)
     qm, km, bnds = res[3], res[4], res[5]
     return dq, dk, dv, zero(qm), zero(km), zero(extra[0]), zero(extra[1]), zero(bnds)
@@ -470,7 +494,15 @@ def _prepare(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_position
             "dq": _fp._bounds(qx, kx, bwd.dq_block_q, bwd.dq_block_k, causal),
             "dkv": _fp._bounds(qx, kx, bwd.dkv_block_q, bwd.dkv_block_k, causal, transpose=True)}
     scale = float(1.0 / math.sqrt(d))
-    st = _MStatic(cfg=cfg, causal=bool(causal), scale=scale, has_blk=has_blk, groups=h // kvh, steps=steps)
+    mbs = None
+    if cfg.bwd_impl == "mgpu":
+        tiles = cfg.bwd_tiles
+        bnds["mgpu_bwd"] = _mb.bwd_bounds(qx, kx, tiles, causal)
+        mbs = _mb.BwdStatic(tiles=tiles, causal=bool(causal), scale=scale, groups=h // kvh,
+                            steps=tiles.steps_for(d, jnp.dtype(q.dtype).itemsize, len(kq)),
+                            interpret=cfg.interpret)
+    st = _MStatic(cfg=cfg, causal=bool(causal), scale=scale, has_blk=has_blk, groups=h // kvh, steps=steps,
+                  bwd=mbs)
     pst = _fp._Static(cfg=bwd, causal=bool(causal), scale=scale, has_blk=has_blk, groups=h // kvh,
                       interpret=_fp._interpret_default() if bwd.interpret is None else bool(bwd.interpret))
     return st, pst, (q, k, v, qm, km, kq, kk, bnds)

@@ -1,0 +1,382 @@
+"""Flash-attention BACKWARD for Hopper (sm90a) with Pallas' Mosaic GPU backend (FA3-style, one kernel).
+
+Why: the Mosaic GPU forward (`flash_mgpu`) runs at ~525 TFLOP/s on an H200 but its Pallas-Triton backward
+at ~300, so fwd+bwd is bound by the backward. jax's own `attention_mgpu` backward is two kernels (dQ, dKV)
+that recompute S and dP twice and is non-causal only; this is one kernel that computes dQ, dK and dV from a
+single S / dP recomputation, with our mask semantic.
+
+Kernel layout (one CTA = 2 * block_kv key rows of one (batch, kv head)):
+  * 3 warpgroups: two compute warpgroups own block_kv key rows each (K, V and the kv-side mask vectors are
+    loaded once); one memory warpgroup TMA-streams, per (query head of the GQA group, q tile), Q, dO, lse,
+    delta and the q-side mask vectors into a ring of SMEM slots (consumed barriers: 2 arrivals).
+  * Per step each compute warpgroup: sT = K Q^T (wgmma), pT = exp2(sT * scale*log2e - lse) with the mask,
+    dV += pT dO (pT from registers), dpT = V dO^T, dsT = pT * (dpT - delta), dK += dsT Q.
+    dQ: dsT (bf16/fp16) goes to SMEM; at D=128 the two warpgroups sync and each computes HALF the columns
+    of the CTA's dQ partial (contraction over all 2*block_kv keys: A = dsT^T from SMEM, B = a column slice
+    of K), FA3's split that keeps the accumulator at 32 registers/thread and issues ONE reduction per CTA
+    and step; at D=64 each warpgroup adds its own [block_q, 64] partial (no sync). The f32 partial is
+    staged in SMEM and TMA reduce-added (`copy_smem_to_gmem(reduction_op="add")`) into a zeroed float32
+    dQ buffer passed as a mutable `jax.Ref` (aliased in and out by `pl.kernel`), cast outside.
+  * GQA: the q loop runs over the group's query heads inside the CTA, so dK/dV of a kv head are summed
+    in registers (no per-q-head dK/dV and no extra pass).
+  * Tile skipping: `flash_pallas._bounds(..., transpose=True)` for tiles (block_q, 2*block_kv) gives each
+    CTA its q-tile range [lo, hi) and the provably fully allowed [flo, fhi) (element-wise mask skipped).
+    Both compute warpgroups and the memory warpgroup iterate exactly groups * (hi - lo) steps.
+  * Residual conventions of the forward: lse in LOG2 units (0 on fully masked rows), the remapped q-side
+    mask vectors (`flash_mgpu._kernel_q_meta`); masked entries give pT = exp2(MASK - lse) = 0, so fully
+    masked rows (and padding) get zero gradients. delta = rowsum(dO * O) in float32 is computed in jnp.
+
+`interpret=True` runs the kernel in Mosaic GPU's CPU interpreter: barriers, ring, ranges, mask and the
+gradient algebra run as on the GPU, but matmuls are plain dots (the interpreter's wgmma takes no transposed
+or register operands) and, since the interpreter has no TMA reduction and `pl.kernel` with a Ref operand
+does not interpret, each CTA writes its dQ partial to its own slice of a zero-initialised
+[n_kv_ctas, B, Sq, H, D] float32 output that is summed outside (memory O(Sk/128 * |dQ|): tests only).
+Limits: sm90 exactly, bf16/fp16, D 64/128, register budget 232/thread for compute warpgroups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels.attention import flash_pallas as _fp
+
+LOG2E = math.log2(math.e)
+MASK = _fp.MASK
+SMEM_LIMIT = 227 * 1024
+_SMEM_RESERVE = 4096
+_DEBUG: dict = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdTiles:
+    """Tiles of the Mosaic GPU backward (set through `MgpuFlashConfig.bwd_*`)."""
+
+    block_q: int = 64           # query rows per pipeline step (streamed)
+    block_kv: int = 64          # key rows per compute warpgroup (a CTA owns 2 * block_kv)
+    max_concurrent_steps: int | None = None  # ring depth; None: the deepest of 4..2 that fits in SMEM
+    skip_full_tile_mask: bool = True
+
+    def check(self):
+        if self.block_q not in (64, 128):
+            raise ValueError(f"bwd_block_q={self.block_q} must be 64 or 128 (wgmma tiles of 64)")
+        if self.block_kv not in (64, 128):
+            raise ValueError(f"bwd_block_kv={self.block_kv} must be 64 or 128 (wgmma M tiles of 64)")
+        s = self.max_concurrent_steps
+        if s is not None and (not isinstance(s, int) or not 2 <= s <= 4):
+            raise ValueError(f"bwd_max_concurrent_steps={s} must be None or 2..4")
+
+    def split_dq(self, head_dim: int) -> bool:
+        """D=128: the two warpgroups split dQ's columns (a synced, single reduction per CTA and step)."""
+        return head_dim == 128
+
+    def smem_bytes(self, head_dim: int, itemsize: int, steps: int, n_meta: int) -> int:
+        bq, bkv, d = self.block_q, self.block_kv, head_dim
+        split = self.split_dq(d)
+        kv = 2 * 2 * bkv * d * itemsize + n_meta * 2 * bkv * 4
+        ring = steps * (2 * bq * d * itemsize + 2 * bq * 4 + n_meta * bq * 4)
+        ds = (2 if split else 1) * 2 * bkv * bq * itemsize
+        dq = 2 * bq * (d // 2 if split else d) * 4
+        return kv + ring + ds + dq
+
+    def steps_for(self, head_dim: int, itemsize: int, n_meta: int) -> int:
+        budget = SMEM_LIMIT - _SMEM_RESERVE
+        if self.max_concurrent_steps is not None:
+            need = self.smem_bytes(head_dim, itemsize, self.max_concurrent_steps, n_meta)
+            if need > budget:
+                raise ValueError(f"bwd_max_concurrent_steps={self.max_concurrent_steps} needs {need} bytes of "
+                                 f"SMEM at head_dim {head_dim} (> {budget})")
+            return self.max_concurrent_steps
+        for steps in (4, 3, 2):
+            if self.smem_bytes(head_dim, itemsize, steps, n_meta) <= budget:
+                return steps
+        raise ValueError(f"bwd tiles block_q={self.block_q}, block_kv={self.block_kv} do not fit in SMEM at "
+                         f"head_dim {head_dim} even with 2 steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdStatic:
+    tiles: BwdTiles
+    causal: bool
+    scale: float
+    groups: int
+    steps: int
+    interpret: bool
+
+
+def bwd_bounds(qx, kx, tiles: BwdTiles, causal: bool):
+    """int32 [B * (Sk // (2*block_kv)) * 4]: per CTA (its 2*block_kv keys) the q-tile range lo, flo, fhi, hi."""
+    return _fp._bounds(qx, kx, tiles.block_q, 2 * tiles.block_kv, causal, transpose=True).reshape(-1)
+
+
+def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
+    """Padded q/do [B,Sq,H,D], k/v [B,Sk,KV,D], lse/delta [B,H,Sq] f32 -> dq f32, dk, dv (k's dtype)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    b, sq, h, d = q.shape
+    sk, kvh = k.shape[1], k.shape[2]
+    dtype = q.dtype
+    t_ = bs.tiles
+    bq, bkv, steps, groups = t_.block_q, t_.block_kv, bs.steps, bs.groups
+    interp = bs.interpret
+    nm = len(qmeta)
+    nkv, nqt = sk // (2 * bkv), sq // bq
+    if sq % bq or sk % (2 * bkv):
+        raise ValueError(f"padded lengths Sq={sq}, Sk={sk} must be multiples of {bq} and {2 * bkv}")
+    split = t_.split_dq(d)
+    dcols = d // 2 if split else d
+    nbuf = 2 if split else 1
+    c = bs.scale * LOG2E
+    scale = bs.scale
+    causal, skip_full = bs.causal, t_.skip_full_tile_mask
+    row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+    def lay(x, layout):
+        return x if interp else plgpu.layout_cast(x, layout)
+
+    def vload(ref, layout):
+        return ref[...] if interp else plgpu.load(ref, (), layout=layout)
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, *rest):
+        qm_refs, km_refs = rest[:nm], rest[nm:2 * nm]
+        bnd_ref, dq_ref, dk_ref, dv_ref = rest[2 * nm:2 * nm + 4]
+        scoped = rest[2 * nm + 4:]
+        (k_smem, v_smem, km_smem, q_smem, do_smem, lse_smem, dl_smem, qm_smem, ds_smem, dq_smem), bars = (
+            scoped[0], scoped[1:])
+        kv_bar, q_bars, do_bars, consumed, sync = bars
+
+        kvi = lax.axis_index("kv_seq")
+        kv_head = lax.axis_index("kv_heads")
+        bi = lax.axis_index("batch")
+        wg = lax.axis_index("wg")
+        base_idx = (bi * nkv + kvi) * 4
+        lo, flo, fhi, hi = (bnd_ref[base_idx + j] for j in range(4))
+        if not skip_full:
+            flo = fhi = hi
+        n = hi - lo
+        dq_dst = dq_ref.at[kvi] if interp else dq_ref
+
+        def sync_wgs():
+            plgpu.barrier_arrive(sync)
+            plgpu.barrier_wait(sync)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            k_w, v_w = k_smem.at[wg], v_smem.at[wg]
+            rows = pl.ds(kvi * (2 * bkv) + wg * bkv, bkv)
+            plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kv_head], k_w, kv_bar.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, kv_head], v_w, kv_bar.at[wg])
+            for src, dst in zip(km_refs, km_smem):
+                plgpu.copy_gmem_to_smem(src.at[bi, rows], dst.at[wg], kv_bar.at[wg])
+            plgpu.barrier_wait(kv_bar.at[0])  # both halves: at D=128 dQ reads the other warpgroup's K
+            plgpu.barrier_wait(kv_bar.at[1])
+            kvec = [vload(r.at[wg], row) for r in km_smem]
+            bcast_row = lambda x: lax.broadcast_in_dim(x, (bkv, bq), [0])
+            bcast_col = lambda x: lax.broadcast_in_dim(x, (bkv, bq), [1])
+
+            def step(j, carry, masked, gi):
+                dk, dv = carry
+                t = gi * n + (j - lo)
+                slot = lax.rem(t, jnp.int32(steps))
+                buf = lax.rem(t, jnp.int32(nbuf))
+                head = kv_head * groups + gi
+                q_s, do_s = q_smem.at[slot], do_smem.at[slot]
+                plgpu.barrier_wait(q_bars.at[slot])
+                if interp:
+                    s_t = lax.dot_general(k_w[...], q_s[...], (((1,), (1,)), ((), ())),
+                                          preferred_element_type=jnp.float32)
+                else:
+                    def st_fn(acc_ref):
+                        plgpu.wgmma(acc_ref, k_w, plgpu.transpose_ref(q_s, (1, 0)))
+                        return acc_ref[...]
+
+                    s_t = pl.run_scoped(st_fn, plgpu.ACC((bkv, bq), jnp.float32))
+                s_t = s_t * c
+                if masked:
+                    qv = [bcast_col(vload(r.at[slot], col)) for r in qm_smem]
+                    kv_b = [bcast_row(x) for x in kvec]
+                    allowed = qv[0] == kv_b[0]
+                    if causal:
+                        ok = kv_b[1] <= qv[1]
+                        if nm == 3:
+                            ok = ok | (qv[2] == kv_b[2])
+                        allowed = allowed & ok
+                    s_t = jnp.where(allowed, s_t, MASK)
+                lse_v = vload(lse_smem.at[slot], col)
+                p_t = jnp.exp2(s_t - bcast_col(lse_v))
+                p16 = p_t.astype(dtype)
+                plgpu.barrier_wait(do_bars.at[slot])
+                if interp:
+                    dv = dv + jnp.dot(p16, do_s[...], preferred_element_type=jnp.float32)
+                    dp_t = lax.dot_general(v_w[...], do_s[...], (((1,), (1,)), ((), ())),
+                                           preferred_element_type=jnp.float32)
+                else:
+                    def dv_dp_fn(refs):
+                        # Both wgmmas in one region: one wgmma.wait for the pair.
+                        dv_ref, dp_ref = refs
+                        plgpu.wgmma(dv_ref, p16, do_s)
+                        plgpu.wgmma(dp_ref, v_w, plgpu.transpose_ref(do_s, (1, 0)))
+
+                    zeros = lay(jnp.zeros((bkv, bq), jnp.float32), plgpu.Layout.WGMMA)
+                    dv, dp_t = pl.run_state(dv_dp_fn)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+                delta_v = vload(dl_smem.at[slot], col)
+                ds16 = (p_t * (dp_t - bcast_col(delta_v))).astype(dtype)
+                if interp:
+                    dk = dk + jnp.dot(ds16, q_s[...], preferred_element_type=jnp.float32)
+                else:
+                    def dk_fn(acc_ref):
+                        plgpu.wgmma(acc_ref, ds16, q_s)
+
+                    dk = pl.run_state(dk_fn)(plgpu.ACC.init(dk))
+                ds_smem.at[buf, wg][...] = ds16
+                plgpu.commit_smem()                      # visible to the async proxy (wgmma)
+                plgpu.barrier_arrive(consumed.at[slot])  # Q, dO, lse, delta, q vectors of this slot done
+
+                # dQ partial [bq, dcols]: at D=128 this warpgroup's column half over both warpgroups' keys.
+                srcs = (0, 1) if split else (None,)
+                cols = pl.ds(wg * dcols, dcols) if split else slice(None)
+                if split:
+                    sync_wgs()                           # the other warpgroup's dsT is in SMEM
+                if interp:
+                    dq = None
+                    for w in srcs:
+                        ds_r = ds_smem.at[buf, wg if w is None else w][...]
+                        kk = k_smem.at[wg if w is None else w][...]
+                        kk = kk[:, pl.ds(wg * dcols, dcols)] if split else kk
+                        part = lax.dot_general(ds_r, kk, (((0,), (0,)), ((), ())),
+                                               preferred_element_type=jnp.float32)
+                        dq = part if dq is None else dq + part
+                else:
+                    def dq_fn(acc_ref):
+                        for w in srcs:
+                            ds_r = ds_smem.at[buf, wg if w is None else w]
+                            kk = k_smem.at[wg if w is None else w]
+                            kk = kk.at[:, cols] if split else kk
+                            plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_r, (1, 0)), kk)
+                        return acc_ref[...]
+
+                    dq = pl.run_scoped(dq_fn, plgpu.ACC((bq, dcols), jnp.float32))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduction has read dq_smem
+                dq_smem.at[wg][...] = dq * scale
+                plgpu.commit_smem()
+                dst = dq_dst.at[bi, pl.ds(j * bq, bq), head, cols]
+                if interp:
+                    plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst)
+                else:
+                    plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
+                return dk, dv
+
+            def head_loop(gi, carry):
+                carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True, gi=gi), carry)
+                carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False, gi=gi), carry)
+                return lax.fori_loop(fhi, hi, functools.partial(step, masked=True, gi=gi), carry)
+
+            zeros = lay(jnp.zeros((bkv, d), jnp.float32), plgpu.Layout.WGMMA)
+            dk, dv = lax.fori_loop(0, groups, head_loop, (zeros, zeros))
+            sync_wgs()  # both warpgroups are done reading K (dQ) before K/V SMEM is reused for dK/dV
+            k_w[...] = (dk * scale).astype(k_w.dtype)
+            v_w[...] = dv.astype(v_w.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_w, dk_ref.at[bi, rows, kv_head])
+            plgpu.copy_smem_to_gmem(v_w, dv_ref.at[bi, rows, kv_head])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            nn = jnp.maximum(n, 1)
+
+            @pl.loop(0, groups * n)
+            def _(t):
+                slot = lax.rem(t, jnp.int32(steps))
+                head = kv_head * groups + lax.div(t, nn)
+                rows = pl.ds((lo + lax.rem(t, nn)) * bq, bq)
+
+                @pl.when(t >= steps)
+                def _():
+                    plgpu.barrier_wait(consumed.at[slot])
+
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, head], q_smem.at[slot], q_bars.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[bi, head, rows], lse_smem.at[slot], q_bars.at[slot])
+                for src, dst in zip(qm_refs, qm_smem):
+                    plgpu.copy_gmem_to_smem(src.at[bi, rows], dst.at[slot], q_bars.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, head], do_smem.at[slot], do_bars.at[slot])
+                plgpu.copy_gmem_to_smem(dl_ref.at[bi, head, rows], dl_smem.at[slot], do_bars.at[slot])
+
+            if interp:
+                # The interpreter checks that a waiting thread observes every phase: observe the last ones.
+                @pl.loop(jnp.maximum(groups * n - steps, 0), groups * n)
+                def _(t):
+                    plgpu.barrier_wait(consumed.at[lax.rem(t, jnp.int32(steps))])
+
+    def entry(*refs):
+        tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = [
+            plgpu.SMEM((2, bkv, d), dtype, transforms=tr),                    # K (per warpgroup)
+            plgpu.SMEM((2, bkv, d), dtype, transforms=tr),                    # V
+            [plgpu.SMEM((2, bkv), jnp.int32) for _ in range(nm)],             # kv-side mask vectors
+            plgpu.SMEM((steps, bq, d), dtype, transforms=tr),                 # Q ring
+            plgpu.SMEM((steps, bq, d), dtype, transforms=tr),                 # dO ring
+            plgpu.SMEM((steps, bq), jnp.float32),                             # lse ring
+            plgpu.SMEM((steps, bq), jnp.float32),                             # delta ring
+            [plgpu.SMEM((steps, bq), jnp.int32) for _ in range(nm)],          # q-side mask vectors
+            plgpu.SMEM((nbuf, 2, bkv, bq), dtype, transforms=tr),             # dsT (dQ's A operand)
+            plgpu.SMEM((2, bq, dcols), jnp.float32),                          # dQ partial staging
+        ]
+        pl.run_scoped(
+            lambda *scoped: body(*refs, *scoped),
+            smem,
+            plgpu.Barrier(num_arrivals=2 + nm, num_barriers=2),           # K, V, kv vectors per warpgroup
+            plgpu.Barrier(num_arrivals=2 + nm, num_barriers=steps),       # Q, lse, q vectors per slot
+            plgpu.Barrier(num_arrivals=2, num_barriers=steps),            # dO, delta per slot
+            plgpu.Barrier(num_arrivals=2, num_barriers=steps),            # slot consumed (both compute wgs)
+            plgpu.Barrier(num_arrivals=2),                                # warpgroup sync (dsT ready; end)
+            collective_axes="wg",
+        )
+
+    entry.__name__ = "mmjax_flash_mgpu_bwd"
+    params = plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
+    kv_out = [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2
+    args = (q, k, v, do, lse, delta, *qmeta, *kmeta, bnd)
+    if interp:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        def entry_interp(*refs):  # outputs (dk, dv, dq partials) -> the body's (dq, dk, dv) order
+            *ins, dk_ref, dv_ref, dq_ref = refs[:len(args) + 3]
+            entry(*ins, dq_ref, dk_ref, dv_ref, *refs[len(args) + 3:])
+
+        entry_interp.__name__ = entry.__name__
+        dk, dv, dq = plgpu.kernel(
+            entry_interp, out_type=kv_out + [jax.ShapeDtypeStruct((nkv, b, sq, h, d), jnp.float32)],
+            grid=(nkv, kvh, b), grid_names=("kv_seq", "kv_heads", "batch"), num_threads=3, thread_name="wg",
+            compiler_params=params, interpret=InterpretGPUParams(uninitialized_memory="zero", **_DEBUG))(*args)
+        return dq.sum(0), dk, dv
+    # dQ accumulates across CTAs by TMA reduce-add: a zeroed float32 Ref, aliased in and out by pl.kernel
+    # (plgpu.kernel's batching wrapper does not take Ref operands).
+    dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+    mesh = plgpu.Mesh(grid=(nkv, kvh, b), grid_names=("kv_seq", "kv_heads", "batch"), num_threads=3,
+                      thread_name="wg")
+    dk, dv = pl.kernel(entry, out_type=kv_out, mesh=mesh, compiler_params=params,
+                       name="mmjax_flash_mgpu_bwd")(*args, dq_acc)
+    return dq_acc[...], dk, dv
+
+
+def mgpu_bwd_call(bs: BwdStatic, res, kernel_meta, do):
+    """The forward's residuals -> (dq, dk, dv) in the input dtypes (on the padded shapes).
+
+    res = (q, k, v, qm, km, bnds, o, lse) as `flash_mgpu._attn_fwd` saves them (bnds["mgpu_bwd"] from
+    `bwd_bounds`); kernel_meta = (remapped q-side vectors, kv-side vectors) the forward kernel used.
+    """
+    q, k, v, _, _, bnds, o, lse = res
+    kq, kk = kernel_meta
+    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    do = do.astype(q.dtype)
+    dq, dk, dv = _kernel(bs, q, k, v, do, lse, delta, kq, kk, bnds["mgpu_bwd"])
+    return dq.astype(q.dtype), dk, dv
