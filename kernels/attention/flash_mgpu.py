@@ -96,7 +96,9 @@ class MgpuFlashConfig:
     bwd: _fp.FlashConfig | None = None        # None: flash_pallas.default_config(head_dim)
     interpret: bool = False                   # Mosaic GPU interpreter (CPU tests; slow)
     # Backward: "pallas" = flash_pallas' Triton kernels (configured by `bwd`); "mgpu" = the Mosaic GPU
-    # kernel of `flash_mgpu_bwd` (tiles below). "pallas" stays the default until the H200 confirms speed.
+    # kernel of `flash_mgpu_bwd` (tiles below). H200, B4 S4096 causal fwd+bwd: D128 360 vs 343 TFLOP/s,
+    # D64 279 vs 279 (results/attention-mgpu-bwd-2026-12-03.json); "pallas" stays the default because only
+    # it is checked in CI (the mgpu backward has no interpreter path; its numerics are GPU-tested).
     bwd_impl: str = "pallas"
     bwd_block_q: int = 64                     # mgpu backward: query rows per streamed step
     bwd_block_kv: int = 64                    # mgpu backward: key rows per compute warpgroup (CTA: 2x)
@@ -121,6 +123,9 @@ class MgpuFlashConfig:
         if self.bwd_impl not in ("pallas", "mgpu"):
             raise ValueError(f"MgpuFlashConfig.bwd_impl={self.bwd_impl!r} must be 'pallas' or 'mgpu'")
         self.bwd_tiles.check()
+        if self.bwd_impl == "mgpu" and self.interpret:
+            raise ValueError("MgpuFlashConfig: the Mosaic GPU backward has no interpreter path "
+                             "(interpret=True needs bwd_impl='pallas')")
 
     def smem_bytes(self, head_dim: int, itemsize: int, steps: int, n_meta: int) -> int:
         """Shared memory the kernel allocates (excluding barriers and Mosaic's scratch)."""
@@ -499,8 +504,7 @@ def _prepare(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_position
         tiles = cfg.bwd_tiles
         bnds["mgpu_bwd"] = _mb.bwd_bounds(qx, kx, tiles, causal)
         mbs = _mb.BwdStatic(tiles=tiles, causal=bool(causal), scale=scale, groups=h // kvh,
-                            steps=tiles.steps_for(d, jnp.dtype(q.dtype).itemsize, len(kq)),
-                            interpret=cfg.interpret)
+                            steps=tiles.steps_for(d, jnp.dtype(q.dtype).itemsize, len(kq)))
     st = _MStatic(cfg=cfg, causal=bool(causal), scale=scale, has_blk=has_blk, groups=h // kvh, steps=steps,
                   bwd=mbs)
     pst = _fp._Static(cfg=bwd, causal=bool(causal), scale=scale, has_blk=has_blk, groups=h // kvh,

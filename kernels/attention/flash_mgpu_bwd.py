@@ -26,11 +26,9 @@ Kernel layout (one CTA = 2 * block_kv key rows of one (batch, kv head)):
     mask vectors (`flash_mgpu._kernel_q_meta`); masked entries give pT = exp2(MASK - lse) = 0, so fully
     masked rows (and padding) get zero gradients. delta = rowsum(dO * O) in float32 is computed in jnp.
 
-`interpret=True` runs the kernel in Mosaic GPU's CPU interpreter: barriers, ring, ranges, mask and the
-gradient algebra run as on the GPU, but matmuls are plain dots (the interpreter's wgmma takes no transposed
-or register operands) and, since the interpreter has no TMA reduction and `pl.kernel` with a Ref operand
-does not interpret, each CTA writes its dQ partial to its own slice of a zero-initialised
-[n_kv_ctas, B, Sq, H, D] float32 output that is summed outside (memory O(Sk/128 * |dQ|): tests only).
+No interpreter path: in jax 0.10.2's Mosaic GPU CPU interpreter this kernel deadlocked (one compute
+warpgroup never reached its first copy; not diagnosed), so its numerics are checked on the GPU only
+(`tests/kernels/test_gpu_mgpu.py`); `MgpuFlashConfig` refuses `interpret=True` with `bwd_impl="mgpu"`.
 Limits: sm90 exactly, bf16/fp16, D 64/128, register budget 232/thread for compute warpgroups.
 """
 
@@ -50,7 +48,6 @@ LOG2E = math.log2(math.e)
 MASK = _fp.MASK
 SMEM_LIMIT = 227 * 1024
 _SMEM_RESERVE = 4096
-_DEBUG: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +103,6 @@ class BwdStatic:
     scale: float
     groups: int
     steps: int
-    interpret: bool
 
 
 def bwd_bounds(qx, kx, tiles: BwdTiles, causal: bool):
@@ -124,9 +120,8 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
     dtype = q.dtype
     t_ = bs.tiles
     bq, bkv, steps, groups = t_.block_q, t_.block_kv, bs.steps, bs.groups
-    interp = bs.interpret
     nm = len(qmeta)
-    nkv, nqt = sk // (2 * bkv), sq // bq
+    nkv = sk // (2 * bkv)
     if sq % bq or sk % (2 * bkv):
         raise ValueError(f"padded lengths Sq={sq}, Sk={sk} must be multiples of {bq} and {2 * bkv}")
     split = t_.split_dq(d)
@@ -138,10 +133,10 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
     row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
     def lay(x, layout):
-        return x if interp else plgpu.layout_cast(x, layout)
+        return plgpu.layout_cast(x, layout)
 
     def vload(ref, layout):
-        return ref[...] if interp else plgpu.load(ref, (), layout=layout)
+        return plgpu.load(ref, (), layout=layout)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, *rest):
         qm_refs, km_refs = rest[:nm], rest[nm:2 * nm]
@@ -160,7 +155,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
         if not skip_full:
             flo = fhi = hi
         n = hi - lo
-        dq_dst = dq_ref.at[kvi] if interp else dq_ref
+        dq_dst = dq_ref
 
         def sync_wgs():
             plgpu.barrier_arrive(sync)
@@ -189,15 +184,11 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
                 head = kv_head * groups + gi
                 q_s, do_s = q_smem.at[slot], do_smem.at[slot]
                 plgpu.barrier_wait(q_bars.at[slot])
-                if interp:
-                    s_t = lax.dot_general(k_w[...], q_s[...], (((1,), (1,)), ((), ())),
-                                          preferred_element_type=jnp.float32)
-                else:
-                    def st_fn(acc_ref):
-                        plgpu.wgmma(acc_ref, k_w, plgpu.transpose_ref(q_s, (1, 0)))
-                        return acc_ref[...]
+                def st_fn(acc_ref):
+                    plgpu.wgmma(acc_ref, k_w, plgpu.transpose_ref(q_s, (1, 0)))
+                    return acc_ref[...]
 
-                    s_t = pl.run_scoped(st_fn, plgpu.ACC((bkv, bq), jnp.float32))
+                s_t = pl.run_scoped(st_fn, plgpu.ACC((bkv, bq), jnp.float32))
                 s_t = s_t * c
                 if masked:
                     qv = [bcast_col(vload(r.at[slot], col)) for r in qm_smem]
@@ -213,28 +204,20 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
                 p_t = jnp.exp2(s_t - bcast_col(lse_v))
                 p16 = p_t.astype(dtype)
                 plgpu.barrier_wait(do_bars.at[slot])
-                if interp:
-                    dv = dv + jnp.dot(p16, do_s[...], preferred_element_type=jnp.float32)
-                    dp_t = lax.dot_general(v_w[...], do_s[...], (((1,), (1,)), ((), ())),
-                                           preferred_element_type=jnp.float32)
-                else:
-                    def dv_dp_fn(refs):
-                        # Both wgmmas in one region: one wgmma.wait for the pair.
-                        dv_ref, dp_ref = refs
-                        plgpu.wgmma(dv_ref, p16, do_s)
-                        plgpu.wgmma(dp_ref, v_w, plgpu.transpose_ref(do_s, (1, 0)))
+                def dv_dp_fn(refs):
+                    # Both wgmmas in one region: one wgmma.wait for the pair.
+                    dv_ref, dp_ref = refs
+                    plgpu.wgmma(dv_ref, p16, do_s)
+                    plgpu.wgmma(dp_ref, v_w, plgpu.transpose_ref(do_s, (1, 0)))
 
-                    zeros = lay(jnp.zeros((bkv, bq), jnp.float32), plgpu.Layout.WGMMA)
-                    dv, dp_t = pl.run_state(dv_dp_fn)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+                zeros = lay(jnp.zeros((bkv, bq), jnp.float32), plgpu.Layout.WGMMA)
+                dv, dp_t = pl.run_state(dv_dp_fn)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
                 delta_v = vload(dl_smem.at[slot], col)
                 ds16 = (p_t * (dp_t - bcast_col(delta_v))).astype(dtype)
-                if interp:
-                    dk = dk + jnp.dot(ds16, q_s[...], preferred_element_type=jnp.float32)
-                else:
-                    def dk_fn(acc_ref):
-                        plgpu.wgmma(acc_ref, ds16, q_s)
+                def dk_fn(acc_ref):
+                    plgpu.wgmma(acc_ref, ds16, q_s)
 
-                    dk = pl.run_state(dk_fn)(plgpu.ACC.init(dk))
+                dk = pl.run_state(dk_fn)(plgpu.ACC.init(dk))
                 ds_smem.at[buf, wg][...] = ds16
                 plgpu.commit_smem()                      # visible to the async proxy (wgmma)
                 plgpu.barrier_arrive(consumed.at[slot])  # Q, dO, lse, delta, q vectors of this slot done
@@ -244,33 +227,20 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
                 cols = pl.ds(wg * dcols, dcols) if split else slice(None)
                 if split:
                     sync_wgs()                           # the other warpgroup's dsT is in SMEM
-                if interp:
-                    dq = None
+                def dq_fn(acc_ref):
                     for w in srcs:
-                        ds_r = ds_smem.at[buf, wg if w is None else w][...]
-                        kk = k_smem.at[wg if w is None else w][...]
-                        kk = kk[:, pl.ds(wg * dcols, dcols)] if split else kk
-                        part = lax.dot_general(ds_r, kk, (((0,), (0,)), ((), ())),
-                                               preferred_element_type=jnp.float32)
-                        dq = part if dq is None else dq + part
-                else:
-                    def dq_fn(acc_ref):
-                        for w in srcs:
-                            ds_r = ds_smem.at[buf, wg if w is None else w]
-                            kk = k_smem.at[wg if w is None else w]
-                            kk = kk.at[:, cols] if split else kk
-                            plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_r, (1, 0)), kk)
-                        return acc_ref[...]
+                        ds_r = ds_smem.at[buf, wg if w is None else w]
+                        kk = k_smem.at[wg if w is None else w]
+                        kk = kk.at[:, cols] if split else kk
+                        plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_r, (1, 0)), kk)
+                    return acc_ref[...]
 
-                    dq = pl.run_scoped(dq_fn, plgpu.ACC((bq, dcols), jnp.float32))
+                dq = pl.run_scoped(dq_fn, plgpu.ACC((bq, dcols), jnp.float32))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduction has read dq_smem
                 dq_smem.at[wg][...] = dq * scale
                 plgpu.commit_smem()
                 dst = dq_dst.at[bi, pl.ds(j * bq, bq), head, cols]
-                if interp:
-                    plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst)
-                else:
-                    plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
+                plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
                 return dk, dv
 
             def head_loop(gi, carry):
@@ -310,12 +280,6 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
                 plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, head], do_smem.at[slot], do_bars.at[slot])
                 plgpu.copy_gmem_to_smem(dl_ref.at[bi, head, rows], dl_smem.at[slot], do_bars.at[slot])
 
-            if interp:
-                # The interpreter checks that a waiting thread observes every phase: observe the last ones.
-                @pl.loop(jnp.maximum(groups * n - steps, 0), groups * n)
-                def _(t):
-                    plgpu.barrier_wait(consumed.at[lax.rem(t, jnp.int32(steps))])
-
     def entry(*refs):
         tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         smem = [
@@ -345,19 +309,6 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
     params = plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
     kv_out = [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2
     args = (q, k, v, do, lse, delta, *qmeta, *kmeta, bnd)
-    if interp:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-        def entry_interp(*refs):  # outputs (dk, dv, dq partials) -> the body's (dq, dk, dv) order
-            *ins, dk_ref, dv_ref, dq_ref = refs[:len(args) + 3]
-            entry(*ins, dq_ref, dk_ref, dv_ref, *refs[len(args) + 3:])
-
-        entry_interp.__name__ = entry.__name__
-        dk, dv, dq = plgpu.kernel(
-            entry_interp, out_type=kv_out + [jax.ShapeDtypeStruct((nkv, b, sq, h, d), jnp.float32)],
-            grid=(nkv, kvh, b), grid_names=("kv_seq", "kv_heads", "batch"), num_threads=3, thread_name="wg",
-            compiler_params=params, interpret=InterpretGPUParams(uninitialized_memory="zero", **_DEBUG))(*args)
-        return dq.sum(0), dk, dv
     # dQ accumulates across CTAs by TMA reduce-add: a zeroed float32 Ref, aliased in and out by pl.kernel
     # (plgpu.kernel's batching wrapper does not take Ref operands).
     dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))

@@ -1,9 +1,10 @@
 """CPU checks of the Mosaic GPU flash BACKWARD (`kernels.attention.flash_mgpu_bwd`): config errors, SMEM
 budget, the per-CTA q-tile ranges, Mosaic GPU lowering of fwd+bwd (D 64/128, causal/non-causal, GQA,
-image blocks) and the kernel in Mosaic GPU's CPU interpreter against jax.grad of the float32 reference.
+image blocks). The kernel has no interpreter path (it deadlocked in jax 0.10.2's Mosaic GPU interpreter), so
+its gradients are checked against the float32 reference on the GPU only: tests/kernels/test_gpu_mgpu.py.
 
 Lowering runs the Pallas -> Mosaic GPU pipeline (layouts, wgmma operand transforms, TMA reduce-add) but not
-ptxas; the GPU results are in tests/kernels/test_gpu_mgpu.py.
+ptxas.
 """
 
 import jax
@@ -13,7 +14,7 @@ import pytest
 
 from kernels.attention import flash_mgpu as fm
 from kernels.attention import flash_mgpu_bwd as mb
-from kernels.attention.reference import attention_reference, make_mask
+from kernels.attention.reference import make_mask
 
 from test_flash_mgpu_cpu import _random_layout  # tests/kernels is on sys.path (rootdir conftest)
 
@@ -23,6 +24,7 @@ from test_flash_mgpu_cpu import _random_layout  # tests/kernels is on sys.path (
     (dict(bwd_block_q=32), "bwd_block_q"),
     (dict(bwd_block_kv=256), "bwd_block_kv"),
     (dict(bwd_max_concurrent_steps=1), "bwd_max_concurrent_steps"),
+    (dict(bwd_impl="mgpu", interpret=True), "interpreter"),
 ])
 def test_config_rejects(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -81,34 +83,3 @@ def test_lowers_to_mosaic_gpu(d, causal, blocks, bq):
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 2  # the forward and the one backward kernel
     assert "mmjax_flash_dq" not in text and "mmjax_flash_dkv" not in text
-
-
-# ----------------------------------------------------------------------------------------------
-# The interpreter: ring of 2 slots (see test_flash_mgpu_cpu: deeper rings hang the 0.10.2 interpreter).
-# Tolerance: bf16 inputs, gradients within 5e-2 of max |reference gradient| (as the forward's vjp test).
-
-_INTERP = fm.MgpuFlashConfig(interpret=True, block_kv=64, max_concurrent_steps=2, bwd_impl="mgpu",
-                             bwd_max_concurrent_steps=2)
-
-
-@pytest.mark.skip(reason="hangs in the jax 0.10.2 Mosaic GPU interpreter on this 2-core machine: compute "
-                         "warpgroup 0 never reaches its first TMA copy while warpgroup 1 and the memory warpgroup "
-                         "wait on barriers (not yet diagnosed; the forward's interpreter tests run)")
-@pytest.mark.parametrize("causal,blocks,kv", [(True, True, 1), (False, False, 2)])
-def test_interpret_gradients_match_reference(causal, blocks, kv):
-    q, k, v, lay = _case(b=1, s=250, h=2, kv=kv, d=64, causal=causal, blocks=blocks, seed=3)
-    mask = make_mask(lay["q_segment_ids"], lay["kv_segment_ids"], lay["q_positions"], lay["kv_positions"],
-                     causal=causal, q_block_ids=lay.get("q_block_ids"), kv_block_ids=lay.get("kv_block_ids"))
-    ct = jnp.asarray(np.random.default_rng(0).standard_normal(q.shape), jnp.float32)
-    loss = lambda q, k, v: jnp.sum(
-        fm.flash_attention_mgpu(q, k, v, causal=causal, config=_INTERP, **lay).astype(jnp.float32) * ct)
-    ref = lambda q, k, v: jnp.sum(attention_reference(q, k, v, mask).astype(jnp.float32) * ct)
-    got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    f32 = lambda x: x.astype(jnp.float32)
-    want = jax.grad(ref, argnums=(0, 1, 2))(f32(q), f32(k), f32(v))
-    for name, g, w in zip("qkv", got, want):
-        assert g.dtype == q.dtype and g.shape == w.shape
-        err = float(jnp.max(jnp.abs(f32(g) - w)))
-        assert err <= 5e-2 * float(jnp.max(jnp.abs(w))), f"d{name}: {err}"
-    empty = ~mask.any(-1)  # fully masked query rows (padding) get exactly zero dq
-    assert float(jnp.max(jnp.where(empty[:, :, None, None], jnp.abs(f32(got[0])), 0.0))) == 0.0

@@ -298,8 +298,10 @@ def test_mgpu_bwd_agrees_with_pallas_bwd(d):
     lay = _image_blocks(2, 768, rng)
     ct = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     want = _grads(q, k, v, lay, True, fm.MgpuFlashConfig(), ct)
-    for cfg in (_MGPU_BWD, fm.MgpuFlashConfig(bwd_impl="mgpu", bwd_block_q=128),
-                fm.MgpuFlashConfig(bwd_impl="mgpu", skip_full_tile_mask=False)):
+    cfgs = [_MGPU_BWD, fm.MgpuFlashConfig(bwd_impl="mgpu", skip_full_tile_mask=False)]
+    if d == 64:  # 128-row q tiles fit in SMEM at D=64 only (D=128 raises a config error, tested on CPU)
+        cfgs.append(fm.MgpuFlashConfig(bwd_impl="mgpu", bwd_block_q=128))
+    for cfg in cfgs:
         got = _grads(q, k, v, lay, True, cfg, ct)
         for nm, g, w in zip("qkv", got, want):
             w = w.astype(jnp.float32)
