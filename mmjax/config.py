@@ -103,7 +103,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     scan_layers: bool = True
     remat: str = "none"
-    attention_impl: str = "auto"   # kernels.attention: auto | mgpu | pallas | cudnn | xla | chunked | reference
+    attention_impl: str = "auto"   # kernels.attention: auto | mgpu | mgpu_bwd | pallas | cudnn | xla | chunked | reference
     norm_impl: str = "auto"        # kernels.rms_norm / layer_norm: auto | pallas | triton | xla
     loss_impl: str = "auto"        # kernels.linear_cross_entropy: auto | chunked | xla
     activation_impl: str = "auto"  # kernels.bias_gelu (ViT MLP, projector): auto | triton | pallas | xla

@@ -171,7 +171,9 @@ def test_registry_and_errors():
     assert supports("xla", "gpu", jnp.bfloat16)
     assert not supports("reference", "cpu", jnp.int32)
     assert not supports("nope", "cpu", jnp.float32)
-    assert available()[:3] == ["mgpu", "pallas", "cudnn"]
+    assert available()[:4] == ["mgpu", "mgpu_bwd", "pallas", "cudnn"]
+    assert supports("mgpu_bwd", "gpu", jnp.bfloat16, head_dim=64)  # explicit: runs where mgpu runs
+    assert not supports("mgpu_bwd", "gpu", jnp.bfloat16, head_dim=128, capability=(8, 0))
     assert supports("mgpu", "gpu", jnp.bfloat16, head_dim=128, sq=1024, sk=1024)
     assert not supports("mgpu", "gpu", jnp.bfloat16, head_dim=128, capability=(8, 0))  # wgmma: sm90 only
     assert not supports("mgpu", "gpu", jnp.float32, head_dim=128)

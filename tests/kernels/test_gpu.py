@@ -35,11 +35,14 @@ SHAPES = [(2, 1024, 8, 2, 64), (1, 777, 4, 4, 128), (2, 512, 4, 1, 80)]  # GQA; 
 # cuDNN: even lengths only (its guard refuses S=777: jax's cuDNN training path raises for odd lengths)
 CASES = [("pallas", s) for s in SHAPES] + [("cudnn", SHAPES[0]), ("cudnn", SHAPES[2]), ("xla", SHAPES[1]),
                                            ("chunked", SHAPES[1])]
+CASES += [("mgpu", SHAPES[0]), ("mgpu", SHAPES[1]), ("mgpu_bwd", SHAPES[0]), ("mgpu_bwd", SHAPES[1])]  # sm90 only
 
 
 @pytest.mark.parametrize("impl,shape", CASES, ids=[f"{i}-S{s[1]}-D{s[4]}" for i, s in CASES])
 def test_attention_gpu(impl, shape):
     b, s, h, kv, d = shape
+    if impl.startswith("mgpu") and jax.devices()[0].compute_capability != "9.0":
+        pytest.skip("Mosaic GPU attention needs sm90")
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((b, s, kv, d)), jnp.bfloat16)
