@@ -229,7 +229,6 @@ class ShardCache:
                 return path
             try:
                 os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                break
             except FileExistsError:
                 try:
                     if time.time() - lock.stat().st_mtime > LOCK_STALE_S:  # its downloader died
@@ -237,6 +236,13 @@ class ShardCache:
                 except FileNotFoundError:
                     pass
                 time.sleep(0.05)
+                continue
+            # Re-check under the lock: the previous holder may have finished between our check and our
+            # lock (it renames the shard in place, then releases the lock).
+            if path.is_file():
+                lock.unlink(missing_ok=True)
+                return path
+            break
         tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
             with open_stream(url, self.options) as src, open(tmp, "wb") as dst:

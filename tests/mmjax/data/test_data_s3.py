@@ -115,3 +115,26 @@ def test_shard_cache_downloads_once_and_stays_bounded(s3, tmp_path, monkeypatch)
     assert len(calls) == 3
     kept = sorted(p.name.split("-", 1)[1] for p in (tmp_path / "remote").iterdir() if not p.name.startswith("."))
     assert kept == ["shard-1", "shard-2"]  # least recently used evicted
+
+
+def test_shard_cache_rechecks_after_taking_the_lock(tmp_path, monkeypatch):
+    """A downloader that finishes between our "is it there?" check and our lock must not be repeated
+    (the race behind a 1-in-N double download of test_shard_cache_downloads_once_and_stays_bounded)."""
+    import os
+
+    from mmjax.data.sources import storage
+
+    cache = storage.ShardCache(str(tmp_path), {}, capacity=2)
+    url = "s3://bucket/shard-7"
+    path = cache.local_path(url)
+    real_open = os.open
+
+    def other_process_finishes_first(name, flags, *a):
+        if str(name).endswith(".lock") and not path.exists():
+            path.write_bytes(b"done by the other downloader")
+        return real_open(name, flags, *a)
+
+    monkeypatch.setattr(storage.os, "open", other_process_finishes_first)
+    monkeypatch.setattr(storage, "open_stream", lambda *a, **k: pytest.fail("downloaded a shard already there"))
+    assert cache.get(url) == path and path.read_bytes() == b"done by the other downloader"
+    assert not path.with_name(f".{path.name}.lock").exists()  # the lock is released
