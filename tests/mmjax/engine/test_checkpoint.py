@@ -35,7 +35,9 @@ TINY = [
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """(step, loss) of every complete line; tests poll this while the run still appends, so a last line
+    without its newline is one being written, not a broken record (it failed CI once on a slow machine)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]]
     return [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
 
 
