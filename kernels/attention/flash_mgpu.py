@@ -64,8 +64,7 @@ from kernels.attention import flash_pallas as _fp
 LOG2E = math.log2(math.e)
 RCP_LN2 = 1.0 / math.log(2.0)
 MASK = _fp.MASK  # finite "-inf" (also the initial running max)
-SMEM_LIMIT = 227 * 1024  # H100/H200 max dynamic shared memory per block
-_SMEM_RESERVE = 4096     # barriers + Mosaic's reduction scratch
+SMEM_LIMIT = _mb.SMEM_LIMIT  # H100/H200 max dynamic shared memory per block (one definition, in the backward)
 HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
 
@@ -136,18 +135,8 @@ class MgpuFlashConfig:
         return qo + kv + meta + lse
 
     def steps_for(self, head_dim: int, itemsize: int, n_meta: int) -> int:
-        budget = SMEM_LIMIT - _SMEM_RESERVE
-        if self.max_concurrent_steps is not None:
-            need = self.smem_bytes(head_dim, itemsize, self.max_concurrent_steps, n_meta)
-            if need > budget:
-                raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} needs {need} bytes of SMEM "
-                                 f"at head_dim {head_dim} (> {budget})")
-            return self.max_concurrent_steps
-        for steps in (3, 2):
-            if self.smem_bytes(head_dim, itemsize, steps, n_meta) <= budget:
-                return steps
-        raise ValueError(f"block_q={self.block_q}, block_kv={self.block_kv} do not fit in SMEM at head_dim "
-                         f"{head_dim} even with 2 steps")
+        return _mb.ring_steps(lambda n: self.smem_bytes(head_dim, itemsize, n, n_meta), self.max_concurrent_steps,
+                              (3, 2), f"block_q={self.block_q}, block_kv={self.block_kv}", head_dim)
 
     def bwd_config(self, head_dim: int) -> _fp.FlashConfig:
         # The backward runs on the same padded tensors; its forward tiles (block_q/block_k) are unused.

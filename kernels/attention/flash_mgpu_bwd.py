@@ -46,8 +46,23 @@ from kernels.attention import flash_pallas as _fp
 
 LOG2E = math.log2(math.e)
 MASK = _fp.MASK
-SMEM_LIMIT = 227 * 1024
-_SMEM_RESERVE = 4096
+SMEM_LIMIT = 227 * 1024  # H100/H200 max dynamic shared memory per block
+_SMEM_RESERVE = 4096     # barriers + Mosaic's reduction scratch
+
+
+def ring_steps(need, fixed: int | None, candidates: tuple[int, ...], what: str, head_dim: int) -> int:
+    """SMEM ring depth of a Mosaic GPU kernel: `fixed` if its `need(steps)` bytes fit, else the deepest candidate
+    that fits; a clear error otherwise. Shared by the forward (`flash_mgpu`) and this backward."""
+    budget = SMEM_LIMIT - _SMEM_RESERVE
+    if fixed is not None:
+        if need(fixed) > budget:
+            raise ValueError(f"{what}: max_concurrent_steps={fixed} needs {need(fixed)} bytes of SMEM at head_dim "
+                             f"{head_dim} (> {budget})")
+        return fixed
+    for steps in candidates:
+        if need(steps) <= budget:
+            return steps
+    raise ValueError(f"{what} do not fit in SMEM at head_dim {head_dim} even with {candidates[-1]} steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,18 +97,8 @@ class BwdTiles:
         return kv + ring + ds + dq
 
     def steps_for(self, head_dim: int, itemsize: int, n_meta: int) -> int:
-        budget = SMEM_LIMIT - _SMEM_RESERVE
-        if self.max_concurrent_steps is not None:
-            need = self.smem_bytes(head_dim, itemsize, self.max_concurrent_steps, n_meta)
-            if need > budget:
-                raise ValueError(f"bwd_max_concurrent_steps={self.max_concurrent_steps} needs {need} bytes of "
-                                 f"SMEM at head_dim {head_dim} (> {budget})")
-            return self.max_concurrent_steps
-        for steps in (4, 3, 2):
-            if self.smem_bytes(head_dim, itemsize, steps, n_meta) <= budget:
-                return steps
-        raise ValueError(f"bwd tiles block_q={self.block_q}, block_kv={self.block_kv} do not fit in SMEM at "
-                         f"head_dim {head_dim} even with 2 steps")
+        return ring_steps(lambda n: self.smem_bytes(head_dim, itemsize, n, n_meta), self.max_concurrent_steps,
+                          (4, 3, 2), f"bwd tiles block_q={self.block_q}, block_kv={self.block_kv}", head_dim)
 
 
 @dataclasses.dataclass(frozen=True)

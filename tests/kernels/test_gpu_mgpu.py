@@ -166,17 +166,22 @@ def test_forward_fp16_and_mask_everywhere():
     np.testing.assert_allclose(np.asarray(l2), np.asarray(l1), atol=1e-3)
 
 
-@requires_sm90
-def test_forward_cross_lengths_and_block_kv_64():
-    """Sq != Sk (decode-like: queries at the end of the cache) and block_kv=64 with 3 steps."""
-    rng = np.random.default_rng(6)
-    b, sq, sk, h, kv, d = 2, 200, 900, 4, 2, 64
+def _cross_length_case(rng, b=2, sq=200, sk=900, h=4, kv=2, d=64):
+    """Sq != Sk, decode-like: the queries are the last Sq positions of a Sk-token cache (GQA, bf16)."""
     q = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((b, sk, kv, d)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((b, sk, kv, d)), jnp.bfloat16)
     lay = dict(q_segment_ids=jnp.ones((b, sq), jnp.int32), kv_segment_ids=jnp.ones((b, sk), jnp.int32),
                q_positions=jnp.broadcast_to(jnp.arange(sk - sq, sk, dtype=jnp.int32), (b, sq)),
                kv_positions=jnp.broadcast_to(jnp.arange(sk, dtype=jnp.int32), (b, sk)))
+    return q, k, v, lay
+
+
+@requires_sm90
+def test_forward_cross_lengths_and_block_kv_64():
+    """Sq != Sk (decode-like: queries at the end of the cache) and block_kv=64 with 3 steps."""
+    rng = np.random.default_rng(6)
+    q, k, v, lay = _cross_length_case(rng)
     _check_forward(q, k, v, lay, causal=True, config=fm.MgpuFlashConfig(block_kv=64, max_concurrent_steps=3))
 
 
@@ -279,13 +284,7 @@ def test_mgpu_bwd_matches_reference(case):
 def test_mgpu_bwd_cross_lengths():
     """Sq != Sk (queries at the end of the cache), GQA, D64."""
     rng = np.random.default_rng(27)
-    b, sq, sk, h, kv, d = 2, 200, 900, 4, 2, 64
-    q = jnp.asarray(rng.standard_normal((b, sq, h, d)), jnp.bfloat16)
-    k = jnp.asarray(rng.standard_normal((b, sk, kv, d)), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((b, sk, kv, d)), jnp.bfloat16)
-    lay = dict(q_segment_ids=jnp.ones((b, sq), jnp.int32), kv_segment_ids=jnp.ones((b, sk), jnp.int32),
-               q_positions=jnp.broadcast_to(jnp.arange(sk - sq, sk, dtype=jnp.int32), (b, sq)),
-               kv_positions=jnp.broadcast_to(jnp.arange(sk, dtype=jnp.int32), (b, sk)))
+    q, k, v, lay = _cross_length_case(rng)
     _check_mgpu_bwd(q, k, v, lay, causal=True)
 
 
