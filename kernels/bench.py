@@ -105,7 +105,7 @@ def _run(rows: list, op: str, impl: str, shape: str, fn: Callable, args, *, flop
 
 
 def bench_attention(rows: list, b=4, s=4096, h=16, d=128, dtype=jnp.bfloat16,
-                    impls=("mgpu", "pallas", "cudnn", "xla"), configs=None, torch_sdpa=True):
+                    impls=("mgpu_bwd", "mgpu", "pallas", "cudnn", "xla"), configs=None, torch_sdpa=True):
     import kernels
     from kernels.attention import flash_attention
     key = jax.random.PRNGKey(0)
@@ -366,7 +366,8 @@ def train_configs() -> dict[str, dict]:
     # "xla" everywhere materialises [B, H, S, S] scores and [B*S, V] logits: at B8 S2048 it ran out of the
     # H200's memory on 2026-12-03, so baselines with cuDNN attention are timed as well.
     return {"auto": auto, "auto+cudnn_attention": dict(auto, attention_impl="cudnn"),
-            "auto+pallas_attention": dict(auto, attention_impl="pallas"), "xla": every_xla,
+            "auto+pallas_attention": dict(auto, attention_impl="pallas"),
+            "auto+mgpu_fwd_pallas_bwd": dict(auto, attention_impl="mgpu"), "xla": every_xla,
             "cudnn_attention+xla": dict(every_xla, attention_impl="cudnn")}
 
 

@@ -25,9 +25,8 @@ def candidates():
     return {
         "pallas_bwd": M(),
         "mgpu_q64_kv64": M(bwd_impl="mgpu"),
-        "mgpu_q64_kv64_s2": M(bwd_impl="mgpu", bwd_max_concurrent_steps=2),
-        "mgpu_q128_kv64": M(bwd_impl="mgpu", bwd_block_q=128),
         "mgpu_q64_kv64_nofullskip": M(bwd_impl="mgpu", skip_full_tile_mask=False),
+        "mgpu_q128_kv64": M(bwd_impl="mgpu", bwd_block_q=128),
     }
 
 
@@ -52,18 +51,24 @@ def _grad_fn(cfg, lay, causal):
 
 
 def check(rows, name, cfg):
-    """Max |dq|,|dk|,|dv| difference to the Pallas backward (B2 S1024 H8 KV2 D128 bf16 causal)."""
+    """Max |dq|,|dk|,|dv| difference to the Pallas backward (B2 S1024 H8 KV2, D128 and D64, bf16 causal)."""
     import jax.numpy as jnp
     from kernels.attention import MgpuFlashConfig
-    q, k, v, lay = _inputs(2, 1024, 8, 128, jnp.bfloat16)
-    k, v = k[:, :, :2], v[:, :, :2]
-    got = _grad_fn(cfg, lay, True)(q, k, v)
-    want = _grad_fn(MgpuFlashConfig(), lay, True)(q, k, v)
-    errs = {n: float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32))))
-            for n, g, w in zip(("dq", "dk", "dv"), got, want)}
-    scale = {n: float(jnp.max(jnp.abs(w.astype(jnp.float32)))) for n, w in zip(("dq", "dk", "dv"), want)}
-    rows.append(dict(kind="check", config=name, max_abs_err=errs, max_abs_ref=scale))
-    print(f"check {name:28} " + " ".join(f"{n} {errs[n]:.3g}/{scale[n]:.3g}" for n in errs), flush=True)
+    for d in (128, 64):
+        q, k, v, lay = _inputs(2, 1024, 8, d, jnp.bfloat16)
+        k, v = k[:, :, :2], v[:, :, :2]
+        try:
+            got = _grad_fn(cfg, lay, True)(q, k, v)
+        except Exception as e:  # noqa: BLE001 - record and go on (e.g. tiles that do not fit at this D)
+            rows.append(dict(kind="check", config=name, head_dim=d, error=f"{type(e).__name__}: {e}"[:2000]))
+            print(f"check {name} D{d} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        want = _grad_fn(MgpuFlashConfig(), lay, True)(q, k, v)
+        errs = {n: float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32))))
+                for n, g, w in zip(("dq", "dk", "dv"), got, want)}
+        scale = {n: float(jnp.max(jnp.abs(w.astype(jnp.float32)))) for n, w in zip(("dq", "dk", "dv"), want)}
+        rows.append(dict(kind="check", config=name, head_dim=d, max_abs_err=errs, max_abs_ref=scale))
+        print(f"check {name:28} D{d} " + " ".join(f"{n} {errs[n]:.3g}/{scale[n]:.3g}" for n in errs), flush=True)
 
 
 def main() -> None:

@@ -95,9 +95,10 @@ class MgpuFlashConfig:
     bwd: _fp.FlashConfig | None = None        # None: flash_pallas.default_config(head_dim)
     interpret: bool = False                   # Mosaic GPU interpreter (CPU tests; slow)
     # Backward: "pallas" = flash_pallas' Triton kernels (configured by `bwd`); "mgpu" = the Mosaic GPU
-    # kernel of `flash_mgpu_bwd` (tiles below). H200, B4 S4096 causal fwd+bwd: D128 360 vs 343 TFLOP/s,
-    # D64 279 vs 279 (results/attention-mgpu-bwd-2026-12-03.json); "pallas" stays the default because only
-    # it is checked in CI (the mgpu backward has no interpreter path; its numerics are GPU-tested).
+    # kernel of `flash_mgpu_bwd` (tiles below). H200, B4 S4096 causal fwd+bwd: D128 380-385 vs 340 TFLOP/s,
+    # D64 equal (results/attention-mgpu-bwd-2026-12-03{c,d}.json). `kernels.attention`'s `auto` (impl
+    # "mgpu_bwd") sets "mgpu"; the default here stays "pallas" because only that backward has an
+    # interpreter path (CPU tests run this config with interpret=True).
     bwd_impl: str = "pallas"
     bwd_block_q: int = 64                     # mgpu backward: query rows per streamed step
     bwd_block_kv: int = 64                    # mgpu backward: key rows per compute warpgroup (CTA: 2x)

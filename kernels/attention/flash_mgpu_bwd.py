@@ -9,14 +9,21 @@ Kernel layout (one CTA = 2 * block_kv key rows of one (batch, kv head)):
   * 3 warpgroups: two compute warpgroups own block_kv key rows each (K, V and the kv-side mask vectors are
     loaded once); one memory warpgroup TMA-streams, per (query head of the GQA group, q tile), Q, dO, lse,
     delta and the q-side mask vectors into a ring of SMEM slots (consumed barriers: 2 arrivals).
-  * Per step each compute warpgroup: sT = K Q^T (wgmma), pT = exp2(sT * scale*log2e - lse) with the mask,
-    dV += pT dO (pT from registers), dpT = V dO^T, dsT = pT * (dpT - delta), dK += dsT Q.
-    dQ: dsT (bf16/fp16) goes to SMEM; at D=128 the two warpgroups sync and each computes HALF the columns
-    of the CTA's dQ partial (contraction over all 2*block_kv keys: A = dsT^T from SMEM, B = a column slice
-    of K), FA3's split that keeps the accumulator at 32 registers/thread and issues ONE reduction per CTA
-    and step; at D=64 each warpgroup adds its own [block_q, 64] partial (no sync). The f32 partial is
-    staged in SMEM and TMA reduce-added (`copy_smem_to_gmem(reduction_op="add")`) into a zeroed float32
-    dQ buffer passed as a mutable `jax.Ref` (aliased in and out by `pl.kernel`), cast outside.
+  * Per step each compute warpgroup issues sT = K Q^T and dpT = V dO^T together (wgmma), computes
+    pT = exp2(sT * scale*log2e - lse) with the mask while dpT still runs, dsT = pT * (dpT - delta), then
+    issues dV += pT dO and dK += dsT Q together (A operands from registers) with dsT's SMEM store under them.
+    dQ: at D=128 the two warpgroups each compute HALF the columns of the CTA's dQ partial (contraction over
+    all 2*block_kv keys: A = dsT^T from SMEM, B = a column slice of K), FA3's split that keeps the
+    accumulator at 32 registers/thread and issues ONE reduction per CTA and step. That dQ runs one step
+    late (step t's dQ in step t+1), guarded by per-buffer "dsT filled" / "dsT read" barriers over two
+    dsT buffers instead of a lock-step sync of the warpgroups. At D=64 each warpgroup adds its own
+    [block_q, 64] partial in the same step (no sync). The f32 partial is staged in SMEM and TMA reduce-added
+    (`copy_smem_to_gmem(reduction_op="add")`) into a zeroed float32 dQ buffer passed as a mutable
+    `jax.Ref` (aliased in and out by `pl.kernel`), cast outside.
+  * Measured schedule choices (H200, B4 S4096 H16 D128 causal fwd+bwd, results/attention-mgpu-bwd-2026-12-03
+    {b,c}.json): paired wgmmas + late dQ + 240 registers 380-385 TFLOP/s; one wgmma group at a time 359-363;
+    paired without late dQ 340; 232 registers with paired wgmmas 359 (presumably spills); a forward-style ping-pong
+    of the two warpgroups 299; a 128B-swizzled f32 dQ staging buffer (at 232 registers) 355.
   * GQA: the q loop runs over the group's query heads inside the CTA, so dK/dV of a kv head are summed
     in registers (no per-q-head dK/dV and no extra pass).
   * Tile skipping: `flash_pallas._bounds(..., transpose=True)` for tiles (block_q, 2*block_kv) gives each
@@ -29,7 +36,7 @@ Kernel layout (one CTA = 2 * block_kv key rows of one (batch, kv head)):
 No interpreter path: in jax 0.10.2's Mosaic GPU CPU interpreter this kernel deadlocked (one compute
 warpgroup never reached its first copy; not diagnosed), so its numerics are checked on the GPU only
 (`tests/kernels/test_gpu_mgpu.py`); `MgpuFlashConfig` refuses `interpret=True` with `bwd_impl="mgpu"`.
-Limits: sm90 exactly, bf16/fp16, D 64/128, register budget 232/thread for compute warpgroups.
+Limits: sm90 exactly, bf16/fp16, D 64/128, register budget 240/thread for compute warpgroups.
 """
 
 from __future__ import annotations
@@ -48,6 +55,10 @@ LOG2E = math.log2(math.e)
 MASK = _fp.MASK
 SMEM_LIMIT = 227 * 1024  # H100/H200 max dynamic shared memory per block
 _SMEM_RESERVE = 4096     # barriers + Mosaic's reduction scratch
+# setmaxnreg per compute-warpgroup thread; the memory warpgroup gets the rest of the 64512 (24). 232 was
+# slower with the paired wgmmas, 359 vs 385 TFLOP/s fwd+bwd (results/attention-mgpu-bwd-2026-12-03b.json;
+# presumably spills, the SASS was not inspected).
+REGISTERS = 240
 
 
 def ring_steps(need, fixed: int | None, candidates: tuple[int, ...], what: str, head_dim: int) -> int:
@@ -84,7 +95,7 @@ class BwdTiles:
             raise ValueError(f"bwd_max_concurrent_steps={s} must be None or 2..4")
 
     def split_dq(self, head_dim: int) -> bool:
-        """D=128: the two warpgroups split dQ's columns (a synced, single reduction per CTA and step)."""
+        """D=128: the two warpgroups split dQ's columns (a single reduction per CTA and step)."""
         return head_dim == 128
 
     def smem_bytes(self, head_dim: int, itemsize: int, steps: int, n_meta: int) -> int:
@@ -149,7 +160,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
         scoped = rest[2 * nm + 4:]
         (k_smem, v_smem, km_smem, q_smem, do_smem, lse_smem, dl_smem, qm_smem, ds_smem, dq_smem), bars = (
             scoped[0], scoped[1:])
-        kv_bar, q_bars, do_bars, consumed, sync = bars
+        kv_bar, q_bars, do_bars, consumed, sync, ds_ready, ds_free = bars
 
         kvi = lax.axis_index("kv_seq")
         kv_head = lax.axis_index("kv_heads")
@@ -160,6 +171,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
         if not skip_full:
             flo = fhi = hi
         n = hi - lo
+        nn = jnp.maximum(n, 1)
         dq_dst = dq_ref
 
         def sync_wgs():
@@ -168,7 +180,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
 
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(REGISTERS, action="increase")
             k_w, v_w = k_smem.at[wg], v_smem.at[wg]
             rows = pl.ds(kvi * (2 * bkv) + wg * bkv, bkv)
             plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, kv_head], k_w, kv_bar.at[wg])
@@ -181,19 +193,8 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
             bcast_row = lambda x: lax.broadcast_in_dim(x, (bkv, bq), [0])
             bcast_col = lambda x: lax.broadcast_in_dim(x, (bkv, bq), [1])
 
-            def step(j, carry, masked, gi):
-                dk, dv = carry
-                t = gi * n + (j - lo)
-                slot = lax.rem(t, jnp.int32(steps))
-                buf = lax.rem(t, jnp.int32(nbuf))
-                head = kv_head * groups + gi
-                q_s, do_s = q_smem.at[slot], do_smem.at[slot]
-                plgpu.barrier_wait(q_bars.at[slot])
-                def st_fn(acc_ref):
-                    plgpu.wgmma(acc_ref, k_w, plgpu.transpose_ref(q_s, (1, 0)))
-                    return acc_ref[...]
-
-                s_t = pl.run_scoped(st_fn, plgpu.ACC((bkv, bq), jnp.float32))
+            def probs(s_t, slot, masked):
+                """pT = exp2(sT * scale*log2e - lse) with the mask (0 where masked, and on masked rows)."""
                 s_t = s_t * c
                 if masked:
                     qv = [bcast_col(vload(r.at[slot], col)) for r in qm_smem]
@@ -205,33 +206,59 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
                             ok = ok | (qv[2] == kv_b[2])
                         allowed = allowed & ok
                     s_t = jnp.where(allowed, s_t, MASK)
-                lse_v = vload(lse_smem.at[slot], col)
-                p_t = jnp.exp2(s_t - bcast_col(lse_v))
-                p16 = p_t.astype(dtype)
-                plgpu.barrier_wait(do_bars.at[slot])
-                def dv_dp_fn(refs):
-                    # Both wgmmas in one region: one wgmma.wait for the pair.
-                    dv_ref, dp_ref = refs
-                    plgpu.wgmma(dv_ref, p16, do_s)
-                    plgpu.wgmma(dp_ref, v_w, plgpu.transpose_ref(do_s, (1, 0)))
+                return jnp.exp2(s_t - bcast_col(vload(lse_smem.at[slot], col)))
 
-                zeros = lay(jnp.zeros((bkv, bq), jnp.float32), plgpu.Layout.WGMMA)
-                dv, dp_t = pl.run_state(dv_dp_fn)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
-                delta_v = vload(dl_smem.at[slot], col)
-                ds16 = (p_t * (dp_t - bcast_col(delta_v))).astype(dtype)
-                def dk_fn(acc_ref):
-                    plgpu.wgmma(acc_ref, ds16, q_s)
+            def dsoftmax(p_t, dp_t, slot):
+                return (p_t * (dp_t - bcast_col(vload(dl_smem.at[slot], col)))).astype(dtype)
 
-                dk = pl.run_state(dk_fn)(plgpu.ACC.init(dk))
+            def store_ds(t, buf, ds16):
+                """dsT -> SMEM for the dQ wgmma (D=128: first wait until both warpgroups' dQ of step t - nbuf
+                has read this buffer; then tell both that it holds step t)."""
+                if split:
+                    @pl.when(t >= nbuf)
+                    def _():
+                        plgpu.barrier_wait(ds_free.at[buf])
                 ds_smem.at[buf, wg][...] = ds16
                 plgpu.commit_smem()                      # visible to the async proxy (wgmma)
-                plgpu.barrier_arrive(consumed.at[slot])  # Q, dO, lse, delta, q vectors of this slot done
+                if split:
+                    plgpu.barrier_arrive(ds_ready.at[buf])
 
-                # dQ partial [bq, dcols]: at D=128 this warpgroup's column half over both warpgroups' keys.
+            def grads(dk, dv, t, slot, buf, masked):
+                """dK, dV += this step's terms; dsT to SMEM. sT and dpT are issued together and pT is computed
+                while dpT runs; dV and dK are issued together with dsT's SMEM store under them (two wgmma
+                waits per step; issuing them one by one was 6% slower, results/attention-mgpu-bwd-2026-12-03c)."""
+                q_s, do_s = q_smem.at[slot], do_smem.at[slot]
+                plgpu.barrier_wait(q_bars.at[slot])
+                plgpu.barrier_wait(do_bars.at[slot])
+                def sdp_fn(s_ref, dp_ref):
+                    plgpu.wgmma(s_ref, k_w, plgpu.transpose_ref(q_s, (1, 0)))
+                    plgpu.wgmma(dp_ref, v_w, plgpu.transpose_ref(do_s, (1, 0)))
+                    p_t = probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), slot, masked)
+                    return p_t, dp_ref[...]
+
+                acc = plgpu.ACC((bkv, bq), jnp.float32)
+                p_t, dp_t = pl.run_scoped(sdp_fn, acc, acc)
+                ds16 = dsoftmax(p_t, dp_t, slot)
+                p16 = p_t.astype(dtype)
+                def dv_dk_fn(refs):
+                    dv_ref, dk_ref = refs
+                    plgpu.wgmma(dv_ref, p16, do_s)
+                    plgpu.wgmma(dk_ref, ds16, q_s)
+                    store_ds(t, buf, ds16)               # under the two wgmmas
+
+                dv, dk = pl.run_state(dv_dk_fn)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+                return dk, dv
+
+            def dq_step(t):
+                """dQ partial of step t [bq, dcols] (at D=128 this warpgroup's column half over both
+                warpgroups' keys), scaled and TMA reduce-added into the f32 dQ rows of that step's q tile."""
+                buf = lax.rem(t, jnp.int32(nbuf))
+                head = kv_head * groups + lax.div(t, nn)
+                q_rows = pl.ds((lo + lax.rem(t, nn)) * bq, bq)
                 srcs = (0, 1) if split else (None,)
                 cols = pl.ds(wg * dcols, dcols) if split else slice(None)
                 if split:
-                    sync_wgs()                           # the other warpgroup's dsT is in SMEM
+                    plgpu.barrier_wait(ds_ready.at[buf])  # both warpgroups' dsT of step t are in SMEM
                 def dq_fn(acc_ref):
                     for w in srcs:
                         ds_r = ds_smem.at[buf, wg if w is None else w]
@@ -241,11 +268,22 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
                     return acc_ref[...]
 
                 dq = pl.run_scoped(dq_fn, plgpu.ACC((bq, dcols), jnp.float32))
+                if split:
+                    plgpu.barrier_arrive(ds_free.at[buf])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduction has read dq_smem
                 dq_smem.at[wg][...] = dq * scale
                 plgpu.commit_smem()
-                dst = dq_dst.at[bi, pl.ds(j * bq, bq), head, cols]
-                plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op="add")
+                plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_dst.at[bi, q_rows, head, cols], reduction_op="add")
+
+            def step(j, carry, masked, gi):
+                t = gi * n + (j - lo)
+                slot = lax.rem(t, jnp.int32(steps))
+                dk, dv = grads(*carry, t, slot, lax.rem(t, jnp.int32(nbuf)), masked)
+                plgpu.barrier_arrive(consumed.at[slot])  # Q, dO, lse, delta, q vectors of this slot done
+                if split:  # dQ one step behind: barriers instead of a lock-step sync (4-7% faster, 03b/03c)
+                    pl.when(t > 0)(lambda: dq_step(t - 1))
+                else:
+                    dq_step(t)
                 return dk, dv
 
             def head_loop(gi, carry):
@@ -255,6 +293,8 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
 
             zeros = lay(jnp.zeros((bkv, d), jnp.float32), plgpu.Layout.WGMMA)
             dk, dv = lax.fori_loop(0, groups, head_loop, (zeros, zeros))
+            if split:
+                pl.when(n > 0)(lambda: dq_step(groups * n - 1))
             sync_wgs()  # both warpgroups are done reading K (dQ) before K/V SMEM is reused for dK/dV
             k_w[...] = (dk * scale).astype(k_w.dtype)
             v_w[...] = dv.astype(v_w.dtype)
@@ -265,8 +305,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-            nn = jnp.maximum(n, 1)
+            plgpu.set_max_registers((64512 - 256 * REGISTERS) // 128, action="decrease")  # 24
 
             @pl.loop(0, groups * n)
             def _(t):
@@ -306,7 +345,9 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
             plgpu.Barrier(num_arrivals=2 + nm, num_barriers=steps),       # Q, lse, q vectors per slot
             plgpu.Barrier(num_arrivals=2, num_barriers=steps),            # dO, delta per slot
             plgpu.Barrier(num_arrivals=2, num_barriers=steps),            # slot consumed (both compute wgs)
-            plgpu.Barrier(num_arrivals=2),                                # warpgroup sync (dsT ready; end)
+            plgpu.Barrier(num_arrivals=2),                                # warpgroup sync (end: K/V reuse)
+            plgpu.Barrier(num_arrivals=2, num_barriers=nbuf),             # D=128: dsT buffer filled (both)
+            plgpu.Barrier(num_arrivals=2, num_barriers=nbuf),             # D=128: dsT buffer read by dQ (both)
             collective_axes="wg",
         )
 

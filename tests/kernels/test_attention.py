@@ -171,15 +171,17 @@ def test_registry_and_errors():
     assert supports("xla", "gpu", jnp.bfloat16)
     assert not supports("reference", "cpu", jnp.int32)
     assert not supports("nope", "cpu", jnp.float32)
-    assert available()[:4] == ["mgpu", "mgpu_bwd", "pallas", "cudnn"]
-    assert supports("mgpu_bwd", "gpu", jnp.bfloat16, head_dim=64)  # explicit: runs where mgpu runs
+    assert available()[:4] == ["mgpu_bwd", "mgpu", "pallas", "cudnn"]
+    assert supports("mgpu_bwd", "gpu", jnp.bfloat16, head_dim=64, sq=1024, sk=1024)
     assert not supports("mgpu_bwd", "gpu", jnp.bfloat16, head_dim=128, capability=(8, 0))
     assert supports("mgpu", "gpu", jnp.bfloat16, head_dim=128, sq=1024, sk=1024)
     assert not supports("mgpu", "gpu", jnp.bfloat16, head_dim=128, capability=(8, 0))  # wgmma: sm90 only
     assert not supports("mgpu", "gpu", jnp.float32, head_dim=128)
     auto_ctx = lambda d: OP.select("auto", _dispatch.Ctx(
         "gpu", jnp.dtype("bfloat16"), (9, 0), facts=(("head_dim", d), ("sk", 1024), ("sq", 1024)))).name
-    assert auto_ctx(128) == "mgpu" and auto_ctx(64) == "mgpu" and auto_ctx(80) == "pallas"  # mgpu: D 64/128 only
+    assert auto_ctx(128) == "mgpu_bwd" and auto_ctx(64) == "mgpu_bwd" and auto_ctx(80) == "pallas"  # D 64/128 only
+    decode = _dispatch.Ctx("gpu", jnp.dtype("bfloat16"), (9, 0), facts=(("batch", 1), ("head_dim", 128), ("heads", 8), ("sk", 1024), ("sq", 1)))
+    assert OP.select("auto", decode).name not in ("mgpu_bwd", "mgpu", "pallas")  # one query row: XLA's turn
     assert not supports("pallas", "gpu", jnp.bfloat16, capability=(7, 5))
     assert not supports("cudnn", "gpu", jnp.float32)
     assert supports("cudnn", "gpu", jnp.bfloat16, sq=1024, sk=1024, head_dim=128)

@@ -75,14 +75,14 @@ def test_attention_gpu(impl, shape):
 
 
 def test_attention_auto_picks_the_fastest_flash_kernel():
-    """sm90: the Mosaic GPU forward at head_dim 64 and 128; other sm80+ GPUs (or D=80): Pallas-Triton."""
+    """sm90: the Mosaic GPU forward and backward at head_dim 64 and 128; other sm80+ GPUs (or D=80): Pallas-Triton."""
     from kernels import _dispatch
     from kernels.attention import OP
     hopper = jax.devices()[0].compute_capability == "9.0"
     for d in (64, 128, 80):
         ctx = _dispatch.make_ctx(jnp.bfloat16, batch=1, sq=1024, sk=1024, heads=8, kv_heads=2, head_dim=d,
                                  has_blocks=False)
-        want = "mgpu" if hopper and d in (64, 128) else "pallas"
+        want = "mgpu_bwd" if hopper and d in (64, 128) else "pallas"
         assert OP.select("auto", ctx).name == want, d
 
 
