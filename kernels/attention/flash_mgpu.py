@@ -97,8 +97,7 @@ class MgpuFlashConfig:
     # Backward: "pallas" = flash_pallas' Triton kernels (configured by `bwd`); "mgpu" = the Mosaic GPU
     # kernel of `flash_mgpu_bwd` (tiles below). H200, B4 S4096 causal fwd+bwd: D128 380-385 vs 340 TFLOP/s,
     # D64 equal (results/attention-mgpu-bwd-2026-12-03{c,d}.json). `kernels.attention`'s `auto` (impl
-    # "mgpu_bwd") sets "mgpu"; the default here stays "pallas" because only that backward has an
-    # interpreter path (CPU tests run this config with interpret=True).
+    # "mgpu_bwd") sets "mgpu"; "pallas" stays this config's default, which is what impl "mgpu" means.
     bwd_impl: str = "pallas"
     bwd_block_q: int = 64                     # mgpu backward: query rows per streamed step
     bwd_block_kv: int = 64                    # mgpu backward: key rows per compute warpgroup (CTA: 2x)
@@ -123,9 +122,6 @@ class MgpuFlashConfig:
         if self.bwd_impl not in ("pallas", "mgpu"):
             raise ValueError(f"MgpuFlashConfig.bwd_impl={self.bwd_impl!r} must be 'pallas' or 'mgpu'")
         self.bwd_tiles.check()
-        if self.bwd_impl == "mgpu" and self.interpret:
-            raise ValueError("MgpuFlashConfig: the Mosaic GPU backward has no interpreter path "
-                             "(interpret=True needs bwd_impl='pallas')")
 
     def smem_bytes(self, head_dim: int, itemsize: int, steps: int, n_meta: int) -> int:
         """Shared memory the kernel allocates (excluding barriers and Mosaic's scratch)."""
@@ -494,7 +490,7 @@ def _prepare(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_position
         tiles = cfg.bwd_tiles
         bnds["mgpu_bwd"] = _mb.bwd_bounds(qx, kx, tiles, causal)
         mbs = _mb.BwdStatic(tiles=tiles, causal=bool(causal), scale=scale, groups=h // kvh,
-                            steps=tiles.steps_for(d, jnp.dtype(q.dtype).itemsize, len(kq)))
+                            steps=tiles.steps_for(d, jnp.dtype(q.dtype).itemsize, len(kq)), interpret=cfg.interpret)
     st = _MStatic(cfg=cfg, causal=bool(causal), scale=scale, has_blk=has_blk, groups=h // kvh, steps=steps,
                   bwd=mbs)
     pst = _fp._Static(cfg=bwd, causal=bool(causal), scale=scale, has_blk=has_blk, groups=h // kvh,

@@ -33,9 +33,12 @@ Kernel layout (one CTA = 2 * block_kv key rows of one (batch, kv head)):
     mask vectors (`flash_mgpu._kernel_q_meta`); masked entries give pT = exp2(MASK - lse) = 0, so fully
     masked rows (and padding) get zero gradients. delta = rowsum(dO * O) in float32 is computed in jnp.
 
-No interpreter path: in jax 0.10.2's Mosaic GPU CPU interpreter this kernel deadlocked (one compute
-warpgroup never reached its first copy; not diagnosed), so its numerics are checked on the GPU only
-(`tests/kernels/test_gpu_mgpu.py`); `MgpuFlashConfig` refuses `interpret=True` with `bwd_impl="mgpu"`.
+`BwdStatic.interpret` (from `MgpuFlashConfig(interpret=True)`) runs the kernel in Mosaic GPU's CPU interpreter
+for tests: barriers, ring, late dQ, tile ranges, mask and gradient algebra as on the GPU, but the matmuls are
+plain dots (the interpreter's wgmma takes no transposed or register operands) and, since the interpreter has
+no TMA reduction and `pl.kernel` with a Ref operand does not interpret, each (CTA, warpgroup) writes its dQ
+partial to its own slice of a zeroed [Sk / (2*block_kv), 2, B, Sq, H, D] float32 output summed outside (tests
+only: memory O(Sk/64 * |dQ|)). The wgmma path's numerics are tested on the GPU (`tests/kernels/test_gpu_mgpu.py`).
 Limits: sm90 exactly, bf16/fp16, D 64/128, register budget 240/thread for compute warpgroups.
 """
 
@@ -119,6 +122,8 @@ class BwdStatic:
     scale: float
     groups: int
     steps: int
+    interpret: bool = False
+
 
 
 def bwd_bounds(qx, kx, tiles: BwdTiles, causal: bool):
@@ -137,6 +142,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
     t_ = bs.tiles
     bq, bkv, steps, groups = t_.block_q, t_.block_kv, bs.steps, bs.groups
     nm = len(qmeta)
+    interp = bs.interpret
     nkv = sk // (2 * bkv)
     if sq % bq or sk % (2 * bkv):
         raise ValueError(f"padded lengths Sq={sq}, Sk={sk} must be multiples of {bq} and {2 * bkv}")
@@ -149,10 +155,13 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
     row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
     def lay(x, layout):
-        return plgpu.layout_cast(x, layout)
+        return x if interp else plgpu.layout_cast(x, layout)
 
     def vload(ref, layout):
-        return plgpu.load(ref, (), layout=layout)
+        return ref[...] if interp else plgpu.load(ref, (), layout=layout)
+
+    def dot_t(a, b):  # a @ b.T in float32: the interpreter's stand-in for a wgmma with a transposed B
+        return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, dl_ref, *rest):
         qm_refs, km_refs = rest[:nm], rest[nm:2 * nm]
@@ -172,7 +181,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
             flo = fhi = hi
         n = hi - lo
         nn = jnp.maximum(n, 1)
-        dq_dst = dq_ref
+        dq_dst = dq_ref.at[kvi] if interp else dq_ref  # interpreter: one partial per CTA, summed outside
 
         def sync_wgs():
             plgpu.barrier_arrive(sync)
@@ -230,6 +239,13 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
                 q_s, do_s = q_smem.at[slot], do_smem.at[slot]
                 plgpu.barrier_wait(q_bars.at[slot])
                 plgpu.barrier_wait(do_bars.at[slot])
+                if interp:  # plain dots: the interpreter's wgmma takes no transposed or register operands
+                    p_t = probs(dot_t(k_w[...], q_s[...]), slot, masked)
+                    ds16 = dsoftmax(p_t, dot_t(v_w[...], do_s[...]), slot)
+                    dv = dv + jnp.dot(p_t.astype(dtype), do_s[...], preferred_element_type=jnp.float32)
+                    dk = dk + jnp.dot(ds16, q_s[...], preferred_element_type=jnp.float32)
+                    store_ds(t, buf, ds16)
+                    return dk, dv
                 def sdp_fn(s_ref, dp_ref):
                     plgpu.wgmma(s_ref, k_w, plgpu.transpose_ref(q_s, (1, 0)))
                     plgpu.wgmma(dp_ref, v_w, plgpu.transpose_ref(do_s, (1, 0)))
@@ -267,13 +283,22 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
                         plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_r, (1, 0)), kk)
                     return acc_ref[...]
 
-                dq = pl.run_scoped(dq_fn, plgpu.ACC((bq, dcols), jnp.float32))
+                if interp:
+                    dq = sum(lax.dot_general(ds_smem.at[buf, wg if w is None else w][...],
+                                             k_smem.at[wg if w is None else w][...][:, cols],
+                                             (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                             for w in srcs)
+                else:
+                    dq = pl.run_scoped(dq_fn, plgpu.ACC((bq, dcols), jnp.float32))
                 if split:
                     plgpu.barrier_arrive(ds_free.at[buf])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous reduction has read dq_smem
                 dq_smem.at[wg][...] = dq * scale
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_dst.at[bi, q_rows, head, cols], reduction_op="add")
+                if interp:  # no TMA reduction in the interpreter: this CTA's and warpgroup's own slice
+                    plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_dst.at[wg, bi, q_rows, head, cols])
+                else:
+                    plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_dst.at[bi, q_rows, head, cols], reduction_op="add")
 
             def step(j, carry, masked, gi):
                 t = gi * n + (j - lo)
@@ -295,6 +320,12 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
             dk, dv = lax.fori_loop(0, groups, head_loop, (zeros, zeros))
             if split:
                 pl.when(n > 0)(lambda: dq_step(groups * n - 1))
+                if interp:
+                    # The interpreter checks that a thread observes every phase of a barrier it waited on:
+                    # observe the last (up to nbuf) "dsT read" phases too. Not needed on the GPU.
+                    @pl.loop(jnp.maximum(groups * n - nbuf, 0), groups * n)
+                    def _(t):
+                        plgpu.barrier_wait(ds_free.at[lax.rem(t, jnp.int32(nbuf))])
             sync_wgs()  # both warpgroups are done reading K (dQ) before K/V SMEM is reused for dK/dV
             k_w[...] = (dk * scale).astype(k_w.dtype)
             v_w[...] = dv.astype(v_w.dtype)
@@ -323,6 +354,11 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
                     plgpu.copy_gmem_to_smem(src.at[bi, rows], dst.at[slot], q_bars.at[slot])
                 plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, head], do_smem.at[slot], do_bars.at[slot])
                 plgpu.copy_gmem_to_smem(dl_ref.at[bi, head, rows], dl_smem.at[slot], do_bars.at[slot])
+
+            if interp:  # observe the last (up to `steps`) consumed phases too (see the compute drain)
+                @pl.loop(jnp.maximum(groups * n - steps, 0), groups * n)
+                def _(t):
+                    plgpu.barrier_wait(consumed.at[lax.rem(t, jnp.int32(steps))])
 
     def entry(*refs):
         tr = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -357,6 +393,19 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
     args = (q, k, v, do, lse, delta, *qmeta, *kmeta, bnd)
     # dQ accumulates across CTAs by TMA reduce-add: a zeroed float32 Ref, aliased in and out by pl.kernel
     # (plgpu.kernel's batching wrapper does not take Ref operands).
+    if interp:  # plgpu.kernel (pl.kernel with a Ref operand does not interpret); dQ partials summed here
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        def entry_interp(*refs):  # outputs (dk, dv, dq partials) -> the body's (dq, dk, dv) order
+            *ins, dk_ref, dv_ref, dq_ref = refs[:len(args) + 3]
+            entry(*ins, dq_ref, dk_ref, dv_ref, *refs[len(args) + 3:])
+
+        entry_interp.__name__ = entry.__name__
+        dk, dv, dq = plgpu.kernel(
+            entry_interp, out_type=kv_out + [jax.ShapeDtypeStruct((nkv, 2, *q.shape), jnp.float32)],
+            grid=(nkv, kvh, b), grid_names=("kv_seq", "kv_heads", "batch"), num_threads=3, thread_name="wg",
+            compiler_params=params, interpret=InterpretGPUParams(uninitialized_memory="zero"))(*args)
+        return dq.sum((0, 1)), dk, dv
     dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
     mesh = plgpu.Mesh(grid=(nkv, kvh, b), grid_names=("kv_seq", "kv_heads", "batch"), num_threads=3,
                       thread_name="wg")

@@ -310,16 +310,24 @@ def test_interpret_forward_matches_reference(causal, blocks):
     assert float(jnp.max(jnp.where(empty[:, :, None, None], jnp.abs(o.astype(jnp.float32)), 0.0))) == 0.0
 
 
-def test_interpret_custom_vjp_gradients():
+def check_grads_vs_reference(q, k, v, lay, mask, causal, config, tol=5e-2):
+    """Gradients of sum(attention * random cotangent) through `flash_attention_mgpu(config=config)` match the
+    float32 reference's within `tol` x max |reference gradient|; returns them (also used by the backward tests)."""
     from kernels.attention.reference import attention_reference
-    q, k, v, lay, mask = _interp_case(True, True, seed=4)
     ct = jnp.asarray(np.random.default_rng(0).standard_normal(q.shape), jnp.float32)
     loss = lambda q, k, v: jnp.sum(
-        fm.flash_attention_mgpu(q, k, v, causal=True, config=_INTERP, **lay).astype(jnp.float32) * ct)
+        fm.flash_attention_mgpu(q, k, v, causal=causal, config=config, **lay).astype(jnp.float32) * ct)
     ref = lambda q, k, v: jnp.sum(attention_reference(q, k, v, mask).astype(jnp.float32) * ct)
     got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
     want = jax.grad(ref, argnums=(0, 1, 2))(f32(q), f32(k), f32(v))
-    for g, w in zip(got, want):
-        assert g.dtype == q.dtype
-        assert float(jnp.max(jnp.abs(f32(g) - w))) <= 5e-2 * float(jnp.max(jnp.abs(w)))
+    for name, g, w in zip("qkv", got, want):
+        assert g.dtype == q.dtype and g.shape == w.shape
+        err = float(jnp.max(jnp.abs(f32(g) - w)))
+        assert err <= tol * float(jnp.max(jnp.abs(w))), f"d{name}: {err}"
+    return got
+
+
+def test_interpret_custom_vjp_gradients():
+    q, k, v, lay, mask = _interp_case(True, True, seed=4)
+    check_grads_vs_reference(q, k, v, lay, mask, True, _INTERP)
