@@ -125,7 +125,6 @@ class BwdStatic:
     interpret: bool = False
 
 
-
 def bwd_bounds(qx, kx, tiles: BwdTiles, causal: bool):
     """int32 [B * (Sk // (2*block_kv)) * 4]: per CTA (its 2*block_kv keys) the q-tile range lo, flo, fhi, hi."""
     return _fp._bounds(qx, kx, tiles.block_q, 2 * tiles.block_kv, causal, transpose=True).reshape(-1)
@@ -235,7 +234,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
             def grads(dk, dv, t, slot, buf, masked):
                 """dK, dV += this step's terms; dsT to SMEM. sT and dpT are issued together and pT is computed
                 while dpT runs; dV and dK are issued together with dsT's SMEM store under them (two wgmma
-                waits per step; issuing them one by one was 6% slower, results/attention-mgpu-bwd-2026-12-03c)."""
+                waits per step; one group at a time: 359-363 vs 380-385 TFLOP/s, attention-mgpu-bwd-2026-12-03c)."""
                 q_s, do_s = q_smem.at[slot], do_smem.at[slot]
                 plgpu.barrier_wait(q_bars.at[slot])
                 plgpu.barrier_wait(do_bars.at[slot])
@@ -271,21 +270,18 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
                 buf = lax.rem(t, jnp.int32(nbuf))
                 head = kv_head * groups + lax.div(t, nn)
                 q_rows = pl.ds((lo + lax.rem(t, nn)) * bq, bq)
-                srcs = (0, 1) if split else (None,)
+                srcs = (0, 1) if split else (wg,)       # warpgroups whose dsT (and keys) this dQ sums over
                 cols = pl.ds(wg * dcols, dcols) if split else slice(None)
                 if split:
                     plgpu.barrier_wait(ds_ready.at[buf])  # both warpgroups' dsT of step t are in SMEM
                 def dq_fn(acc_ref):
                     for w in srcs:
-                        ds_r = ds_smem.at[buf, wg if w is None else w]
-                        kk = k_smem.at[wg if w is None else w]
-                        kk = kk.at[:, cols] if split else kk
-                        plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_r, (1, 0)), kk)
+                        kk = k_smem.at[w].at[:, cols] if split else k_smem.at[w]
+                        plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem.at[buf, w], (1, 0)), kk)
                     return acc_ref[...]
 
                 if interp:
-                    dq = sum(lax.dot_general(ds_smem.at[buf, wg if w is None else w][...],
-                                             k_smem.at[wg if w is None else w][...][:, cols],
+                    dq = sum(lax.dot_general(ds_smem.at[buf, w][...], k_smem.at[w][...][:, cols],
                                              (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
                              for w in srcs)
                 else:
@@ -305,7 +301,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
                 slot = lax.rem(t, jnp.int32(steps))
                 dk, dv = grads(*carry, t, slot, lax.rem(t, jnp.int32(nbuf)), masked)
                 plgpu.barrier_arrive(consumed.at[slot])  # Q, dO, lse, delta, q vectors of this slot done
-                if split:  # dQ one step behind: barriers instead of a lock-step sync (4-7% faster, 03b/03c)
+                if split:  # dQ one step behind: barriers, no lock-step sync (with paired wgmmas 380 vs 340, 03c)
                     pl.when(t > 0)(lambda: dq_step(t - 1))
                 else:
                     dq_step(t)
@@ -391,8 +387,6 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
     params = plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
     kv_out = [jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2
     args = (q, k, v, do, lse, delta, *qmeta, *kmeta, bnd)
-    # dQ accumulates across CTAs by TMA reduce-add: a zeroed float32 Ref, aliased in and out by pl.kernel
-    # (plgpu.kernel's batching wrapper does not take Ref operands).
     if interp:  # plgpu.kernel (pl.kernel with a Ref operand does not interpret); dQ partials summed here
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
@@ -406,6 +400,8 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
             grid=(nkv, kvh, b), grid_names=("kv_seq", "kv_heads", "batch"), num_threads=3, thread_name="wg",
             compiler_params=params, interpret=InterpretGPUParams(uninitialized_memory="zero"))(*args)
         return dq.sum((0, 1)), dk, dv
+    # dQ accumulates across CTAs by TMA reduce-add: a zeroed float32 Ref, aliased in and out by pl.kernel
+    # (plgpu.kernel's batching wrapper does not take Ref operands).
     dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
     mesh = plgpu.Mesh(grid=(nkv, kvh, b), grid_names=("kv_seq", "kv_heads", "batch"), num_threads=3,
                       thread_name="wg")

@@ -180,7 +180,8 @@ def test_registry_and_errors():
     auto_ctx = lambda d: OP.select("auto", _dispatch.Ctx(
         "gpu", jnp.dtype("bfloat16"), (9, 0), facts=(("head_dim", d), ("sk", 1024), ("sq", 1024)))).name
     assert auto_ctx(128) == "mgpu_bwd" and auto_ctx(64) == "mgpu_bwd" and auto_ctx(80) == "pallas"  # D 64/128 only
-    decode = _dispatch.Ctx("gpu", jnp.dtype("bfloat16"), (9, 0), facts=(("batch", 1), ("head_dim", 128), ("heads", 8), ("sk", 1024), ("sq", 1)))
+    decode = _dispatch.Ctx("gpu", jnp.dtype("bfloat16"), (9, 0),
+                           facts=(("batch", 1), ("head_dim", 128), ("heads", 8), ("sk", 1024), ("sq", 1)))
     assert OP.select("auto", decode).name not in ("mgpu_bwd", "mgpu", "pallas")  # one query row: XLA's turn
     assert not supports("pallas", "gpu", jnp.bfloat16, capability=(7, 5))
     assert not supports("cudnn", "gpu", jnp.float32)

@@ -75,7 +75,7 @@ def test_attention_gpu(impl, shape):
 
 
 def test_attention_auto_picks_the_fastest_flash_kernel():
-    """sm90: the Mosaic GPU forward and backward at head_dim 64 and 128; other sm80+ GPUs (or D=80): Pallas-Triton."""
+    """sm90: Mosaic GPU forward and backward at head_dim 64 and 128; other sm80+ GPUs (or D=80): Pallas-Triton."""
     from kernels import _dispatch
     from kernels.attention import OP
     hopper = jax.devices()[0].compute_capability == "9.0"
