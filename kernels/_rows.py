@@ -29,6 +29,7 @@ class RowTiling:
     fwd_warps: int = 8                          # warps of a full-size forward tile
     bwd_warps: int = 8                          # the same for the backward
     bwd_stages: int = 2                         # Triton pipeline stages of the backward's row-tile loop
+    bwd_prefetch: bool = False                  # load row tile t+1 before computing tile t (ops that loop)
     max_cols: int = 1024                        # widest column block (ops that also tile columns)
 
     def warps(self, tile: int, fwd: bool) -> int:

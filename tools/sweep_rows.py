@@ -27,12 +27,16 @@ def norm_candidates() -> dict:
     r = lambda **kw: dataclasses.replace(d, **kw)
     # First sweep (results/rows-sweep-2026-12-03.json): 8 -> 16 backward warps 81 -> 83%; 4 warps spill (11%);
     # 32k-element tiles 45%; 8k tiles 74% fwd+bwd (fwd 97%); tiles per program and stages within 1%.
+    # Second (-03b): 16 warps 81%, 32 warps 71%, stages 1/3 and 8/32 tiles per program within 1%.
+    # Third: the backward's hand prefetch of the next row tile (bwd_prefetch), by warps and tiles per program.
     return {
         "default": d,
-        "bwd_w16": r(bwd_warps=16), "bwd_w32": r(bwd_warps=32),
-        "bwd_w16_s1": r(bwd_warps=16, bwd_stages=1), "bwd_w16_s3": r(bwd_warps=16, bwd_stages=3),
-        "bwd_w16_tpp8": r(bwd_warps=16, tiles_per_program=8), "bwd_w16_tpp32": r(bwd_warps=16, tiles_per_program=32),
-        "tile8k_bwd_w16": r(tile_elems=8192, bwd_warps=16), "fwd_w16_bwd_w16": r(fwd_warps=16, bwd_warps=16),
+        "prefetch": r(bwd_prefetch=True), "prefetch_w8": r(bwd_prefetch=True, bwd_warps=8),
+        "prefetch_tpp32": r(bwd_prefetch=True, tiles_per_program=32),
+        "prefetch_tpp64": r(bwd_prefetch=True, tiles_per_program=64),
+        "prefetch_w8_tpp32": r(bwd_prefetch=True, bwd_warps=8, tiles_per_program=32),
+        "prefetch_s1": r(bwd_prefetch=True, bwd_stages=1),
+        "prefetch_tile8k": r(bwd_prefetch=True, tile_elems=8192),
     }
 
 

@@ -92,6 +92,9 @@ class MgpuFlashConfig:
     block_kv: int = 128                       # key rows per pipeline step
     max_concurrent_steps: int | None = None   # SMEM ring depth; None: 3 if it fits in SMEM, else 2
     skip_full_tile_mask: bool = True          # skip the element-wise mask on provably full key tiles
+    # (batch, head) pairs per launch-order group (`_mb.cta_coords`): D128 causal forward 534 TFLOP/s at 4 vs
+    # 510 in the previous order (head by head, lightest tile first) and 494 with all pairs (H200, two runs)
+    cta_group: int = 4
     bwd: _fp.FlashConfig | None = None        # None: flash_pallas.default_config(head_dim)
     interpret: bool = False                   # Mosaic GPU interpreter (CPU tests; slow)
     # Backward: "pallas" = flash_pallas' Triton kernels (configured by `bwd`); "mgpu" = the Mosaic GPU
@@ -102,12 +105,13 @@ class MgpuFlashConfig:
     bwd_block_q: int = 64                     # mgpu backward: query rows per streamed step
     bwd_block_kv: int = 64                    # mgpu backward: key rows per compute warpgroup (CTA: 2x)
     bwd_max_concurrent_steps: int | None = None  # mgpu backward ring depth; None: deepest that fits
+    bwd_cta_group: int = 4                    # mgpu backward: (batch, kv head) pairs per launch-order group
 
     @property
     def bwd_tiles(self) -> _mb.BwdTiles:
         return _mb.BwdTiles(block_q=self.bwd_block_q, block_kv=self.bwd_block_kv,
                             max_concurrent_steps=self.bwd_max_concurrent_steps,
-                            skip_full_tile_mask=self.skip_full_tile_mask)
+                            skip_full_tile_mask=self.skip_full_tile_mask, cta_group=self.bwd_cta_group)
 
     def check(self):
         if self.block_q not in (64, 128):
@@ -117,6 +121,8 @@ class MgpuFlashConfig:
         s = self.max_concurrent_steps
         if s is not None and (not isinstance(s, int) or not 2 <= s <= 4):
             raise ValueError(f"MgpuFlashConfig.max_concurrent_steps={s} must be None or 2..4")
+        if not isinstance(self.cta_group, int) or self.cta_group < 1:
+            raise ValueError(f"MgpuFlashConfig.cta_group={self.cta_group} must be a positive int")
         if self.bwd is not None:
             self.bwd.check()
         if self.bwd_impl not in ("pallas", "mgpu"):
@@ -238,9 +244,9 @@ def _fwd_call(st: _MStatic, q, k, v, qmeta, kmeta, bnd):
         (qo_smem2, k_smem, v_smem, lse_smem2, qm_smem, km_smem), bars = scoped[0], scoped[1:]
         q_bars, k_bars, v_bars, k_done, v_done, sched = bars
 
-        head = lax.axis_index("heads")
-        qi = lax.axis_index("q_seq")
-        bi = lax.axis_index("batch")
+        # the last q tile holds the most causal work: heaviest first is descending
+        qi, pair = _mb.cta_coords(lax.axis_index("cta"), nq, b * h, cfg.cta_group, descending=causal)
+        bi, head = pair // h, lax.rem(pair, h)
         wg = lax.axis_index("wg")
         base_idx = (bi * nq + qi) * 4
         lo, flo, fhi, hi = (bnd_ref[base_idx + j] for j in range(4))
@@ -404,8 +410,8 @@ def _fwd_call(st: _MStatic, q, k, v, qmeta, kmeta, bnd):
     out, lse = plgpu.kernel(
         entry,
         out_type=[jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32)],
-        grid=(h, nq, b),
-        grid_names=("heads", "q_seq", "batch"),
+        grid=(nq * h * b,),
+        grid_names=("cta",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),

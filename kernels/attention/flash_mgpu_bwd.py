@@ -79,6 +79,26 @@ def ring_steps(need, fixed: int | None, candidates: tuple[int, ...], what: str, 
     raise ValueError(f"{what} do not fit in SMEM at head_dim {head_dim} even with {candidates[-1]} steps")
 
 
+def cta_coords(pid, n_tiles: int, n_pairs: int, group: int, descending: bool):
+    """Linear CTA index -> (tile, pair) of a launch order that takes `group` (batch, head) pairs at a time
+    and walks them tile-major, heaviest causal tile first (`descending`: the last tile is the heaviest).
+
+    Why: the GPU hands CTAs to free SMs in index order. Causal tiles differ up to Sq/tile-fold in work, so
+    the order sets the tail (list scheduling: heaviest first nearly removes it), and which CTAs run together
+    sets L2 reuse of the K/V (forward) or Q/dO (backward) they all stream: a small group keeps that set small.
+    H200, B4 S4096 (32 tiles), groups of 1/2/4/8/16/all pairs (results/attention-cta-order-2026-12-03.json):
+    4 and 8 are best. Backward kernel D128 causal 378 TFLOP/s at 4 vs 359 with all pairs (tile-major over
+    every pair, the previous order) and 351 with 1; fwd+bwd non-causal 441 vs 382, D64 causal 316 vs 280.
+    """
+    group = max(1, min(group, n_pairs))
+    span = group * n_tiles
+    first = pid // span * group                         # first pair of this CTA's group
+    r = lax.rem(pid, span)
+    size = jnp.minimum(group, n_pairs - first)          # the last group may be smaller
+    tile = r // size
+    return (n_tiles - 1 - tile if descending else tile), first + lax.rem(r, size)
+
+
 @dataclasses.dataclass(frozen=True)
 class BwdTiles:
     """Tiles of the Mosaic GPU backward (set through `MgpuFlashConfig.bwd_*`)."""
@@ -87,6 +107,7 @@ class BwdTiles:
     block_kv: int = 64          # key rows per compute warpgroup (a CTA owns 2 * block_kv)
     max_concurrent_steps: int | None = None  # ring depth; None: the deepest of 4..2 that fits in SMEM
     skip_full_tile_mask: bool = True
+    cta_group: int = 4          # (batch, kv head) pairs per launch-order group (`cta_coords`)
 
     def check(self):
         if self.block_q not in (64, 128):
@@ -96,6 +117,8 @@ class BwdTiles:
         s = self.max_concurrent_steps
         if s is not None and (not isinstance(s, int) or not 2 <= s <= 4):
             raise ValueError(f"bwd_max_concurrent_steps={s} must be None or 2..4")
+        if not isinstance(self.cta_group, int) or self.cta_group < 1:
+            raise ValueError(f"bwd_cta_group={self.cta_group} must be a positive int")
 
     def split_dq(self, head_dim: int) -> bool:
         """D=128: the two warpgroups split dQ's columns (a single reduction per CTA and step)."""
@@ -147,6 +170,8 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
         raise ValueError(f"padded lengths Sq={sq}, Sk={sk} must be multiples of {bq} and {2 * bkv}")
     split = t_.split_dq(d)
     dcols = d // 2 if split else d
+    # two dsT buffers: a third (dQ lagging two steps) kept the gradients exact but measured slower on the H200
+    # (2026-12-03, D128 causal fwd+bwd 375-383 vs 395-400 TFLOP/s; docs/perf/README.md, session 6)
     nbuf = 2 if split else 1
     c = bs.scale * LOG2E
     scale = bs.scale
@@ -170,9 +195,9 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
             scoped[0], scoped[1:])
         kv_bar, q_bars, do_bars, consumed, sync, ds_ready, ds_free = bars
 
-        kvi = lax.axis_index("kv_seq")
-        kv_head = lax.axis_index("kv_heads")
-        bi = lax.axis_index("batch")
+        # kv tile 0 holds the most causal work: heaviest first is ascending
+        kvi, pair = cta_coords(lax.axis_index("cta"), nkv, b * kvh, t_.cta_group, descending=False)
+        bi, kv_head = pair // kvh, lax.rem(pair, kvh)
         wg = lax.axis_index("wg")
         base_idx = (bi * nkv + kvi) * 4
         lo, flo, fhi, hi = (bnd_ref[base_idx + j] for j in range(4))
@@ -397,13 +422,13 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
         entry_interp.__name__ = entry.__name__
         dk, dv, dq = plgpu.kernel(
             entry_interp, out_type=kv_out + [jax.ShapeDtypeStruct((nkv, 2, *q.shape), jnp.float32)],
-            grid=(nkv, kvh, b), grid_names=("kv_seq", "kv_heads", "batch"), num_threads=3, thread_name="wg",
+            grid=(nkv * kvh * b,), grid_names=("cta",), num_threads=3, thread_name="wg",
             compiler_params=params, interpret=InterpretGPUParams(uninitialized_memory="zero"))(*args)
         return dq.sum((0, 1)), dk, dv
     # dQ accumulates across CTAs by TMA reduce-add: a zeroed float32 Ref, aliased in and out by pl.kernel
     # (plgpu.kernel's batching wrapper does not take Ref operands).
     dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-    mesh = plgpu.Mesh(grid=(nkv, kvh, b), grid_names=("kv_seq", "kv_heads", "batch"), num_threads=3,
+    mesh = plgpu.Mesh(grid=(nkv * kvh * b,), grid_names=("cta",), num_threads=3,
                       thread_name="wg")
     dk, dv = pl.kernel(entry, out_type=kv_out, mesh=mesh, compiler_params=params,
                        name="mmjax_flash_mgpu_bwd")(*args, dq_acc)

@@ -18,9 +18,10 @@ from jax.experimental import pallas as pl
 from kernels import _rows
 from kernels._dispatch import interpret as _interpret
 
-# tools/sweep_rows.py on an H200 ([32768, 4096] bf16, results/rows-sweep-2026-12-03{,b}.json): 16 backward
-# warps beat 8 by 2 points of fwd+bwd bandwidth in both runs (83 vs 81%, 81 vs 79%); 4 spill, 32 are slower.
-TILING = _rows.RowTiling(bwd_warps=16)
+# tools/sweep_rows.py on an H200 ([32768, 4096] bf16, results/rows-sweep-2026-12-03{,b,c}.json): 8k-element
+# tiles with the backward's hand prefetch and 16 warps run fwd+bwd at 0.382 ms (94% of 3.75 TB/s); without the
+# prefetch 16k tiles were best (0.434-0.445 ms, 81-83%); prefetch at 16k tiles is slower (0.59 ms).
+TILING = _rows.RowTiling(tile_elems=8192, bwd_warps=16, bwd_prefetch=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +88,14 @@ def _bwd_kernel(*refs, st: _Static, n_tiles: int):
     scale = scale_ref[...].astype(jnp.float32)
     colmask = _rows.col_mask(ep, st.e)[None, :] if ep != st.e else None
 
-    def tile(t, acc):
+    def load(t):
         rows = pl.ds(t * st.rows, st.rows)
-        s = s_ref[rows, :].astype(jnp.float32)
-        g = g_ref[rows, :].astype(jnp.float32)
-        mean, rstd = mean_ref[rows], rstd_ref[rows]
+        return (s_ref[rows, :], g_ref[rows, :], gs_ref[rows, :] if st.has_res else None,
+                mean_ref[rows], rstd_ref[rows])
+
+    def tile(t, loaded, acc):
+        s, g, gs, mean, rstd = loaded
+        s, g = s.astype(jnp.float32), g.astype(jnp.float32)
         xhat = (s - mean[:, None]) * rstd[:, None]
         if colmask is not None:
             xhat = jnp.where(colmask, xhat, 0.0)
@@ -102,15 +106,25 @@ def _bwd_kernel(*refs, st: _Static, n_tiles: int):
             dx = dx - (jnp.sum(gsc, axis=1) / st.e)[:, None]
         dx = dx * rstd[:, None]
         if st.has_res:
-            dx = dx + gs_ref[rows, :].astype(jnp.float32)
-        dx_ref[rows, :] = dx.astype(dx_ref.dtype)
+            dx = dx + gs.astype(jnp.float32)
+        dx_ref[pl.ds(t * st.rows, st.rows), :] = dx.astype(dx_ref.dtype)
         dscale, dbias = acc
         return dscale + jnp.sum(g * xhat, axis=0), (dbias + jnp.sum(g, axis=0) if st.has_bias else dbias)
 
     lo = pl.program_id(0) * st.tiles_per_program
     hi = jnp.minimum(lo + st.tiles_per_program, n_tiles)
     zeros = jnp.zeros((ep,), jnp.float32)
-    dscale, dbias = jax.lax.fori_loop(lo, hi, tile, (zeros, zeros))
+    if st.tiling.bwd_prefetch:
+        # Software pipelining by hand: tile t+1's loads are issued before tile t's reductions and stores, so
+        # one program keeps memory busy while it computes (Triton num_stages 1-3 timed within 1%: its pipeliner
+        # does not overlap these loads).
+        def body(t, carry):
+            loaded, acc = carry
+            return load(t + 1), tile(t, loaded, acc)
+        last, acc = jax.lax.fori_loop(lo, hi - 1, body, (load(lo), (zeros, zeros)))
+        dscale, dbias = tile(hi - 1, last, acc)
+    else:
+        dscale, dbias = jax.lax.fori_loop(lo, hi, lambda t, acc: tile(t, load(t), acc), (zeros, zeros))
     dscale_ref[...] = dscale
     if st.has_bias:
         dbias_ref[...] = dbias

@@ -26,10 +26,28 @@ from test_flash_mgpu_cpu import _random_layout, check_grads_vs_reference  # test
     (dict(bwd_block_q=32), "bwd_block_q"),
     (dict(bwd_block_kv=256), "bwd_block_kv"),
     (dict(bwd_max_concurrent_steps=1), "bwd_max_concurrent_steps"),
+    (dict(bwd_cta_group=0), "bwd_cta_group"),
+    (dict(cta_group=-1), "cta_group"),
 ])
 def test_config_rejects(kw, match):
     with pytest.raises(ValueError, match=match):
         fm.MgpuFlashConfig(**kw).check()
+
+
+@pytest.mark.parametrize("n_tiles,n_pairs,group", [(32, 64, 4), (5, 7, 3), (4, 2, 8), (1, 3, 1), (6, 6, 1 << 30)])
+@pytest.mark.parametrize("descending", [False, True])
+def test_cta_coords_is_a_heaviest_first_permutation(n_tiles, n_pairs, group, descending):
+    pid = jnp.arange(n_tiles * n_pairs, dtype=jnp.int32)
+    tile, pair = (np.asarray(a) for a in mb.cta_coords(pid, n_tiles, n_pairs, group, descending))
+    assert sorted(zip(tile.tolist(), pair.tolist())) == [(t, p) for t in range(n_tiles) for p in range(n_pairs)]
+    g = min(group, n_pairs)
+    heavy = n_tiles - 1 if descending else 0
+    for first in range(0, n_pairs, g):  # each group: its pairs only, launched heaviest tile first
+        sel = (pair >= first) & (pair < first + g)
+        idx = np.flatnonzero(sel)
+        assert idx.max() - idx.min() + 1 == idx.size, "a group's CTAs are not contiguous in launch order"
+        rank = tile[sel] if not descending else n_tiles - 1 - tile[sel]
+        assert (np.diff(rank) >= 0).all() and tile[sel][0] == heavy
 
 
 def test_smem_budget_and_padding():
@@ -92,7 +110,7 @@ def test_lowers_to_mosaic_gpu(d, causal, blocks, bq):
 # Tolerance: bf16 inputs, gradients within 5e-2 of max |reference gradient| (as the forward's vjp test).
 
 _INTERP = fm.MgpuFlashConfig(interpret=True, block_kv=64, max_concurrent_steps=2, bwd_impl="mgpu",
-                             bwd_max_concurrent_steps=2)
+                             bwd_max_concurrent_steps=2, cta_group=1, bwd_cta_group=1)
 
 
 # A barrier bug deadlocks the interpreter in a wait that SIGALRM does not interrupt: the thread method ends

@@ -104,7 +104,12 @@ def test_model_fused_loss_matches_logits_loss():
 # padded width 48 -> 64 and an odd row count; 37 row tiles of 16 x 1024: three backward programs, the last
 # walking 5 tiles (the per-program dscale/dbias partial sums)
 @pytest.mark.parametrize("shape", [(3, 10, 48), (4, 64), (592, 1000)])
-def test_norms_pallas_matches_reference(kind, residual, shape):
+@pytest.mark.parametrize("prefetch", [False, True], ids=["loop", "prefetch"])
+def test_norms_pallas_matches_reference(kind, residual, shape, prefetch, monkeypatch):
+    import dataclasses
+
+    import kernels.norms.pallas as norm_pallas
+    monkeypatch.setattr(norm_pallas, "TILING", dataclasses.replace(norm_pallas.TILING, bwd_prefetch=prefetch))
     e = shape[-1]
     x, r, scale, bias = arr(shape), arr(shape), arr((e,)), arr((e,))
     w = arr(shape)
