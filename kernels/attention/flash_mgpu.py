@@ -430,7 +430,7 @@ def _attn(st: _MStatic, pst: _fp._Static, q, k, v, qm, km, kq, kk, bnds):
 
 
 def _attn_fwd(st, pst, q, k, v, qm, km, kq, kk, bnds):
-    o, lse = _fwd_call(st, q, k, v, kq, kk, bnds["cta"])
+    o, lse = _fp.once(*_fwd_call(st, q, k, v, kq, kk, bnds["cta"]))
     return o, ((q, k, v, qm, km, bnds, o, lse), (kq, kk))
 
 

@@ -1,4 +1,4 @@
-"""Building blocks: parameters with logical axis names, norms, RoPE, dense helpers, layer stacks.
+"""Building blocks: parameters with logical axis names, norms, RoPE, dense helpers, SwiGLU, layer stacks.
 
 Logical axis names live in each `nnx.Param`'s `out_sharding` metadata (flax >= 0.12; created with
 `eager_sharding=False` so no mesh is needed here). Extract them with `nnx.get_partition_spec(state)`
@@ -71,6 +71,38 @@ def dense(x, w, spec: str, dtype, bias=None):
     if bias is not None:
         y = y + bias.astype(dtype)
     return y
+
+
+@jax.custom_vjp
+def swiglu(h):
+    """silu(h[..., 0, :]) * h[..., 1, :] for the fused gate/up projection h [..., 2, M].
+
+    The backward keeps only h and recomputes the elementwise part. Why: plain autodiff keeps silu's
+    intermediates too, and under the layer scan every residual is a stacked [layers, B, S, M] buffer: at
+    the 1.2B decoder, B8 S2048, six of them (25.8 GB, zero-filled each step) where h is two.
+    """
+    return jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
+
+
+def _swiglu_fwd(h):
+    return swiglu(h), h
+
+
+def _swiglu_bwd(h, g):
+    # One elementwise pass written straight in h's [..., 2, M] layout (a select on the gate/up index, both
+    # halves broadcast): stacking d_gate and d_up instead ran as a concatenate fusion plus a separate
+    # float32 sigmoid pass, 0.85 ms per layer at B8 S2048 M8192 on the H200.
+    hf = h.astype(jnp.float32)
+    a, b = hf[..., 0:1, :], hf[..., 1:2, :]
+    g = g.astype(jnp.float32)[..., None, :]
+    sig = jax.nn.sigmoid(a)
+    is_gate = jax.lax.broadcasted_iota(jnp.int32, h.shape, h.ndim - 2) == 0
+    # d silu(a) / da = sig * (1 + a (1 - sig))
+    dh = jnp.where(is_gate, g * b * sig * (1.0 + a * (1.0 - sig)), g * a * sig)
+    return (dh.astype(h.dtype),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class RMSNorm(nnx.Module):

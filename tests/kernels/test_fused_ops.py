@@ -162,7 +162,9 @@ def test_bias_gelu_pallas_matches_reference(approximate, rate, shape):
         assert not np.array_equal(np.asarray(y) == 0, np.asarray(y2) == 0)
 
 
-def test_jax_triton_skipped_on_cpu_with_reason(caplog):
+def test_jax_triton_skipped_on_cpu_with_reason(caplog, monkeypatch):
+    from kernels.bias_gelu import OP
+    monkeypatch.setattr(OP, "_logged", set())  # "once" per process: earlier tests may have logged
     assert _dispatch.jax_triton(_dispatch.make_ctx(jnp.float32)) is not None
     x, b = arr((4, 32)), arr((32,))
     with caplog.at_level(logging.INFO, logger="kernels"):
