@@ -306,3 +306,26 @@ def test_mgpu_bwd_agrees_with_pallas_bwd(d):
             w = w.astype(jnp.float32)
             err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - w)))
             assert err <= 2e-2 * float(jnp.max(jnp.abs(w))), f"{cfg}: d{nm} error {err:.4g}"
+
+
+@requires_sm90
+@pytest.mark.parametrize("bwd_impl", ["pallas", "mgpu"])
+def test_forward_kernel_runs_once_per_layer_under_a_scan(bwd_impl):
+    """The layer-scan pattern of the decoder (o feeds the next matmul and is stacked as a residual) compiles
+    to ONE forward kernel per layer: XLA's dynamic-slice fusion cloned it before `flash_pallas.once`."""
+    b, s, h, d = 2, 512, 4, 64
+    lay = _plain(b, s)
+    cfg = fm.MgpuFlashConfig(bwd_impl=bwd_impl)
+    ws = jax.random.normal(jax.random.PRNGKey(0), (3, h * d, h * d), jnp.bfloat16) * 0.05
+    x = jax.random.normal(jax.random.PRNGKey(1), (b, s, h * d), jnp.bfloat16)
+
+    def loss(ws, x):
+        def layer(x, w):
+            q = (x @ w).reshape(b, s, h, d)
+            o = fm.flash_attention_mgpu(q, q, q, causal=True, config=cfg, **lay)
+            return x + o.reshape(b, s, h * d) @ w, None
+        return jnp.sum(jax.lax.scan(layer, x, ws)[0].astype(jnp.float32))
+
+    hlo = jax.jit(jax.grad(loss)).lower(ws, x).compile().as_text()
+    calls = [ln for ln in hlo.splitlines() if "custom-call(" in ln and "mmjax_flash_mgpu_fwd" in ln]
+    assert len(calls) == 1, "\n".join(c[:200] for c in calls)
