@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--remat", default="", help="comma list tried in order until one fits, e.g. none,full")
     p.add_argument("--name", default="", help="result file stem (default: train_<model>_<date>)")
     p.add_argument("--out", default=str(ROOT / "docs/perf/results"))
+    p.add_argument("--dump-hlo", action="store_true", help="also write the compiled step's HLO to <out>/<name>.hlo.txt")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.global_batch_size=8")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     stem = args.name or f"train_{'decoder' if cfg.model.text_only else 'mllm'}_{datetime.date.today()}"
     result = run_with_remat_fallback(cfg, remats, steps=args.steps, warmup=args.warmup,
-                                     profile_steps=args.profile_steps, out_dir=out / f"{stem}_trace")
+                                     profile_steps=args.profile_steps, out_dir=out / f"{stem}_trace",
+                                     hlo_path=out / f"{stem}.hlo.txt" if args.dump_hlo else None)
     result["command"] = "python tools/bench_train.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))

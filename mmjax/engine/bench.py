@@ -62,8 +62,13 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def run_train_bench(cfg: Config, *, steps: int = 20, warmup: int = 3, profile_steps: int = 2,
-                    out_dir: str | Path | None = None) -> dict[str, Any]:
-    """Compile, warm up, time `steps` train steps, then profile `profile_steps` more; returns the result dict."""
+                    out_dir: str | Path | None = None, hlo_path: str | Path | None = None) -> dict[str, Any]:
+    """Compile, warm up, time `steps` train steps, then profile `profile_steps` more; returns the result dict.
+
+    `hlo_path`: also write the compiled step's optimized HLO there. The profile names kernels by their HLO
+    fusion names (`fusion_67`, `wrapped_convert`); the HLO says which op each one is and how many times a
+    custom call appears (how a cross-entropy cast left in a loop and a duplicated attention kernel were found).
+    """
     mesh = make_mesh(cfg)
     setup = model_setup(cfg, mesh, image_token_id=image_token_id(cfg))
     optimizer, schedule = make_optimizer(cfg), learning_rate_schedule(cfg)
@@ -77,6 +82,9 @@ def run_train_bench(cfg: Config, *, steps: int = 20, warmup: int = 3, profile_st
     start = time.perf_counter()
     compiled = step_fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - start
+    if hlo_path is not None:
+        Path(hlo_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(hlo_path).write_text(compiled.as_text())
     memory_analysis = None
     try:
         ma = compiled.memory_analysis()
@@ -127,6 +135,7 @@ def run_train_bench(cfg: Config, *, steps: int = 20, warmup: int = 3, profile_st
         "compiled_memory": memory_analysis,
         "memory": memory_metrics(),
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+        "hlo_file": None if hlo_path is None else str(hlo_path),
     }
     if profile_steps > 0:
         profiler = Profiler([(steps + warmup + 1, steps + warmup + profile_steps)],
