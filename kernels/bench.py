@@ -424,8 +424,9 @@ def table(record: dict) -> str:
     f = lambda v, p: "" if v is None else f"{v:.{p}f}"
     for r in record["rows"]:
         frac = "" if r["fraction_of_ceiling"] is None else f"{r['fraction_of_ceiling']:.0%}"
+        note = " ".join(str(r["note"]).split()).replace("|", "/")  # one cell: error texts span lines
         lines.append(f"| {r['op']} | {r['impl']} | {r['shape']} | {f(r['ms'], 3)} | {f(r['tflops'], 0)} | "
-                     f"{f(r['gbps'], 0)} | {frac} | {f(r['peak_mem_gib'], 2)} | {r['note']} |")
+                     f"{f(r['gbps'], 0)} | {frac} | {f(r['peak_mem_gib'], 2)} | {note} |")
     return "\n".join(lines)
 
 
