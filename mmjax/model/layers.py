@@ -89,9 +89,9 @@ def _swiglu_fwd(h):
 
 
 def _swiglu_bwd(h, g):
-    # One elementwise pass written straight in h's [..., 2, M] layout (a select on the gate/up index, both
-    # halves broadcast): stacking d_gate and d_up instead ran as a concatenate fusion plus a separate
-    # float32 sigmoid pass, 0.85 ms per layer at B8 S2048 M8192 on the H200.
+    # A select on the gate/up index in h's [..., 2, M] layout (both halves broadcast). XLA runs it as two
+    # passes (g * up, then the select): 0.77 ms per layer at B8 S2048 M8192 on the H200, against 0.85 ms for
+    # stacking d_gate and d_up (a float32 sigmoid pass and a concatenate); one pass at copy speed is ~0.42.
     hf = h.astype(jnp.float32)
     a, b = hf[..., 0:1, :], hf[..., 1:2, :]
     g = g.astype(jnp.float32)[..., None, :]
