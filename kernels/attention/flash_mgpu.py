@@ -93,7 +93,8 @@ class MgpuFlashConfig:
     max_concurrent_steps: int | None = None   # SMEM ring depth; None: 3 if it fits in SMEM, else 2
     skip_full_tile_mask: bool = True          # skip the element-wise mask on provably full key tiles
     # (batch, head) pairs per launch-order group (`_mb.cta_coords`): D128 causal forward 534 TFLOP/s at 4 vs
-    # 510 in the previous order (head by head, lightest tile first) and 494 with all pairs (H200, two runs)
+    # 510 for an approximation of the previous order (lightest tile first, groups of 4) and 494 with all pairs
+    # (H200, means of two runs)
     cta_group: int = 4
     bwd: _fp.FlashConfig | None = None        # None: flash_pallas.default_config(head_dim)
     interpret: bool = False                   # Mosaic GPU interpreter (CPU tests; slow)
