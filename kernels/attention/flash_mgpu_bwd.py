@@ -24,6 +24,12 @@ Kernel layout (one CTA = 2 * block_kv key rows of one (batch, kv head)):
     {b,c}.json): paired wgmmas + late dQ + 240 registers 380-385 TFLOP/s; one wgmma group at a time 359-363;
     paired without late dQ 340; 232 registers with paired wgmmas 359 (presumably spills); a forward-style ping-pong
     of the two warpgroups 299; a 128B-swizzled f32 dQ staging buffer (at 232 registers) 355.
+  * Register pressure (2026-12-04, ncu source-level stall sampling + ptxas): the kernel spilled 436 bytes; the
+    reloads of hoisted K/V wgmma descriptors and the bank-conflicted dQ staging stores and fences were ~30% of
+    the compute warps' stall samples. Per-step K/V descriptors (`opaque_zero`), kv-side mask vectors loaded per
+    masked step, (head, q tile) of the late dQ from the loops instead of a division, and a swizzled dQ staging
+    buffer: spills 436 -> 56 bytes, fwd+bwd 400 -> 485 TFLOP/s (D128 causal), D64 266 -> 327
+    (docs/perf/results/attention-mgpu-bwd-spills-2026-12-04.json; each change alone: 432, 414, 409, 406).
   * GQA: the q loop runs over the group's query heads inside the CTA, so dK/dV of a kv head are summed
     in registers (no per-q-head dK/dV and no extra pass).
   * Tile skipping: `flash_pallas._bounds(..., transpose=True)` for tiles (block_q, 2*block_kv) gives each
@@ -184,6 +190,13 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
     def vload(ref, layout):
         return ref[...] if interp else plgpu.load(ref, (), layout=layout)
 
+    def opaque_zero(t):
+        """0 for every step index t >= 0, but not provably so. Indexing the K/V SMEM refs with it keeps LLVM
+        from hoisting their loop-invariant wgmma descriptors (dozens of 64-bit values) out of the loops, where
+        they did not fit in the 240 registers and spilled to local memory (ncu: long-scoreboard stalls on the
+        reloads before each wgmma). Recomputing them per step costs a few uniform-register adds."""
+        return lax.shift_right_arithmetic(t, jnp.int32(31))
+
     def dot_t(a, b):  # a @ b.T in float32: the interpreter's stand-in for a wgmma with a transposed B
         return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -222,7 +235,6 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
                 plgpu.copy_gmem_to_smem(src.at[bi, rows], dst.at[wg], kv_bar.at[wg])
             plgpu.barrier_wait(kv_bar.at[0])  # both halves: at D=128 dQ reads the other warpgroup's K
             plgpu.barrier_wait(kv_bar.at[1])
-            kvec = [vload(r.at[wg], row) for r in km_smem]
             bcast_row = lambda x: lax.broadcast_in_dim(x, (bkv, bq), [0])
             bcast_col = lambda x: lax.broadcast_in_dim(x, (bkv, bq), [1])
 
@@ -230,6 +242,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
                 """pT = exp2(sT * scale*log2e - lse) with the mask (0 where masked, and on masked rows)."""
                 s_t = s_t * c
                 if masked:
+                    kvec = [vload(r.at[wg], row) for r in km_smem]  # per masked step: not live across loops
                     qv = [bcast_col(vload(r.at[slot], col)) for r in qm_smem]
                     kv_b = [bcast_row(x) for x in kvec]
                     allowed = qv[0] == kv_b[0]
@@ -256,11 +269,12 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
                 if split:
                     plgpu.barrier_arrive(ds_ready.at[buf])
 
-            def grads(dk, dv, t, slot, buf, masked):
+            def grads(dk, dv, t, slot, buf, masked, z):
                 """dK, dV += this step's terms; dsT to SMEM. sT and dpT are issued together and pT is computed
                 while dpT runs; dV and dK are issued together with dsT's SMEM store under them (two wgmma
                 waits per step; one group at a time: 359-363 vs 380-385 TFLOP/s, attention-mgpu-bwd-2026-12-03c)."""
                 q_s, do_s = q_smem.at[slot], do_smem.at[slot]
+                k_w, v_w = k_smem.at[wg + z], v_smem.at[wg + z]
                 plgpu.barrier_wait(q_bars.at[slot])
                 plgpu.barrier_wait(do_bars.at[slot])
                 if interp:  # plain dots: the interpreter's wgmma takes no transposed or register operands
@@ -289,19 +303,21 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
                 dv, dk = pl.run_state(dv_dk_fn)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
                 return dk, dv
 
-            def dq_step(t):
-                """dQ partial of step t [bq, dcols] (at D=128 this warpgroup's column half over both
-                warpgroups' keys), scaled and TMA reduce-added into the f32 dQ rows of that step's q tile."""
+            def dq_step(t, gi, j):
+                """dQ partial of step t = (query head gi of the group, q tile j) [bq, dcols] (at D=128 this
+                warpgroup's column half over both warpgroups' keys), scaled and TMA reduce-added into the f32 dQ
+                rows of that q tile. (gi, j) come from the loops: no integer division per step."""
                 buf = lax.rem(t, jnp.int32(nbuf))
-                head = kv_head * groups + lax.div(t, nn)
-                q_rows = pl.ds((lo + lax.rem(t, nn)) * bq, bq)
+                z = opaque_zero(t)
+                head = kv_head * groups + gi
+                q_rows = pl.ds(j * bq, bq)
                 srcs = (0, 1) if split else (wg,)       # warpgroups whose dsT (and keys) this dQ sums over
                 cols = pl.ds(wg * dcols, dcols) if split else slice(None)
                 if split:
                     plgpu.barrier_wait(ds_ready.at[buf])  # both warpgroups' dsT of step t are in SMEM
                 def dq_fn(acc_ref):
                     for w in srcs:
-                        kk = k_smem.at[w].at[:, cols] if split else k_smem.at[w]
+                        kk = k_smem.at[w + z].at[:, cols] if split else k_smem.at[w + z]
                         plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem.at[buf, w], (1, 0)), kk)
                     return acc_ref[...]
 
@@ -324,12 +340,15 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
             def step(j, carry, masked, gi):
                 t = gi * n + (j - lo)
                 slot = lax.rem(t, jnp.int32(steps))
-                dk, dv = grads(*carry, t, slot, lax.rem(t, jnp.int32(nbuf)), masked)
+                z = opaque_zero(t)
+                dk, dv = grads(*carry, t, slot, lax.rem(t, jnp.int32(nbuf)), masked, z)
                 plgpu.barrier_arrive(consumed.at[slot])  # Q, dO, lse, delta, q vectors of this slot done
                 if split:  # dQ one step behind: barriers, no lock-step sync (with paired wgmmas 380 vs 340, 03c)
-                    pl.when(t > 0)(lambda: dq_step(t - 1))
+                    first = j == lo                      # the previous step was the last q tile of head gi - 1
+                    pl.when(t > 0)(lambda: dq_step(t - 1, jnp.where(first, gi - 1, gi),
+                                                   jnp.where(first, hi - 1, j - 1)))
                 else:
-                    dq_step(t)
+                    dq_step(t, gi, j)
                 return dk, dv
 
             def head_loop(gi, carry):
@@ -340,7 +359,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
             zeros = lay(jnp.zeros((bkv, d), jnp.float32), plgpu.Layout.WGMMA)
             dk, dv = lax.fori_loop(0, groups, head_loop, (zeros, zeros))
             if split:
-                pl.when(n > 0)(lambda: dq_step(groups * n - 1))
+                pl.when(n > 0)(lambda: dq_step(groups * n - 1, groups - 1, hi - 1))
                 if interp:
                     # The interpreter checks that a thread observes every phase of a barrier it waited on:
                     # observe the last (up to nbuf) "dsT read" phases too. Not needed on the GPU.
@@ -393,7 +412,10 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
             plgpu.SMEM((steps, bq), jnp.float32),                             # delta ring
             [plgpu.SMEM((steps, bq), jnp.int32) for _ in range(nm)],          # q-side mask vectors
             plgpu.SMEM((nbuf, 2, bkv, bq), dtype, transforms=tr),             # dsT (dQ's A operand)
-            plgpu.SMEM((2, bq, dcols), jnp.float32),                          # dQ partial staging
+            # dQ partial staging, 128B-swizzled: the WGMMA-layout store into a plain row-major f32 tile was
+            # 8-way bank-conflicted (ncu: MIO stalls on its 16 STS.64 and on the fence behind them)
+            plgpu.SMEM((2, bq, dcols), jnp.float32,
+                       transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))),
         ]
         pl.run_scoped(
             lambda *scoped: body(*refs, *scoped),
