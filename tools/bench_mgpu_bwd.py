@@ -25,8 +25,8 @@ def candidates():
     return {
         "pallas_bwd": M(),
         "mgpu_q64_kv64": M(bwd_impl="mgpu"),
-        "mgpu_q64_kv64_nofullskip": M(bwd_impl="mgpu", skip_full_tile_mask=False),
         "mgpu_q128_kv64": M(bwd_impl="mgpu", bwd_block_q=128),
+        "mgpu_q64_kv64_steps3": M(bwd_impl="mgpu", bwd_max_concurrent_steps=3),
     }
 
 
