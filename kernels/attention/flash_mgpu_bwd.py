@@ -65,8 +65,9 @@ MASK = _fp.MASK
 SMEM_LIMIT = 227 * 1024  # H100/H200 max dynamic shared memory per block
 _SMEM_RESERVE = 4096     # barriers + Mosaic's reduction scratch
 # setmaxnreg per compute-warpgroup thread; the memory warpgroup gets the rest of the 64512 (24). 232 was
-# slower with the paired wgmmas, 359 vs 385 TFLOP/s fwd+bwd (results/attention-mgpu-bwd-2026-12-03b.json;
-# presumably spills, the SASS was not inspected).
+# slower with the paired wgmmas, 359 vs 385 TFLOP/s fwd+bwd (results/attention-mgpu-bwd-2026-12-03b.json).
+# Even 240 spilled (436 bytes, ptxas via MOSAIC_GPU_DUMP_TO) until the fixes under "Register pressure" in the
+# module docstring (56 bytes since 2026-12-04): check the ptxas report after changing the compute loop.
 REGISTERS = 240
 
 
