@@ -17,12 +17,15 @@ from kernels.paged_attention import OP as _PAGED_ATTENTION
 from kernels.paged_attention import paged_attention
 from kernels.softmax import OP as _SOFTMAX
 from kernels.softmax import softmax
+from kernels.swiglu import OP as _SWIGLU
+from kernels.swiglu import swiglu
 
 __all__ = ["sharding", "attention", "paged_attention", "linear_cross_entropy", "rms_norm", "layer_norm",
-           "bias_gelu", "softmax", "attention_impls", "norm_impls", "cross_entropy_impls", "activation_impls", "OPS"]
+           "bias_gelu", "softmax", "swiglu", "attention_impls", "norm_impls", "cross_entropy_impls",
+           "activation_impls", "swiglu_impls", "OPS"]
 
 OPS = {"attention": _ATTENTION, "paged_attention": _PAGED_ATTENTION, "cross_entropy": _CROSS_ENTROPY,
-       "norm": _NORM, "bias_gelu": _BIAS_GELU, "softmax": _SOFTMAX}
+       "norm": _NORM, "bias_gelu": _BIAS_GELU, "softmax": _SOFTMAX, "swiglu": _SWIGLU}
 
 
 def attention_impls() -> list[str]:
@@ -39,3 +42,7 @@ def cross_entropy_impls() -> list[str]:
 
 def activation_impls() -> list[str]:
     return _BIAS_GELU.available()
+
+
+def swiglu_impls() -> list[str]:
+    return _SWIGLU.available()

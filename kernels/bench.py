@@ -275,6 +275,20 @@ def bench_softmax(rows: list, n=32768, e=4096, dtype=jnp.bfloat16, impls=("palla
         _run(rows, "softmax_fwd_bwd", impl, shape, g, (x, None, x[::-1]), nbytes=5 * b)
 
 
+def bench_swiglu(rows: list, n=16384, m=8192, dtype=jnp.bfloat16, impls=("pallas", "xla")):
+    """The decoder MLP's silu(gate) * up at the 1.2B decoder's B8 S2048 (n = 16384 rows, M = 8192)."""
+    import kernels
+    h = jax.random.normal(jax.random.PRNGKey(7), (n, 2, m), dtype)
+    g = jax.random.normal(jax.random.PRNGKey(8), (n, m), dtype)
+    y = g.size * g.dtype.itemsize                           # bytes of one [n, m] tensor; h is 2y
+    shape = f"[{n},2,{m}] {jnp.dtype(dtype).name}"
+    for impl in impls:
+        _run(rows, "swiglu_fwd", impl, shape, jax.jit(lambda h: kernels.swiglu(h, impl=impl)), (h,), nbytes=3 * y)
+        # fwd reads h, writes y; bwd reads h and dy, writes dh
+        g_fn = _fwd_bwd(lambda h, _: kernels.swiglu(h, impl=impl))
+        _run(rows, "swiglu_fwd_bwd", impl, shape, g_fn, (h, None, g), nbytes=8 * y)
+
+
 def bench_cross_entropy(rows: list, n=16384, e=2048, v=128256, dtype=jnp.bfloat16, impls=("chunked", "xla")):
     """Loss + grads (x, W) at Llama-3 vocab; tied layout [V, E] like the 1B config. Peak = temp + outputs."""
     import kernels
@@ -356,18 +370,19 @@ def bench_train_step(rows: list, impls: dict, batch=8, seq=2048, steps=10, confi
 # ----------------------------------------------------------------------------------------------
 # One run, one JSON, one table
 
-SECTIONS = ("attention", "paged_attention", "cross_entropy", "norms", "bias_gelu", "softmax", "train_step")
+SECTIONS = ("attention", "paged_attention", "cross_entropy", "norms", "bias_gelu", "softmax", "swiglu", "train_step")
 
 
 def train_configs() -> dict[str, dict]:
     """The train-step configurations by name (`tools/bench_kernels.py --train-impls` picks among them)."""
-    every_xla = dict(attention_impl="xla", norm_impl="xla", loss_impl="xla")
-    auto = dict(attention_impl="auto", norm_impl="auto", loss_impl="auto")
+    every_xla = dict(attention_impl="xla", norm_impl="xla", loss_impl="xla", swiglu_impl="xla")
+    auto = dict(attention_impl="auto", norm_impl="auto", loss_impl="auto", swiglu_impl="auto")
     # "xla" everywhere materialises [B, H, S, S] scores and [B*S, V] logits: at B8 S2048 it ran out of the
     # H200's memory on 2026-12-03, so baselines with cuDNN attention are timed as well.
     return {"auto": auto, "auto+cudnn_attention": dict(auto, attention_impl="cudnn"),
             "auto+pallas_attention": dict(auto, attention_impl="pallas"),
-            "auto+mgpu_fwd_pallas_bwd": dict(auto, attention_impl="mgpu"), "xla": every_xla,
+            "auto+mgpu_fwd_pallas_bwd": dict(auto, attention_impl="mgpu"),
+            "auto+xla_swiglu": dict(auto, swiglu_impl="xla"), "xla": every_xla,
             "cudnn_attention+xla": dict(every_xla, attention_impl="cudnn")}
 
 
@@ -398,9 +413,10 @@ def run_all(sections=SECTIONS, *, train_steps: int = 10, train_impls: dict | Non
         "norms": lambda: bench_norms(rows),
         "bias_gelu": lambda: bench_bias_gelu(rows),
         "softmax": lambda: bench_softmax(rows),
+        "swiglu": lambda: bench_swiglu(rows),
         "train_step": lambda: _train_steps(rows, train_impls, train_steps),
     }
-    if set(sections) & {"norms", "bias_gelu", "softmax", "paged_attention"}:
+    if set(sections) & {"norms", "bias_gelu", "softmax", "swiglu", "paged_attention"}:
         record["ceilings"]["copy_gbps_measured_now"] = bench_copy(rows)
     for name in sections:
         steps[name]()

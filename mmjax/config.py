@@ -107,6 +107,7 @@ class ModelConfig:
     norm_impl: str = "auto"        # kernels.rms_norm / layer_norm: auto | pallas | triton | xla
     loss_impl: str = "auto"        # kernels.linear_cross_entropy: auto | chunked | xla
     activation_impl: str = "auto"  # kernels.bias_gelu (ViT MLP, projector): auto | triton | pallas | xla
+    swiglu_impl: str = "auto"      # kernels.swiglu (decoder MLP): auto | pallas | xla
     text_only: bool = False  # decoder only: no vision tower or projector; batches carry no images
     # Image placeholder tokens attend "bidirectional"ly within their image, or "causal"ly like any token
     # (what LLaVA in transformers does; converted LLaVA checkpoints set it).
@@ -448,7 +449,8 @@ def kernel_impl_choices(m: ModelConfig) -> list[tuple[str, str, tuple[str, ...]]
     return [("attention_impl", m.attention_impl, ("auto", *kernels.attention_impls())),
             ("norm_impl", m.norm_impl, ("auto", *kernels.norm_impls())),
             ("loss_impl", m.loss_impl, ("auto", *kernels.cross_entropy_impls())),
-            ("activation_impl", m.activation_impl, ("auto", *kernels.activation_impls()))]
+            ("activation_impl", m.activation_impl, ("auto", *kernels.activation_impls())),
+            ("swiglu_impl", m.swiglu_impl, ("auto", *kernels.swiglu_impls()))]
 
 
 def validate(cfg: Config) -> None:

@@ -44,6 +44,7 @@ class DecoderLayer(nnx.Module):
         self.rope_llama3 = None if t.rope_scaling == "none" else (
             t.rope_factor, t.rope_low_freq_factor, t.rope_high_freq_factor, t.rope_original_max_len)
         self.attention_impl = cfg.attention_impl
+        self.swiglu_impl = cfg.swiglu_impl
         self.compute_dtype = compute_dtype
         w = normal(0.02)
         norm = dict(eps=t.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype, impl=cfg.norm_impl)
@@ -75,7 +76,7 @@ class DecoderLayer(nnx.Module):
         h, x = self.mlp_norm(dense(attn, self.out[...], "bshd,hde->bse", self.compute_dtype), residual=x)
         x = constrain(x, RESIDUAL)
         h = dense(h, self.gate_up[...], "bse,ecm->bscm", self.compute_dtype)
-        h = constrain(swiglu(h), ("batch", "length", "mlp"))
+        h = constrain(swiglu(h, self.swiglu_impl), ("batch", "length", "mlp"))
         return constrain(x + dense(h, self.down[...], "bsm,me->bse", self.compute_dtype), RESIDUAL)
 
     def __call__(self, x, positions, segment_ids, block_ids):

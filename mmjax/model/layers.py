@@ -73,36 +73,10 @@ def dense(x, w, spec: str, dtype, bias=None):
     return y
 
 
-@jax.custom_vjp
-def swiglu(h):
-    """silu(h[..., 0, :]) * h[..., 1, :] for the fused gate/up projection h [..., 2, M].
-
-    The backward keeps only h and recomputes the elementwise part. Why: plain autodiff keeps silu's
-    intermediates too, and under the layer scan every residual is a stacked [layers, B, S, M] buffer: at
-    the 1.2B decoder, B8 S2048, six of them (25.8 GB, zero-filled each step) where h is two.
-    """
-    return jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
-
-
-def _swiglu_fwd(h):
-    return swiglu(h), h
-
-
-def _swiglu_bwd(h, g):
-    # A select on the gate/up index in h's [..., 2, M] layout (both halves broadcast). XLA runs it as two
-    # passes (g * up, then the select): 0.77 ms per layer at B8 S2048 M8192 on the H200, against 0.85 ms for
-    # stacking d_gate and d_up (a float32 sigmoid pass and a concatenate); one pass at copy speed is ~0.42.
-    hf = h.astype(jnp.float32)
-    a, b = hf[..., 0:1, :], hf[..., 1:2, :]
-    g = g.astype(jnp.float32)[..., None, :]
-    sig = jax.nn.sigmoid(a)
-    is_gate = jax.lax.broadcasted_iota(jnp.int32, h.shape, h.ndim - 2) == 0
-    # d silu(a) / da = sig * (1 + a (1 - sig))
-    dh = jnp.where(is_gate, g * b * sig * (1.0 + a * (1.0 - sig)), g * a * sig)
-    return (dh.astype(h.dtype),)
-
-
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+def swiglu(h, impl: str = "auto"):
+    """silu(h[..., 0, :]) * h[..., 1, :] for the fused gate/up projection h [..., 2, M] (`kernels.swiglu`:
+    the backward keeps only h, which matters under the layer scan's stacked residuals)."""
+    return kernels.swiglu(h, impl=impl)
 
 
 class RMSNorm(nnx.Module):

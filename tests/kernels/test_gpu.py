@@ -136,6 +136,16 @@ def test_bias_gelu_gpu(impl, shape):
             _close(a, r, 3e-2)
 
 
+@pytest.mark.parametrize("shape", [(16384, 2, 8192), (300, 2, 1000)])
+def test_swiglu_gpu(shape):
+    rng = np.random.default_rng(4)
+    h = jnp.asarray(rng.standard_normal(shape) * 2, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((shape[0], shape[2])), jnp.float32)
+    loss = lambda i: (lambda h: jnp.sum(kernels.swiglu(h, impl=i).astype(jnp.float32) * w))
+    _close(jax.jit(lambda h: kernels.swiglu(h, impl="pallas"))(h), jax.jit(lambda h: kernels.swiglu(h, impl="xla"))(h), 2e-2)
+    _close(jax.jit(jax.grad(loss("pallas")))(h), jax.jit(jax.grad(loss("xla")))(h), 3e-2)
+
+
 @pytest.mark.parametrize("shape", [(4096, 4096), (100, 1000)])
 def test_softmax_gpu(shape):
     x = jnp.asarray(np.random.default_rng(3).standard_normal(shape) * 4, jnp.bfloat16)

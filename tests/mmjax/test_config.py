@@ -50,6 +50,7 @@ def test_base_loop_is_an_error(tmp_path):
     ("model.max_seq_len=8", "model.max_seq_len=8 cannot hold"),
     ("model.projector.pos_embed=sincos", "model.projector.pos_embed='sincos' is not one of: none, learned"),
     ("model.vision.pos_temperature=1", "model.vision.pos_temperature must be > 1"),
+    ("model.swiglu_impl=triton", "model.swiglu_impl='triton' is not one of ('auto', 'pallas', 'xla')"),
     ("mesh.data=-1", None),
 ])
 def test_each_error_kind_names_the_key(override, message):
