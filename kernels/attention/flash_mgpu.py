@@ -101,8 +101,9 @@ class MgpuFlashConfig:
     # Backward: "pallas" = flash_pallas' Triton kernels (configured by `bwd`); "mgpu" = the Mosaic GPU
     # kernel of `flash_mgpu_bwd` (tiles below). H200, B4 S4096 causal fwd+bwd: D128 380-385 vs 340 TFLOP/s,
     # D64 equal (results/attention-mgpu-bwd-2026-12-03{c,d}.json); since 2026-12-04 the Mosaic GPU backward
-    # runs D128 at 485-491 and D64 (H32 KV8) at 327 (results/attention-mgpu-bwd-spills-2026-12-04.json). `kernels.attention`'s `auto` (impl
-    # "mgpu_bwd") sets "mgpu"; "pallas" stays this config's default, which is what impl "mgpu" means.
+    # runs D128 at 485-491 and D64 (H32 KV8) at 327 (results/attention-mgpu-bwd-spills-2026-12-04.json).
+    # `kernels.attention`'s `auto` (impl "mgpu_bwd") sets "mgpu"; "pallas" stays this config's default,
+    # which is what impl "mgpu" means.
     bwd_impl: str = "pallas"
     bwd_block_q: int = 64                     # mgpu backward: query rows per streamed step
     bwd_block_kv: int = 64                    # mgpu backward: key rows per compute warpgroup (CTA: 2x)

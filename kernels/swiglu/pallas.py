@@ -36,11 +36,6 @@ def _bwd_kernel(h_ref, g_ref, dh_ref):
     dh_ref[:, 1, :] = du.astype(dh_ref.dtype)
 
 
-def _pad(x, mp: int):
-    m = x.shape[-1]
-    return x if m == mp else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, mp - m)])
-
-
 def _call(kernel, args, in_blocks, out_block, out_shape, warps, name):
     r, bc = out_block[0], out_block[-1]
     grid = (out_shape.shape[0] // r, out_shape.shape[-1] // bc)
@@ -54,7 +49,7 @@ def fwd(h2):
     """h2 [n, 2, m] -> y [n, m]."""
     n, _, m = h2.shape
     r, bc, mp = tiles(n, m)
-    y = _call(_fwd_kernel, (_pad(h2, mp),), [(r, 2, bc)], (r, bc), jax.ShapeDtypeStruct((n, mp), h2.dtype),
+    y = _call(_fwd_kernel, (_rows.pad_cols(h2, mp),), [(r, 2, bc)], (r, bc), jax.ShapeDtypeStruct((n, mp), h2.dtype),
               TILING.warps(2 * r * bc, fwd=True), "mmjax_swiglu_fwd")
     return y[:, :m]
 
@@ -63,7 +58,7 @@ def bwd(h2, g2):
     """h2 [n, 2, m], g2 [n, m] -> dh [n, 2, m]."""
     n, _, m = h2.shape
     r, bc, mp = tiles(n, m)
-    dh = _call(_bwd_kernel, (_pad(h2, mp), _pad(g2, mp)), [(r, 2, bc), (r, bc)], (r, 2, bc),
+    dh = _call(_bwd_kernel, (_rows.pad_cols(h2, mp), _rows.pad_cols(g2, mp)), [(r, 2, bc), (r, bc)], (r, 2, bc),
                jax.ShapeDtypeStruct((n, 2, mp), h2.dtype), TILING.warps(2 * r * bc, fwd=False), "mmjax_swiglu_bwd")
     return dh[..., :m]
 

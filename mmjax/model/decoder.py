@@ -12,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import kernels
 from mmjax.config import ModelConfig
-from mmjax.model.layers import RMSNorm, dense, make_stack, normal, param, rope, run_stack, swiglu, zeros
+from mmjax.model.layers import RMSNorm, dense, make_stack, normal, param, rope, run_stack, zeros
 from mmjax.parallel.sharding import attention, constrain, embed_lookup
 
 RESIDUAL = ("batch", "norm_length", "act_embed")  # logical names of the residual stream
@@ -76,7 +76,7 @@ class DecoderLayer(nnx.Module):
         h, x = self.mlp_norm(dense(attn, self.out[...], "bshd,hde->bse", self.compute_dtype), residual=x)
         x = constrain(x, RESIDUAL)
         h = dense(h, self.gate_up[...], "bse,ecm->bscm", self.compute_dtype)
-        h = constrain(swiglu(h, self.swiglu_impl), ("batch", "length", "mlp"))
+        h = constrain(kernels.swiglu(h, impl=self.swiglu_impl), ("batch", "length", "mlp"))
         return constrain(x + dense(h, self.down[...], "bsm,me->bse", self.compute_dtype), RESIDUAL)
 
     def __call__(self, x, positions, segment_ids, block_ids):

@@ -1,4 +1,4 @@
-"""Building blocks: parameters with logical axis names, norms, RoPE, dense helpers, SwiGLU, layer stacks.
+"""Building blocks: parameters with logical axis names, norms, RoPE, dense helpers, layer stacks.
 
 Logical axis names live in each `nnx.Param`'s `out_sharding` metadata (flax >= 0.12; created with
 `eager_sharding=False` so no mesh is needed here). Extract them with `nnx.get_partition_spec(state)`
@@ -71,12 +71,6 @@ def dense(x, w, spec: str, dtype, bias=None):
     if bias is not None:
         y = y + bias.astype(dtype)
     return y
-
-
-def swiglu(h, impl: str = "auto"):
-    """silu(h[..., 0, :]) * h[..., 1, :] for the fused gate/up projection h [..., 2, M] (`kernels.swiglu`:
-    the backward keeps only h, which matters under the layer scan's stacked residuals)."""
-    return kernels.swiglu(h, impl=impl)
 
 
 class RMSNorm(nnx.Module):
