@@ -286,13 +286,35 @@ class Config:
 # Loading
 
 
+PACKAGED_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def resolve_config_path(path: str | os.PathLike) -> Path:
+    """An existing file as given, else the packaged config of that name (`tiny_shapes.yaml`,
+    `models/llama_1b.yaml`, or the same with the repository's `mmjax/configs/` prefix), so the documented
+    configs work from any directory and from a non-editable install."""
+    given = Path(path)
+    if given.is_file() or given.is_absolute():
+        return given.resolve()
+    name = given.as_posix()
+    for prefix in ("mmjax/configs/", "configs/"):
+        name = name.removeprefix(prefix)
+    packaged = PACKAGED_CONFIGS / name
+    return packaged.resolve() if packaged.is_file() else given.resolve()
+
+
+def packaged_config_names() -> list[str]:
+    return sorted(p.relative_to(PACKAGED_CONFIGS).as_posix() for p in PACKAGED_CONFIGS.rglob("*.yaml"))
+
+
 def load_yaml_tree(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Read a YAML config and merge it over the file its `base:` key names (relative to it)."""
-    path = Path(path).resolve()
+    path = resolve_config_path(path)
     if path in _seen:
         raise ConfigError(f"{path}: `base:` chain loops back to itself ({' -> '.join(map(str, _seen))})")
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass an existing file to --config")
+        raise ConfigError(f"config file {path} does not exist; pass an existing file to --config or one of the "
+                          f"packaged configs: {', '.join(packaged_config_names())}")
     try:
         tree = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -409,7 +431,7 @@ def load_config(path: str | os.PathLike | typing.Sequence[str | os.PathLike] | N
     """Resolve YAML + overrides into a validated `Config`.
 
     `path` may be a list: later files merge over earlier ones (e.g. an experiment, then a
-    `configs/parallel/*.yaml` layout preset).
+    `parallel/*.yaml` layout preset); names resolve as in `resolve_config_path`.
     """
     paths = [] if not path else [path] if isinstance(path, (str, os.PathLike)) else list(path)
     tree: dict[str, Any] = {}
@@ -445,7 +467,7 @@ def to_yaml(cfg: Config) -> str:
 
 def kernel_impl_choices(m: ModelConfig) -> list[tuple[str, str, tuple[str, ...]]]:
     """(key, value, allowed) for the model's kernel choices; the registries in `kernels` are the truth."""
-    import kernels  # local: kernels imports jax, config stays importable without it
+    from mmjax import kernels  # local: kernels imports jax, config stays importable without it
     return [("attention_impl", m.attention_impl, ("auto", *kernels.attention_impls())),
             ("norm_impl", m.norm_impl, ("auto", *kernels.norm_impls())),
             ("loss_impl", m.loss_impl, ("auto", *kernels.cross_entropy_impls())),

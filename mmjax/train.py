@@ -1,6 +1,6 @@
 """`python -m mmjax.train [--config FILE] [--print-config] [section.key=value ...]`
 
-Without --config the built-in default `configs/tiny_shapes.yaml` is used. A bad config exits with
+Without --config the built-in default `tiny_shapes.yaml` (shipped in `mmjax/configs/`) is used. A bad config exits with
 code 2 and one line naming the key; other mmjax errors exit 1 with their message.
 """
 
@@ -10,12 +10,11 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
-from mmjax.config import load_config, to_yaml
+from mmjax.config import PACKAGED_CONFIGS, load_config, to_yaml
 from mmjax.errors import ConfigError, MmjaxError
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_shapes.yaml"
+DEFAULT_CONFIG = PACKAGED_CONFIGS / "tiny_shapes.yaml"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -23,7 +22,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", default=None,
                         help=f"YAML config (default: {DEFAULT_CONFIG.name}); repeat to merge several, e.g. "
-                             "an experiment then configs/parallel/fsdp_tp.yaml")
+                             "an experiment then parallel/fsdp_tp.yaml (a file, or a config shipped in mmjax/configs)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 mesh.tensor=2")
     return parser.parse_args(argv)
@@ -32,7 +31,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        config_path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
+        config_path = args.config or DEFAULT_CONFIG
         cfg = load_config(config_path, args.overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

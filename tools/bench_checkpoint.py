@@ -1,6 +1,6 @@
 """Measure checkpoint save/restore time and the training stall per save (snapshot vs async vs sync).
 
-  python tools/bench_checkpoint.py --config configs/models/llama_1b.yaml [overrides ...] [--dir /tmp/ckpt]
+  python tools/bench_checkpoint.py --config mmjax/configs/models/llama_1b.yaml [overrides ...] [--dir /tmp/ckpt]
       [--out docs/perf/results/checkpoint-<date>.json]
 
 Prints a table and writes JSON (date, device, versions, command, numbers).

@@ -1,7 +1,7 @@
 """Loader throughput (samples/s, tokens/s) against data.num_workers; writes JSON to docs/perf/results/.
 
     python tools/bench_data.py                                   # built-in shapes, tiny_shapes config
-    python tools/bench_data.py --workload llava_like --config configs/models/llama_1b.yaml \\
+    python tools/bench_data.py --workload llava_like --config mmjax/configs/models/llama_1b.yaml \\
         data.packing=true data.max_images=3 train.global_batch_size=8 --workers 0 2 4 8
 """
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "configs" / "tiny_shapes.yaml"))
+    p.add_argument("--config", default="tiny_shapes.yaml")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--seconds", type=float, default=10.0, help="measured seconds per worker count")
     p.add_argument("--workload", choices=("config", "llava_like"), default="config")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import bench  # noqa: E402
+from mmjax.kernels import bench  # noqa: E402
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Train-step throughput on synthetic data: tokens/s, MFU, memory, compile time, profile summary.
 
-    python tools/bench_train.py --config configs/models/llama_1b.yaml --text-only \
+    python tools/bench_train.py --config mmjax/configs/models/llama_1b.yaml --text-only \
         train.global_batch_size=8 model.max_seq_len=2048
 
 Prints a table and writes the JSON to docs/perf/results/ (or --out).
@@ -25,7 +25,7 @@ from mmjax.engine.bench import format_result, run_with_remat_fallback  # noqa: E
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(ROOT / "configs/models/llama_1b.yaml"))
+    p.add_argument("--config", default="models/llama_1b.yaml")
     p.add_argument("--text-only", action="store_true", help="decoder only (model.text_only=true)")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=3)

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def pallas_candidates():
-    from kernels.attention import FlashConfig as C
+    from mmjax.kernels.attention import FlashConfig as C
     wide = dict(dkv_block_q=64, dkv_block_k=128, dq_block_q=128, dq_block_k=64)
     return {
         "default": C(),
@@ -38,7 +38,7 @@ def pallas_candidates():
 
 
 def mgpu_candidates():
-    from kernels.attention import MgpuFlashConfig as M
+    from mmjax.kernels.attention import MgpuFlashConfig as M
     return {"default": None, "kv64": M(block_kv=64), "steps2": M(max_concurrent_steps=2)}
 
 
@@ -46,8 +46,8 @@ def sweep_mgpu(rows: list, b=4, s=4096):
     import jax
     import jax.numpy as jnp
 
-    from kernels import bench
-    from kernels.attention import flash_attention, flash_attention_mgpu
+    from mmjax.kernels import bench
+    from mmjax.kernels.attention import flash_attention, flash_attention_mgpu
     for h, d in ((16, 128), (32, 64)):
         keys = jax.random.split(jax.random.PRNGKey(0), 3)
         q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
@@ -76,7 +76,7 @@ def main() -> None:
     p.add_argument("--skip", nargs="*", default=[], choices=["pallas", "mgpu"])
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from kernels import bench
+    from mmjax.kernels import bench
     rows: list = []
     if "pallas" not in args.skip:
         for name, cfg in pallas_candidates().items():

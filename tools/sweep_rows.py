@@ -6,8 +6,8 @@ Each candidate `RowTiling` (tile size, row tiles per backward program, warps, ba
 replaces the op module's `TILING` and is timed on the bench's [32768, 4096] bf16 rows: forward and
 forward+backward, in GB/s and as a fraction of 3.75 TB/s. A failing candidate is listed with its error.
 The bias+GELU rows also time the tanh approximation: when it is much faster than the erf form at the same
-tiles, the kernel is limited by arithmetic, not by memory. The defaults in `kernels/norms/pallas.py` and
-`kernels/bias_gelu/pallas.py` come from runs of this sweep (docs/perf/README.md).
+tiles, the kernel is limited by arithmetic, not by memory. The defaults in `mmjax/kernels/norms/pallas.py` and
+`mmjax/kernels/bias_gelu/pallas.py` come from runs of this sweep (docs/perf/README.md).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def norm_candidates() -> dict:
-    from kernels.norms.pallas import TILING as d
+    from mmjax.kernels.norms.pallas import TILING as d
     r = lambda **kw: dataclasses.replace(d, **kw)
     # First sweep (results/rows-sweep-2026-12-03.json): 8 -> 16 backward warps 81 -> 83%; 4 warps spill (11%);
     # 32k-element tiles 45%; 8k tiles 74% fwd+bwd (fwd 97%); tiles per program and stages within 1%.
@@ -41,7 +41,7 @@ def norm_candidates() -> dict:
 
 
 def gelu_candidates() -> dict:
-    from kernels.bias_gelu.pallas import TILING as d
+    from mmjax.kernels.bias_gelu.pallas import TILING as d
     r = lambda **kw: dataclasses.replace(d, **kw)
     # First sweep: 8k-element tiles (8 x 1024, 4 warps) fwd 79% / fwd+bwd 83%; 4k tiles 86% / 90%; 2048-wide
     # column blocks 80% / 90%; 3 backward stages 79% / 89%; 16k tiles 56% (87% with 8 warps); 2 warps 59%.
@@ -57,9 +57,9 @@ def sweep_norms(rows: list, n=32768, e=4096):
     import jax
     import jax.numpy as jnp
 
-    import kernels
-    from kernels import bench
-    from kernels.norms import pallas as mod
+    from mmjax import kernels
+    from mmjax.kernels import bench
+    from mmjax.kernels.norms import pallas as mod
     x = jax.random.normal(jax.random.PRNGKey(1), (n, e), jnp.bfloat16)
     dy = jax.random.normal(jax.random.PRNGKey(2), (n, e), jnp.bfloat16)
     scale = jnp.ones((e,), jnp.float32)
@@ -81,9 +81,9 @@ def sweep_bias_gelu(rows: list, n=32768, e=4096):
     import jax
     import jax.numpy as jnp
 
-    import kernels
-    from kernels import bench
-    from kernels.bias_gelu import pallas as mod
+    from mmjax import kernels
+    from mmjax.kernels import bench
+    from mmjax.kernels.bias_gelu import pallas as mod
     x = jax.random.normal(jax.random.PRNGKey(3), (n, e), jnp.bfloat16)
     bias = jax.random.normal(jax.random.PRNGKey(4), (e,), jnp.bfloat16)
     b = x.size * x.dtype.itemsize
@@ -109,7 +109,7 @@ def main() -> None:
     p.add_argument("--out", default=f"docs/perf/results/rows-sweep-{datetime.date.today().isoformat()}.json")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from kernels import bench
+    from mmjax.kernels import bench
     rows: list = []
     n, e = args.shape
     bench.bench_copy(rows, n, e)

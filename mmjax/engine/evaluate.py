@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from mmjax.engine.steps import MODEL_INPUTS
 from mmjax.parallel.rules import batch_sharding
-from serving.generate import greedy_generate
+from mmjax.serving.generate import greedy_generate
 
 
 

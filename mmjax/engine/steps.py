@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-import kernels
+from mmjax import kernels
 from mmjax.engine.precision import all_finite
 from mmjax.engine.state import TrainState
 

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-import kernels
+from mmjax import kernels
 from mmjax.config import Config, to_yaml
 from mmjax.data.pipeline import load_eval_examples, make_train_dataset, open_dataset
 from mmjax.engine import checkpoint as ckpt
@@ -114,7 +114,7 @@ class Trainer:
             with monitor.waiting_for("the first batch from the data loader"):
                 batch = next(feed)
             with monitor.waiting_for("XLA to compile the train step"):
-                with kernels.sharding(self.mesh):  # custom kernels trace per shard (kernels/_sharding.py)
+                with kernels.sharding(self.mesh):  # custom kernels trace per shard (mmjax/kernels/_sharding.py)
                     train_step = self._train_step.lower(self.state, batch).compile()
             monitor.write(0, {})  # time/compile/train_step
             monitor.training()

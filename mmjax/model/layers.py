@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import kernels
+from mmjax import kernels
 
 Names = tuple[str | None, ...]
 

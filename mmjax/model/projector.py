@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-import kernels
+from mmjax import kernels
 
 from mmjax.config import ModelConfig
 from mmjax.model.layers import dense, normal, param, zeros

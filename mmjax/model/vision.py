@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-import kernels
+from mmjax import kernels
 from mmjax.config import ModelConfig
 from mmjax.model.layers import LayerNorm, dense, make_stack, normal, param, run_stack, zeros
 from mmjax.parallel.sharding import constrain

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-import kernels
-from kernels.attention.reference import MASK_VALUE, make_mask
+from mmjax import kernels
+from mmjax.kernels.attention.reference import MASK_VALUE, make_mask
 from mmjax.parallel.rules import spec_axes
 
 if hasattr(jax, "shard_map"):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import kernels
+from mmjax import kernels
 from mmjax.parallel.rules import fit_spec, logical_to_spec, spec_axes
 
 log = logging.getLogger(__name__)

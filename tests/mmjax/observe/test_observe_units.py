@@ -20,7 +20,7 @@ from mmjax.observe.timing import CompileTimes, StepTimer
 
 
 def test_flops_match_a_hand_count_of_llama_1b():
-    cfg = load_config("configs/models/llama_1b.yaml", ["model.text_only=true"]).model
+    cfg = load_config("mmjax/configs/models/llama_1b.yaml", ["model.text_only=true"]).model
     n = flops.decoder_params_per_token(cfg)
     # Llama-3.2-1B: 1.236B parameters incl. the tied 128256x2048 embedding; minus norms (tiny) = matmul weights
     assert abs(n - 1.2357e9) < 1e6
@@ -30,7 +30,7 @@ def test_flops_match_a_hand_count_of_llama_1b():
     # PaLM's 6N + 12*L*H*Q*T per token, with T = (S+1)/2 keys per query on average under the causal mask
     want = 8 * s * (6 * n + 12 * 16 * 32 * 64 * (s + 1) / 2)
     assert step == pytest.approx(want, rel=1e-9)
-    full = load_config("configs/models/llama_1b.yaml").model
+    full = load_config("mmjax/configs/models/llama_1b.yaml").model
     v = full.vision
     p = v.num_patches
     per_image = 2 * p * 14 * 14 * 3 * 1024 + 24 * (2 * p * (4 * 1024**2 + 2 * 1024 * 4096) + 4 * p * p * 1024) \

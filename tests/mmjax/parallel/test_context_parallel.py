@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kernels.attention import attention_reference, make_mask
+from mmjax.kernels.attention import attention_reference, make_mask
 from mmjax.parallel.context_parallel import _zigzag_perms, context_parallel_attention
 from mmjax.parallel.rules import resolve_rules
 from mmjax.parallel.sharding import ShardingContext

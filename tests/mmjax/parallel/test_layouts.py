@@ -1,6 +1,6 @@
 """Every mesh layout gives one device's numbers: one train step's loss and updated params (float32).
 
-One tiny model (configs/models/tiny_mllm.yaml dims), one synthetic packed multimodal batch, one
+One tiny model (mmjax/configs/models/tiny_mllm.yaml dims), one synthetic packed multimodal batch, one
 compile per layout. Also checks how much of the state each device holds under fsdp=8 and tensor=4.
 """
 
@@ -20,7 +20,7 @@ from mmjax.parallel.rules import addressable_fraction
 from mmjax.parallel.sharding import context_from_config, in_sharding_context
 
 IMAGE_ID = 3
-MODEL = "configs/models/tiny_mllm.yaml"
+MODEL = "mmjax/configs/models/tiny_mllm.yaml"
 # eps=1 keeps Adam's first update ~linear in the gradient, so matching params means matching gradients
 BASE = ["model.compute_dtype=float32", "train.global_batch_size=8", "optim.warmup_steps=0",
         "optim.schedule=constant", "optim.lr=1.0", "optim.eps=1.0", "train.steps=1"]

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from mmjax.config import load_config
+from mmjax.config import PACKAGED_CONFIGS, load_config
 from mmjax.engine.init import model_setup
 from mmjax.errors import ConfigError
 from mmjax.parallel.mesh import make_mesh, resolve_mesh_shape
@@ -67,10 +67,10 @@ def test_micro_batch_size_must_match_global_batch():
 def test_layout_presets_load_and_fit_eight_devices():
     from pathlib import Path
 
-    presets = sorted(Path("configs/parallel").glob("*.yaml"))
+    presets = sorted((PACKAGED_CONFIGS / "parallel").glob("*.yaml"))
     assert {p.stem for p in presets} >= {"fsdp", "fsdp_tp", "tp_sp", "context_parallel", "hybrid_dp_fsdp"}
     for preset in presets:
-        cfg = load_config(["configs/tiny_shapes.yaml", preset], [])
+        cfg = load_config(["mmjax/configs/tiny_shapes.yaml", preset], [])
         if cfg.mesh.pipeline == 1:
             assert make_mesh(cfg).devices.size == 8, preset
 

@@ -1,0 +1,48 @@
+"""Kernels: one folder per op, each with a pure-jnp reference and capability-guarded implementations.
+
+Every op dispatches through `kernels._dispatch.Op`: `impl="auto"` picks the fastest implementation whose
+guard accepts the platform, GPU capability, dtype and shapes, and logs once why the others were skipped.
+"""
+
+from mmjax.kernels._sharding import sharding
+from mmjax.kernels.attention import OP as _ATTENTION
+from mmjax.kernels.attention import attention
+from mmjax.kernels.bias_gelu import OP as _BIAS_GELU
+from mmjax.kernels.bias_gelu import bias_gelu
+from mmjax.kernels.cross_entropy import OP as _CROSS_ENTROPY
+from mmjax.kernels.cross_entropy import linear_cross_entropy
+from mmjax.kernels.norms import OP as _NORM
+from mmjax.kernels.norms import layer_norm, rms_norm
+from mmjax.kernels.paged_attention import OP as _PAGED_ATTENTION
+from mmjax.kernels.paged_attention import paged_attention
+from mmjax.kernels.softmax import OP as _SOFTMAX
+from mmjax.kernels.softmax import softmax
+from mmjax.kernels.swiglu import OP as _SWIGLU
+from mmjax.kernels.swiglu import swiglu
+
+__all__ = ["sharding", "attention", "paged_attention", "linear_cross_entropy", "rms_norm", "layer_norm",
+           "bias_gelu", "softmax", "swiglu", "attention_impls", "norm_impls", "cross_entropy_impls",
+           "activation_impls", "swiglu_impls", "OPS"]
+
+OPS = {"attention": _ATTENTION, "paged_attention": _PAGED_ATTENTION, "cross_entropy": _CROSS_ENTROPY,
+       "norm": _NORM, "bias_gelu": _BIAS_GELU, "softmax": _SOFTMAX, "swiglu": _SWIGLU}
+
+
+def attention_impls() -> list[str]:
+    return _ATTENTION.available()
+
+
+def norm_impls() -> list[str]:
+    return _NORM.available()
+
+
+def cross_entropy_impls() -> list[str]:
+    return _CROSS_ENTROPY.available()
+
+
+def activation_impls() -> list[str]:
+    return _BIAS_GELU.available()
+
+
+def swiglu_impls() -> list[str]:
+    return _SWIGLU.available()

@@ -1,0 +1,163 @@
+"""One dispatch mechanism for every op in `mmjax/kernels/`: a registry of implementations with capability guards.
+
+Each op owns an `Op` registry. An implementation registers a function, a `supports(ctx) -> reason | None`
+guard and a priority. `Op.select(impl, ctx)` returns the named implementation (raising with the guard's
+reason if it cannot run) or, for `impl="auto"`, the highest-priority one whose guard passes, logging once
+per distinct situation which candidates were skipped and why. `ctx` is a `Ctx`: the platform, the GPU's
+compute capability, the dtype, whether the caller named the implementation, and op-specific facts
+(shapes, flags) the guards read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import logging
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger("mmjax.kernels")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ctx:
+    platform: str                      # 'cpu', 'gpu', 'tpu'
+    dtype: Any                         # a numpy dtype
+    capability: tuple[int, int] | None = None   # CUDA compute capability on GPU
+    explicit: bool = False             # the caller named this implementation (not "auto")
+    facts: tuple = ()                  # op-specific (key, value) pairs, hashable
+
+    def get(self, key: str, default=None):
+        return dict(self.facts).get(key, default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    name: str
+    fn: Callable
+    supports: Callable[[Ctx], str | None]
+    priority: int = 0
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(backend: str) -> tuple[str, tuple[int, int] | None]:
+    dev = jax.devices(backend)[0]
+    cap = getattr(dev, "compute_capability", None)
+    if dev.platform == "gpu" and cap:
+        major, minor = str(cap).split(".")[:2]
+        return "gpu", (int(major), int(minor))
+    return dev.platform, None
+
+
+def make_ctx(dtype, *, explicit: bool = False, **facts) -> Ctx:
+    """Ctx for the backend the current computation is compiled for (under jit: the default backend)."""
+    platform, cap = _device_info(jax.default_backend())
+    return Ctx(platform=platform, dtype=jnp.dtype(dtype), capability=cap, explicit=explicit,
+               facts=tuple(sorted(facts.items())))
+
+
+class Op:
+    """The registry and dispatcher of one op (attention, cross_entropy, norms, ...)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._impls: dict[str, Implementation] = {}
+        self._logged: set = set()
+
+    def register(self, name: str, fn: Callable, supports: Callable[[Ctx], str | None], priority: int = 0):
+        self._impls[name] = Implementation(name, fn, supports, priority)
+        return fn
+
+    def available(self) -> list[str]:
+        return sorted(self._impls, key=lambda n: -self._impls[n].priority)
+
+    def __getitem__(self, name: str) -> Implementation:
+        return self._impls[name]
+
+    def reason(self, impl: str, ctx: Ctx) -> str | None:
+        if impl not in self._impls:
+            return f"unknown {self.name} implementation {impl!r}; choose one of {self.available()} or 'auto'"
+        return self._impls[impl].supports(ctx)
+
+    def select(self, impl: str, ctx: Ctx) -> Implementation:
+        if impl != "auto":
+            reason = self.reason(impl, dataclasses.replace(ctx, explicit=True))
+            if reason is not None:
+                raise ValueError(f"{self.name} impl={impl!r} cannot run here: {reason}")
+            return self._impls[impl]
+        skipped = []
+        for name in self.available():
+            reason = self._impls[name].supports(ctx)
+            if reason is None:
+                key = (ctx.platform, str(ctx.dtype), ctx.facts, name)
+                if skipped and key not in self._logged:
+                    self._logged.add(key)
+                    log.info("%s impl=auto chose %r on %s/%s; skipped: %s", self.name, name, ctx.platform,
+                             ctx.dtype, "; ".join(skipped))
+                return self._impls[name]
+            skipped.append(f"{name} ({reason})")
+        raise ValueError(f"no {self.name} implementation supports {ctx.platform}/{ctx.dtype}: {skipped}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Guards shared by the ops
+
+
+def any_float(ctx: Ctx) -> str | None:
+    if not jnp.issubdtype(ctx.dtype, jnp.floating):
+        return f"needs a floating dtype, got {ctx.dtype}"
+    return None
+
+
+def pallas_triton(ctx: Ctx, *, min_capability=(8, 0), dtypes=("float32", "bfloat16", "float16")) -> str | None:
+    """Guard for Pallas kernels lowered through Triton.
+
+    GPU: needs compute capability >= min_capability. CPU: runs only in interpret mode (orders of
+    magnitude slower, for tests), so only when the caller names the implementation explicitly.
+    """
+    if str(ctx.dtype) not in dtypes:
+        return f"dtype {ctx.dtype} not in {dtypes}"
+    if ctx.get("row_wise") and not ctx.explicit and _sharded():
+        return "inside kernels.sharding(mesh) XLA's fusion is partitioned natively; a custom call would be replicated"
+    if ctx.platform == "gpu":
+        if ctx.capability is None or ctx.capability < min_capability:
+            return f"needs compute capability >= {min_capability[0]}.{min_capability[1]}, have {ctx.capability}"
+        return None
+    if ctx.platform == "cpu":
+        return None if ctx.explicit else "CPU runs Pallas only in interpret mode (slow); name the impl to force it"
+    return f"Pallas Triton lowering needs a CUDA GPU, not {ctx.platform}"
+
+
+@functools.lru_cache(maxsize=None)
+def jax_triton_missing() -> str | None:
+    """None if jax-triton and triton import, else why not (they are GPU-only packages: the `gpu` extra)."""
+    for mod in ("triton", "jax_triton"):
+        if importlib.util.find_spec(mod) is None:
+            return f"package {mod!r} is not installed (pip install 'mmjax[gpu]')"
+    return None
+
+
+def jax_triton(ctx: Ctx, *, min_capability=(8, 0), dtypes=("float32", "bfloat16", "float16")) -> str | None:
+    """Guard for native Triton kernels called through jax-triton: CUDA GPU only, no interpret mode."""
+    if ctx.platform != "gpu":
+        return f"jax-triton kernels run only on a CUDA GPU, not {ctx.platform}"
+    if ctx.get("row_wise") and not ctx.explicit and _sharded():
+        return "inside kernels.sharding(mesh) XLA's fusion is partitioned natively; a custom call would be replicated"
+    if str(ctx.dtype) not in dtypes:
+        return f"dtype {ctx.dtype} not in {dtypes}"
+    if ctx.capability is None or ctx.capability < min_capability:
+        return f"needs compute capability >= {min_capability[0]}.{min_capability[1]}, have {ctx.capability}"
+    return jax_triton_missing()
+
+
+def _sharded() -> bool:
+    from mmjax.kernels._sharding import current
+    return current() is not None
+
+
+def interpret() -> bool:
+    """Pallas kernels run in interpret mode when compiled for CPU (tests)."""
+    return jax.default_backend() == "cpu"
