@@ -17,7 +17,10 @@ Order (a pure function of `train.seed`, the config, and the process count; never
 Because packing and batching happen after the workers' round-robin merge, the batches do not depend on
 `data.num_workers`, and the resume state is small: the next stream position `n`, the positions of the
 examples held back by the packer, and the seen/skipped counters. A resume with another worker count is
-therefore exact; one with another process count is refused (the stream slices would differ).
+therefore exact; one with another process count is refused (the stream slices would differ). grain's own
+`mp_prefetch` state (one entry per worker) is never saved: the upstream is rebuilt at the saved position.
+The trainer saves the state as the checkpoint's `data` item (`mmjax.engine.checkpoint`); that is the one
+way it is written.
 
 Worker processes seed Python's and numpy's global RNGs from `derive_seed(train.seed, "worker", p, w)`
 (for third-party code that draws from them); mmjax itself draws nothing from global state.
@@ -35,14 +38,12 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import random
 import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import grain
@@ -509,47 +510,3 @@ def _ensure_absl_flags() -> None:
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
-
-
-# ------------------------------------------------------------------------------------------------
-# Checkpointing the state. With Orbax, the `data` item is grain's handler:
-#   save:    ocp.args.Composite(data=grain.checkpoint.CheckpointSave(StateSnapshot(feed.loader_state)), ...)
-#   restore: ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(iter(make_train_dataset(...))), ...)
-# (DeviceFeed.loader_state is the state after the last batch the train loop took, not after the batches
-# prefetched ahead, which is what must be saved.) Without Orbax: save_data_state / load_data_state.
-
-
-class StateSnapshot(grain.DatasetIterator):
-    """A saved loader state posing as an iterator, for grain's Orbax handler (which calls get_state)."""
-
-    def __init__(self, state: dict[str, Any]):
-        super().__init__()
-        self._state = state
-
-    def __next__(self):
-        raise TypeError("StateSnapshot holds a loader state for checkpointing; it yields no batches")
-
-    def get_state(self) -> dict[str, Any]:
-        return self._state
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._state = state
-
-
-
-def save_data_state(path: str | os.PathLike, iterator: Any) -> None:
-    """Write `iterator.get_state()` as JSON (atomically)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(iterator.get_state(), indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-def load_data_state(path: str | os.PathLike, iterator: Any) -> None:
-    """Restore an iterator from `save_data_state`'s file (errors name the file)."""
-    try:
-        state = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(f"data state file {path} cannot be read ({e})") from e
-    iterator.set_state(state)

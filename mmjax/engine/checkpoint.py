@@ -7,9 +7,10 @@ a temporary folder that the next run ignores and removes; the checkpoints before
 - `state`: the `TrainState` pytree (params, optimizer state, step, RNG key, loss scale), sharded arrays.
   Restore goes through abstract targets (`jax.ShapeDtypeStruct` carrying this run's `NamedSharding`s),
   so a checkpoint written on one mesh loads onto another (resharding happens in the read).
-- `data`: the Grain iterator state after the last consumed batch, one JSON file per process (the
-  layout of `grain.checkpoint`), opaque here. It is only valid for the same process count and
-  `data.num_workers`, which `meta` records and resume checks.
+- `data`: the loader state after the last consumed batch (`PackingIterator.get_state()`: a stream
+  position, not grain's per-worker state), one JSON file per process; the only place it is saved. It
+  is valid for the same process count and global batch size, which `meta` records and resume checks;
+  any `data.num_workers` resumes from it exactly (the batches do not depend on the worker count).
 - `meta`: JSON with the resolved config, mesh, process count, loader workers and package versions.
 
 Saves are asynchronous by default. Orbax's own async save returns only after the device-to-host copy
@@ -57,11 +58,12 @@ _PACKAGES = ("mmjax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "gra
 
 
 class DataStateHandler(ocp.CheckpointHandler):
-    """Saves a *snapshot* of the iterator state (the one after the last batch the loop consumed).
+    """Saves a *snapshot* of the loader state (the one after the last batch the loop consumed).
 
     `grain.checkpoint.CheckpointHandler` calls `iterator.get_state()` at save time, which with a
-    prefetching feed is ahead of the train loop; this handler writes the snapshot it is given, in the
-    same per-process file layout, and returns it on restore instead of mutating an iterator.
+    prefetching feed is ahead of the train loop; this handler writes the snapshot it is given (the
+    JSON-able dict of `mmjax.data.loader.PackingIterator.get_state`) and returns it on restore instead
+    of mutating an iterator.
     """
 
     @staticmethod
@@ -69,10 +71,7 @@ class DataStateHandler(ocp.CheckpointHandler):
         return directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
     def save(self, directory: epath.Path, args: "DataStateSave") -> None:
-        state = args.state
-        payload = {"kind": "bytes", "value": state.decode()} if isinstance(state, bytes) else \
-            {"kind": "json", "value": state}
-        self._file(directory).write_text(json.dumps(payload))
+        self._file(directory).write_text(json.dumps({"kind": "json", "value": args.state}))
 
     def restore(self, directory: epath.Path, args: "DataStateRestore | None" = None) -> Any:
         path = self._file(directory)
@@ -81,8 +80,7 @@ class DataStateHandler(ocp.CheckpointHandler):
             raise CheckpointError(
                 f"{path} does not exist (found {found}): the data state was written by a different "
                 f"process count than this run's {jax.process_count()}")
-        payload = json.loads(path.read_text())
-        return payload["value"].encode() if payload["kind"] == "bytes" else payload["value"]
+        return json.loads(path.read_text())["value"]  # a bad file: `Checkpointer.restore` says corrupt
 
     def metadata(self, directory: epath.Path) -> None:
         return None
@@ -100,7 +98,7 @@ class DataStateHandler(ocp.CheckpointHandler):
 @ocp.args.register_with_handler(DataStateHandler, for_save=True)
 @dataclasses.dataclass
 class DataStateSave(ocp.args.CheckpointArgs):
-    state: Any  # a JSON-able dict (Grain DatasetIterator) or bytes (Grain DataLoader)
+    state: Any  # the loader's JSON-able state dict
 
 
 @ocp.args.register_with_handler(DataStateHandler, for_restore=True)
@@ -518,17 +516,13 @@ def _resume_path(resume: str | int, path: Path) -> tuple[Checkpointer, int]:
 
 
 def check_data_compatible(meta: dict[str, Any], cfg: Config, where: str) -> None:
-    """A Grain iterator state only fits the process count and worker count it was written with."""
+    """The loader state fits the process count and batch size it was written with; any worker count
+    resumes it exactly (workers only encode records; the main process packs and batches in stream order)."""
     saved_pc = meta.get("process_count")
-    saved_workers = meta.get("data", {}).get("num_workers")
     if saved_pc != jax.process_count():
         raise CheckpointError(
             f"{where}: its data state is for {saved_pc} process(es) but this run has {jax.process_count()}; "
             f"resume with {saved_pc} process(es) (the device mesh may differ)")
-    if saved_workers != cfg.data.num_workers:
-        raise CheckpointError(
-            f"{where}: its data state is for data.num_workers={saved_workers} but this run has "
-            f"data.num_workers={cfg.data.num_workers}; set data.num_workers={saved_workers}")
     saved_gbs = meta.get("data", {}).get("global_batch_size")
     if saved_gbs != cfg.train.global_batch_size:
         raise CheckpointError(

@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from mmjax.config import load_config, to_yaml
-from mmjax.engine.checkpoint import Checkpointer, tree_equal
+from mmjax.engine.checkpoint import Checkpointer, check_data_compatible, tree_equal
 from mmjax.engine.trainer import Trainer
 from mmjax.errors import CheckpointError
 from mmjax.train import DEFAULT_CONFIG, main
@@ -112,12 +112,24 @@ def test_different_model_shape_is_refused_and_nothing_is_deleted(runs, tmp_path)
                                               r"checkpoint but \(2, 256, 64\) in this run") as e:
         Trainer(cfg)
     assert "\n" not in str(e.value)
-    # a Grain iterator state is only valid for the worker count that wrote it
-    cfg = load_config(DEFAULT_CONFIG, common + ["data.num_workers=2", f"train.output_dir={tmp_path}",
-                                                f"train.resume={full / 'checkpoints'}", f"train.steps={2 * N + 1}"])
-    with pytest.raises(CheckpointError, match="data.num_workers=0 but this run has data.num_workers=2"):
-        Trainer(cfg)
+    # the data state is for one process count: another one is refused, naming both
+    meta = json.loads((full / "checkpoints" / str(N) / "meta" / "metadata").read_text())
+    with pytest.raises(CheckpointError, match=r"for 2 process\(es\) but this run has 1"):
+        check_data_compatible({**meta, "process_count": 2}, cfg, "checkpoint x")
     assert listing(full) == before
+
+
+def test_resume_with_another_worker_count_is_exact(runs, tmp_path):
+    """A checkpoint written with data.num_workers=0 continues with 2 workers: the same losses, bit for bit,
+    as the uninterrupted run (the data state is a stream position, not per-worker state)."""
+    full, _, common = runs
+    cfg = load_config(DEFAULT_CONFIG, common + ["data.num_workers=2", f"train.output_dir={tmp_path}",
+                                                f"train.resume={full / 'checkpoints' / str(N)}",
+                                                f"train.steps={N + 2}"])
+    Trainer(cfg).run()
+    assert losses(tmp_path) == losses(full)[N:N + 2]
+    data = json.loads((tmp_path / "checkpoints" / str(N + 2) / "data" / "process_0-of-1.json").read_text())
+    assert data["value"]["next_position"] == 16 * (N + 2) and data["value"]["num_workers"] == 2
 
 
 def test_corrupt_and_missing_checkpoints_give_one_line_errors(runs, tmp_path, capsys):
