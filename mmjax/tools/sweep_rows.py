@@ -1,6 +1,6 @@
 """Launch-shape sweep for the row-wise kernels: RMSNorm (Pallas) and bias+GELU (jax-triton).
 
-    python tools/sweep_rows.py [--ops rms_norm bias_gelu] [--out docs/perf/results/rows-sweep-<date>.json]
+    python -m mmjax.tools.sweep_rows [--ops rms_norm bias_gelu] [--out docs/perf/results/rows-sweep-<date>.json]
 
 Each candidate `RowTiling` (tile size, row tiles per backward program, warps, backward pipeline stages)
 replaces the op module's `TILING` and is timed on the bench's [32768, 4096] bf16 rows: forward and
@@ -16,10 +16,6 @@ import argparse
 import dataclasses
 import datetime
 import logging
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def norm_candidates() -> dict:
