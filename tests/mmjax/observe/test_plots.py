@@ -31,8 +31,8 @@ def test_two_runs_become_pngs(tmp_path):
     write_run(tmp_path / "b", 0.5, with_memory=False)
     out = tmp_path / "plots"
     env = dict(os.environ, PYTHONPATH=str(Path(mmjax.__file__).parents[1]))  # the mmjax imported here
-    proc = subprocess.run([sys.executable, "-m", "mmjax.tools.plot_metrics", str(tmp_path / "a"),
-                           str(tmp_path / "b"), "--out", str(out)], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run([sys.executable, "-m", "mmjax.tools.plot_metrics", str(tmp_path / "a"), str(tmp_path / "b"),
+                           "--out", str(out)], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     names = {p.name for p in out.glob("*.png")}
     assert names == {"loss.png", "lr.png", "throughput.png", "mfu.png", "data_wait.png", "memory.png", "overview.png"}
