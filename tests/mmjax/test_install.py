@@ -41,7 +41,7 @@ def _env() -> dict[str, str]:
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{' '.join(cmd)}: exit {proc.returncode}\n{proc.stdout[-999:]}\n{proc.stderr[-4000:]}"
     return proc
 
 
