@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default="", help="added to the output file name (e.g. the machine)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    from absl import flags  # grain's worker pools read absl flags (DESIGN.md section 7)
+    from absl import flags  # grain's worker pools read absl flags
 
     flags.FLAGS(sys.argv[:1])
     try:

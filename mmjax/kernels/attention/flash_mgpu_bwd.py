@@ -178,7 +178,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
     split = t_.split_dq(d)
     dcols = d // 2 if split else d
     # two dsT buffers: a third (dQ lagging two steps) kept the gradients exact but measured slower on the H200
-    # (2026-12-03, D128 causal fwd+bwd 375-383 vs 395-400 TFLOP/s; docs/perf/README.md, session 6)
+    # (numbers in docs/perf/README.md, 2026-12-03 night)
     nbuf = 2 if split else 1
     c = bs.scale * LOG2E
     scale = bs.scale
