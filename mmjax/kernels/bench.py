@@ -450,7 +450,8 @@ def _fmt(v) -> str:
     return "n/a" if v is None else f"{v:.0f}"
 
 
-def write_readme_section(readme, record: dict, command: str, title: str = "Kernels (`python -m mmjax.tools.bench_kernels`)"):
+def write_readme_section(readme, record: dict, command: str,
+                         title: str = "Kernels (`python -m mmjax.tools.bench_kernels`)"):
     """Replace (or append) this benchmark's section of docs/perf/README.md, leaving other sections alone."""
     from pathlib import Path
     path = Path(readme)
