@@ -1,4 +1,4 @@
-"""Loader throughput against worker count (used by tools/bench_data.py).
+"""Loader throughput against worker count (used by mmjax.tools.bench_data).
 
 Two workloads: the configured dataset as is (e.g. the built-in shapes at 48 px), and `llava_like`, a
 synthetic LLaVA-style set (640x480 JPEG photos-like images, 1-4 turn chats) prepared into ArrayRecord,

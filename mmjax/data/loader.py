@@ -414,7 +414,7 @@ class PackingIterator(grain.DatasetIterator):
         if seen >= MIN_SEEN_FOR_SKIP_CHECK and skipped > self.max_skip_fraction * seen:
             raise DataError(f"{skipped} of the first {seen} records were bad ({skipped / seen:.1%} > "
                             f"data.max_skip_fraction={self.max_skip_fraction}); last: {self._last_skip or '?'}. "
-                            "Fix the data (tools/prepare_data.py reports bad records) or raise data.max_skip_fraction")
+                            "Fix the data (mmjax.tools.prepare_data lists bad records) or raise data.max_skip_fraction")
 
     def _place(self, rows: list[_Row], ex: dict[str, Any]) -> bool:
         n, k = self.spec.span(len(ex["tokens"])), len(ex["images"])

@@ -1,6 +1,6 @@
 """Grain input pipeline: ArrayRecord shards of JSON records -> fixed-shape numpy batches.
 
-Batch contract (DESIGN.md section 3), B rows per process, S = model.max_seq_len, N = data.max_images:
+Batch contract, B rows per process, S = model.max_seq_len, N = data.max_images:
 
     tokens, targets  int32   [B, S]   targets[i] = tokens[i + 1]; the last column is <|pad|>
     loss_mask        float32 [B, S]   1 where targets[i] is an assistant token (answer or its <|eos|>)

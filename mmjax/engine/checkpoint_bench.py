@@ -5,7 +5,7 @@ steps exactly where the trainer calls it. Stall = (time of the steps that overla
 time `save` blocked) - (the same number of steps at the baseline step time). Modes: "snapshot" (async
 with a device snapshot, the default), "async" (Orbax's async save: blocks for the device-to-host copy),
 "sync"; each saves `saves_per_mode` times (the first save of a process also pays set-up).
-`tools/bench_checkpoint.py` is the CLI.
+`python -m mmjax.tools.bench_checkpoint` is the CLI.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Kernel benchmarks: each op's implementations against XLA, cuDNN and (for attention) torch SDPA.
 
-Used by `tools/bench_kernels.py`. Every measurement warms up first (GPU clocks ramp: DESIGN.md pitfalls),
+Used by `python -m mmjax.tools.bench_kernels`. Every measurement warms up first (GPU clocks ramp up),
 then times `iters` back-to-back calls between two device syncs. Rows carry the achieved TFLOP/s (matrix
 bound ops) or GB/s (memory bound ops) and the fraction of the ceilings measured on the H200 here.
 """
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 log = logging.getLogger(__name__)
 
-PEAK_TFLOPS = 750.0   # bf16 dense matmul, measured (DESIGN.md section 7)
+PEAK_TFLOPS = 750.0   # bf16 dense matmul, measured on the H200
 PEAK_GBPS = 3750.0    # device copy bandwidth, measured
 
 
@@ -450,7 +450,8 @@ def _fmt(v) -> str:
     return "n/a" if v is None else f"{v:.0f}"
 
 
-def write_readme_section(readme, record: dict, command: str, title: str = "Kernels (`tools/bench_kernels.py`)"):
+def write_readme_section(readme, record: dict, command: str,
+                         title: str = "Kernels (`python -m mmjax.tools.bench_kernels`)"):
     """Replace (or append) this benchmark's section of docs/perf/README.md, leaving other sections alone."""
     from pathlib import Path
     path = Path(readme)

@@ -27,8 +27,8 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from mmjax.errors import MmjaxError
 
@@ -110,7 +110,7 @@ class Watchdog:
             self._reported = False
 
     @staticmethod
-    def _run(ref: "weakref.ref[Watchdog]", stop: threading.Event, poll: float) -> None:
+    def _run(ref: weakref.ref[Watchdog], stop: threading.Event, poll: float) -> None:
         while not stop.wait(poll):
             self = ref()
             if self is None:

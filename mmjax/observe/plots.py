@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[str]
         cols = 3 if len(panels) > 4 else 2
         rows = math.ceil(len(panels) / cols)
         fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.8 * rows), squeeze=False)
-        for ax, (stem, title, ylabel, lines, logy) in zip(axes.flat, panels):
+        for ax, (_stem, title, ylabel, lines, logy) in zip(axes.flat, panels):
             draw(ax, title, ylabel, lines, logy)
         for ax in list(axes.flat)[len(panels):]:
             ax.axis("off")

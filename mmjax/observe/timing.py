@@ -14,7 +14,7 @@ import re
 import threading
 import time
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -91,7 +91,7 @@ class StepTimer:
 
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
-_collectors: "weakref.WeakSet[CompileTimes]" = weakref.WeakSet()  # a dropped Trainer's collector goes too
+_collectors: weakref.WeakSet[CompileTimes] = weakref.WeakSet()  # a dropped Trainer's collector goes too
 _listener_installed = False
 
 

@@ -1,4 +1,4 @@
-"""Sharded ArrayRecord of JSON records (the format `tools/prepare_data.py` and the built-in datasets write).
+"""Sharded ArrayRecord of JSON records (the format `mmjax.tools.prepare_data` and the built-in datasets write).
 
 Local shards are opened for random access; remote shards (any fsspec URL) are streamed into a bounded
 local cache (`storage.ShardCache`) ahead of use. Record counts come from the `manifest.json` beside the
@@ -40,7 +40,7 @@ def parse_json_record(raw: bytes, where: str) -> dict[str, Any]:
 
 
 def read_manifest(url: str, options: dict[str, Any]) -> list[tuple[str, int]]:
-    """[(shard URL, records)] from a manifest written by tools/prepare_data.py."""
+    """[(shard URL, records)] from a manifest written by mmjax.tools.prepare_data."""
     fs, path = filesystem(url, options)
     try:
         manifest = json.loads(fs.cat_file(path))

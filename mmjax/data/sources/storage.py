@@ -251,7 +251,7 @@ class ShardCache:
                     os.utime(lock)
             os.replace(tmp, path)
         except FileNotFoundError as e:
-            raise DataError(f"shard {url} does not exist (anymore); re-run tools/prepare_data.py or fix "
+            raise DataError(f"shard {url} does not exist (anymore); re-run python -m mmjax.tools.prepare_data or fix "
                             "data.paths") from e
         finally:
             lock.unlink(missing_ok=True)

@@ -7,8 +7,8 @@ masked rows.
 
 | impl        | where                    | notes                                                             |
 |-------------|--------------------------|-------------------------------------------------------------------|
-| `mgpu_bwd`  | GPU sm90 exactly, bf16/fp16, D 64/128 | Mosaic GPU (wgmma + TMA, warp-specialised) forward and the one-kernel Mosaic GPU backward of `flash_mgpu_bwd`, full mask semantic, GQA. `auto` takes it first (H200, B4 S4096 causal fwd+bwd: D128 485-491 TFLOP/s vs 341 with the Pallas backward, cuDNN 464; D64 H32 KV8 327, was 266 and equal to the Pallas backward before 2026-12-04) |
-| `mgpu`      | as `mgpu_bwd`            | the same Mosaic GPU forward (D128 fwd 523 vs 352 TFLOP/s for `pallas`; D64 H32 353 vs 212) with `pallas`'s backward kernels |
+| `mgpu_bwd`  | GPU sm90 exactly, bf16/fp16, D 64/128 | Mosaic GPU (wgmma + TMA, warp-specialised) forward and the one-kernel Mosaic GPU backward of `flash_mgpu_bwd`, full mask semantic, GQA. `auto` takes it first (the fastest fwd+bwd on the H200: docs/perf/README.md) |
+| `mgpu`      | as `mgpu_bwd`            | the same Mosaic GPU forward with `pallas`'s backward kernels |
 | `pallas`    | GPU sm80+ (CPU: interpret, explicit only) | flash fwd+bwd, full mask semantic, GQA, any S/D  |
 | `cudnn`     | GPU sm80+, bf16/fp16, D<=128 | `jax.nn.dot_product_attention(implementation='cudnn')` when the batch is one right-padded sequence per row (checked at run time; otherwise the next implementation runs) |
 | `xla`       | anywhere, S x S fits     | `jax.nn.dot_product_attention` with an explicit mask             |

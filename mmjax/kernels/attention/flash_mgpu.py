@@ -2,7 +2,7 @@
 
 (`MgpuFlashConfig(bwd_impl="mgpu")` selects the Mosaic GPU backward of `flash_mgpu_bwd` instead.)
 
-Why: the Triton-lowered forward in `flash_pallas` tops out around 356 TFLOP/s on an H200 (D=128 bf16).
+Why: the Triton-lowered forward in `flash_pallas` tops out well below the H200's peak (docs/perf/README.md).
 Hopper's throughput needs wgmma + TMA + warp specialisation, which Triton-through-Pallas does not expose;
 Mosaic GPU does. This module is an FA3-style forward (in the spirit of jax's
 `pallas/ops/gpu/attention_mgpu.py`, written for our mask semantic) and reuses the existing Pallas-Triton
@@ -92,16 +92,12 @@ class MgpuFlashConfig:
     block_kv: int = 128                       # key rows per pipeline step
     max_concurrent_steps: int | None = None   # SMEM ring depth; None: 3 if it fits in SMEM, else 2
     skip_full_tile_mask: bool = True          # skip the element-wise mask on provably full key tiles
-    # (batch, head) pairs per launch-order group (`_mb.cta_coords`): D128 causal forward 534 TFLOP/s at 4 vs
-    # 510 for an approximation of the previous order (lightest tile first, groups of 4) and 494 with all pairs
-    # (H200, means of two runs)
+    # (batch, head) pairs per launch-order group (`_mb.cta_coords`); 4 measured best (docs/perf/README.md)
     cta_group: int = 4
     bwd: _fp.FlashConfig | None = None        # None: flash_pallas.default_config(head_dim)
     interpret: bool = False                   # Mosaic GPU interpreter (CPU tests; slow)
     # Backward: "pallas" = flash_pallas' Triton kernels (configured by `bwd`); "mgpu" = the Mosaic GPU
-    # kernel of `flash_mgpu_bwd` (tiles below). H200, B4 S4096 causal fwd+bwd: D128 380-385 vs 340 TFLOP/s,
-    # D64 equal (results/attention-mgpu-bwd-2026-12-03{c,d}.json); since 2026-12-04 the Mosaic GPU backward
-    # runs D128 at 485-491 and D64 (H32 KV8) at 327 (results/attention-mgpu-bwd-spills-2026-12-04.json).
+    # kernel of `flash_mgpu_bwd` (tiles below), faster at D128 and D64 on the H200 (docs/perf/README.md).
     # `kernels.attention`'s `auto` (impl "mgpu_bwd") sets "mgpu"; "pallas" stays this config's default,
     # which is what impl "mgpu" means.
     bwd_impl: str = "pallas"

@@ -1,7 +1,7 @@
 """Flash-attention BACKWARD for Hopper (sm90a) with Pallas' Mosaic GPU backend (FA3-style, one kernel).
 
-Why: the Mosaic GPU forward (`flash_mgpu`) runs at ~525 TFLOP/s on an H200 but its Pallas-Triton backward
-at ~300, so fwd+bwd is bound by the backward. jax's own `attention_mgpu` backward is two kernels (dQ, dKV)
+Why: the Mosaic GPU forward (`flash_mgpu`) is much faster on an H200 than its Pallas-Triton backward
+(docs/perf/README.md), so fwd+bwd is bound by the backward. jax's own `attention_mgpu` backward is two kernels (dQ, dKV)
 that recompute S and dP twice and is non-causal only; this is one kernel that computes dQ, dK and dV from a
 single S / dP recomputation, with our mask semantic.
 
@@ -20,16 +20,14 @@ Kernel layout (one CTA = 2 * block_kv key rows of one (batch, kv head)):
     [block_q, 64] partial in the same step (no sync). The f32 partial is staged in SMEM and TMA reduce-added
     (`copy_smem_to_gmem(reduction_op="add")`) into a zeroed float32 dQ buffer passed as a mutable
     `jax.Ref` (aliased in and out by `pl.kernel`), cast outside.
-  * Measured schedule choices (H200, B4 S4096 H16 D128 causal fwd+bwd, results/attention-mgpu-bwd-2026-12-03
-    {b,c}.json): paired wgmmas + late dQ + 240 registers 380-385 TFLOP/s; one wgmma group at a time 359-363;
-    paired without late dQ 340; 232 registers with paired wgmmas 359 (presumably spills); a forward-style ping-pong
-    of the two warpgroups 299; a 128B-swizzled f32 dQ staging buffer (at 232 registers) 355.
-  * Register pressure (2026-12-04, ncu source-level stall sampling + ptxas): the kernel spilled 436 bytes; the
-    reloads of hoisted K/V wgmma descriptors and the bank-conflicted dQ staging stores and fences were ~30% of
-    the compute warps' stall samples. Per-step K/V descriptors (`opaque_zero`), kv-side mask vectors loaded per
-    masked step, (head, q tile) of the late dQ from the loops instead of a division, and a swizzled dQ staging
-    buffer: spills 436 -> 56 bytes, fwd+bwd 400 -> 485 TFLOP/s (D128 causal), D64 266 -> 327
-    (docs/perf/results/attention-mgpu-bwd-spills-2026-12-04.json; each change alone: 432, 414, 409, 406).
+  * Schedule: paired wgmmas + late dQ + 240 registers measured fastest on the H200 against one wgmma group at
+    a time, pairs without late dQ, 232 registers, a forward-style ping-pong of the two warpgroups and a
+    128B-swizzled f32 dQ staging buffer at 232 registers (table in docs/perf/README.md).
+  * Register pressure (ncu source-level stall sampling + ptxas): the reloads of hoisted K/V wgmma descriptors
+    and the bank-conflicted dQ staging stores and fences were a large share of the compute warps' stall
+    samples. Per-step K/V descriptors (`opaque_zero`), kv-side mask vectors loaded per masked step, (head,
+    q tile) of the late dQ from the loops instead of a division, and a swizzled dQ staging buffer removed
+    most spills; each change's effect is in docs/perf/README.md.
   * GQA: the q loop runs over the group's query heads inside the CTA, so dK/dV of a kv head are summed
     in registers (no per-q-head dK/dV and no extra pass).
   * Tile skipping: `flash_pallas._bounds(..., transpose=True)` for tiles (block_q, 2*block_kv) gives each
@@ -65,9 +63,9 @@ MASK = _fp.MASK
 SMEM_LIMIT = 227 * 1024  # H100/H200 max dynamic shared memory per block
 _SMEM_RESERVE = 4096     # barriers + Mosaic's reduction scratch
 # setmaxnreg per compute-warpgroup thread; the memory warpgroup gets the rest of the 64512 (24). 232 was
-# slower with the paired wgmmas, 359 vs 385 TFLOP/s fwd+bwd (results/attention-mgpu-bwd-2026-12-03b.json).
-# Even 240 spilled (436 bytes, ptxas via MOSAIC_GPU_DUMP_TO) until the fixes under "Register pressure" in the
-# module docstring (56 bytes since 2026-12-04): check the ptxas report after changing the compute loop.
+# slower with the paired wgmmas (docs/perf/README.md). Even 240 spilled (ptxas via MOSAIC_GPU_DUMP_TO) until
+# the fixes under "Register pressure" in the module docstring: check the ptxas report after changing the
+# compute loop.
 REGISTERS = 240
 
 
@@ -93,9 +91,7 @@ def cta_coords(pid, n_tiles: int, n_pairs: int, group: int, descending: bool):
     Why: the GPU hands CTAs to free SMs in index order. Causal tiles differ up to Sq/tile-fold in work, so
     the order sets the tail (list scheduling: heaviest first nearly removes it), and which CTAs run together
     sets L2 reuse of the K/V (forward) or Q/dO (backward) they all stream: a small group keeps that set small.
-    H200, B4 S4096 (32 tiles), groups of 1/2/4/8/16/all pairs (results/attention-cta-order-2026-12-03.json):
-    4 and 8 are best. Backward kernel D128 causal 378 TFLOP/s at 4 vs 359 with all pairs (tile-major over
-    every pair, the previous order) and 351 with 1; fwd+bwd non-causal 441 vs 382, D64 causal 316 vs 280.
+    Groups of 4 and 8 (batch, head) pairs measured best on the H200 (docs/perf/README.md).
     """
     group = max(1, min(group, n_pairs))
     span = group * n_tiles
@@ -178,7 +174,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
     split = t_.split_dq(d)
     dcols = d // 2 if split else d
     # two dsT buffers: a third (dQ lagging two steps) kept the gradients exact but measured slower on the H200
-    # (2026-12-03, D128 causal fwd+bwd 375-383 vs 395-400 TFLOP/s; docs/perf/README.md, session 6)
+    # (docs/perf/README.md)
     nbuf = 2 if split else 1
     c = bs.scale * LOG2E
     scale = bs.scale
@@ -273,7 +269,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
             def grads(dk, dv, t, slot, buf, masked, z):
                 """dK, dV += this step's terms; dsT to SMEM. sT and dpT are issued together and pT is computed
                 while dpT runs; dV and dK are issued together with dsT's SMEM store under them (two wgmma
-                waits per step; one group at a time: 359-363 vs 380-385 TFLOP/s, attention-mgpu-bwd-2026-12-03c)."""
+                waits per step; one group at a time was slower: docs/perf/README.md)."""
                 q_s, do_s = q_smem.at[slot], do_smem.at[slot]
                 k_w, v_w = k_smem.at[wg + z], v_smem.at[wg + z]
                 plgpu.barrier_wait(q_bars.at[slot])

@@ -44,11 +44,10 @@ _BIG = 2 ** 30
 class FlashConfig:
     """Tile sizes and Triton launch parameters (all block sizes powers of two, >= 16)."""
 
-    # Defaults from the sweeps on an H200 (docs/perf/results/attention-sweep-2026-12-03*.json, D=128 bf16):
-    # forward 128x128/8 warps/3 stages 356 TFLOP/s (128x64: 334; 2 stages 339; 4 stages exceed shared
-    # memory); backward 64x64/4 warps/2 stages: fwd+bwd 316 TFLOP/s (3 stages 265, 4 stages 259; 128-row
-    # tiles 137-172), whereas Triton's tutorial tiles (dKV 32x128, dQ 128x32) spill the 128x128 fp32
-    # accumulators and ran at 51.
+    # Defaults from the sweeps on an H200 (`mmjax.tools.sweep_attention`, numbers in docs/perf/README.md):
+    # forward 128x128/8 warps/3 stages (4 stages exceed shared memory); backward 64x64/4 warps/2 stages
+    # (more stages and 128-row tiles were slower), whereas Triton's tutorial tiles (dKV 32x128, dQ 128x32)
+    # spill the 128x128 fp32 accumulators.
     block_q: int = 128
     block_k: int = 128
     num_warps: int = 8
@@ -371,7 +370,7 @@ def once(*outputs):
     Why: under a layer scan, o and lse are both consumed (out-projection) and stacked as residuals by a
     dynamic-update-slice. XLA's GPU dynamic-slice fusion then clones the kernel call into a fusion that
     writes straight into the stacked buffer, and keeps the original for the other consumer: the attention
-    forward ran twice per layer in the 1.2B train step (H200, jax 0.11.2; 2 x 0.48 ms per layer).
+    forward ran twice per layer in the 1.2B train step (docs/perf/README.md).
     """
     return lax.optimization_barrier(outputs)
 

@@ -13,8 +13,8 @@ from mmjax.kernels._dispatch import interpret
 from mmjax.kernels.bias_gelu import gelu_and_grad, keep_mask
 
 # Shared by this module and the jax-triton kernels (`triton_kernels.py`): same tiles, same dropout indices.
-# tools/sweep_rows.py on an H200 ([32768, 4096] bf16): 4 x 1024 tiles with 4 warps run the erf forward at 86%
-# of 3.75 TB/s and fwd+bwd at 90% (8 x 1024: 79% / 83%; larger tiles or fewer warps slower).
+# From `mmjax.tools.sweep_rows` on an H200 (numbers in docs/perf/README.md): 4 x 1024 tiles with 4 warps are
+# fastest; 8 x 1024, larger tiles or fewer warps are slower.
 TILING = _rows.RowTiling(tile_elems=4096, fwd_warps=4, bwd_warps=4, bwd_stages=2, max_cols=1024)
 
 

@@ -100,7 +100,7 @@ def _fused(st, x, w, labels, weights):
 
 def _fused_fwd(st, x, w, labels, weights):
     # W in the compute dtype once, outside the chunk loop: XLA does not hoist the cast, and converting the
-    # f32 [128256, 2048] table in each of the 32 chunks of a 1.2B step cost 11.9 ms of a 299 ms step (H200).
+    # f32 table in every chunk was a visible share of the 1.2B step (docs/perf/README.md).
     wc = w.astype(x.dtype)
     def body(dw, xs):
         ce, dx, dw_c = _chunk_step(st, wc, *xs, with_grads=True)

@@ -18,9 +18,9 @@ from jax.experimental import pallas as pl
 from mmjax.kernels import _rows
 from mmjax.kernels._dispatch import interpret as _interpret
 
-# tools/sweep_rows.py on an H200 ([32768, 4096] bf16, results/rows-sweep-2026-12-03{,b,c}.json): 8k-element
-# tiles with the backward's hand prefetch and 16 warps run fwd+bwd at 0.382 ms (94% of 3.75 TB/s); without the
-# prefetch 16k tiles were best (0.434-0.445 ms, 81-83%); prefetch at 16k tiles is slower (0.59 ms).
+# From `mmjax.tools.sweep_rows` on an H200 (numbers in docs/perf/README.md): 8k-element tiles with the
+# backward's hand prefetch and 16 warps are fastest; without the prefetch 16k tiles were best, and the
+# prefetch at 16k tiles is slower.
 TILING = _rows.RowTiling(tile_elems=8192, bwd_warps=16, bwd_prefetch=True)
 
 

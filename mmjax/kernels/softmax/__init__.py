@@ -9,8 +9,8 @@ An optional boolean `mask` (True = keep) broadcastable to x gives masked rows ze
 | `pallas` | GPU sm80+ (CPU: interpret, explicit) | one read, one write each way; custom_vjp  |
 | `xla`    | anywhere                             | jnp (the reference)                       |
 
-On an H200 (2026-12-03, [32768, 4096] bf16, forward output kept as in training) the forward ties XLA's
-fusion (0.192 vs 0.188 ms) and forward+backward is 1.8x faster (0.466 vs 0.825 ms), so `auto` takes Pallas.
+On an H200 the forward ties XLA's fusion and forward+backward is faster (docs/perf/README.md), so `auto`
+takes Pallas.
 """
 
 from __future__ import annotations

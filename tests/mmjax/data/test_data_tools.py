@@ -1,10 +1,8 @@
-"""tools/prepare_data.py (bad records reported, not fatal) and the bench library, run in-process."""
+"""mmjax.tools.prepare_data (bad records reported, not fatal) and the bench library, run in-process."""
 
 import json
-import runpy
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from mmjax.tools.prepare_data import main
 
 
 def test_prepare_data_cli_reports_bad_records(llava_export, tmp_path, capsys):
@@ -16,7 +14,6 @@ def test_prepare_data_cli_reports_bad_records(llava_export, tmp_path, capsys):
     rows = [json.dumps(r) for r in recs] + ['{"id": "cut-off", "conver', json.dumps(dict(recs[0], id="x9",
                                                                                        image=str(tmp_path / "bad.png")))]
     (tmp_path / "in.jsonl").write_text("\n".join(rows) + "\n")
-    main = runpy.run_path(str(ROOT / "tools" / "prepare_data.py"))["main"]
     rc = main(["--format", "llava", "--input", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out"),
                "--records-per-shard", "8", "--cache-dir", str(tmp_path / "cache")])
     out, err = capsys.readouterr()

@@ -1,4 +1,4 @@
-"""tools/bench_train.py's library side on a tiny text-only model: it trains, counts FLOPs and profiles."""
+"""The library side of `mmjax.tools.bench_train` on a tiny text-only model: it trains, counts FLOPs, profiles."""
 
 import numpy as np
 

@@ -1,10 +1,9 @@
 """Hugging Face <-> mmjax conversion: logits parity with `transformers` (float32) in both directions.
 
-Tiny random models; every direction goes through the CLI (`tools/convert_checkpoint.py`).
+Tiny random models; every direction goes through the CLI (`python -m mmjax.tools.convert_checkpoint`).
 """
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
@@ -19,11 +18,7 @@ from mmjax.config import Config, from_tree
 from mmjax.engine.convert import ConversionError, load_params
 from mmjax.model import MLLM
 from mmjax.model.decoder import Decoder
-
-REPO = Path(__file__).resolve().parents[3]
-_spec = importlib.util.spec_from_file_location("convert_checkpoint", REPO / "tools" / "convert_checkpoint.py")
-cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cli)
+from mmjax.tools import convert_checkpoint as cli
 
 IMG = 5
 TOL = 1e-4

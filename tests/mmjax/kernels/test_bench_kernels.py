@@ -25,5 +25,6 @@ def test_rows_table_and_readme_section(tmp_path):
     bench.write_readme_section(readme, record, "cmd one")
     bench.write_readme_section(readme, record, "cmd two")  # replaces its own section, leaves the rest
     text = readme.read_text()
-    assert text.count("## Kernels (`tools/bench_kernels.py`)") == 1 and "cmd two" in text and "cmd one" not in text
+    assert text.count("## Kernels (`python -m mmjax.tools.bench_kernels`)") == 1
+    assert "cmd two" in text and "cmd one" not in text
     assert text.startswith("# Performance\n\nintro\n\n## Other section\n\nkept\n")

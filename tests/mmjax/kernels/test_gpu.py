@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mmjax import kernels
 import mmjax.kernels.norms  # noqa: F401  (kernels.norms.OP below)
 from mmjax import kernels
 from mmjax.kernels.attention.reference import attention_reference, make_mask

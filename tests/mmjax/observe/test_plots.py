@@ -1,16 +1,16 @@
-"""tools/plot_metrics.py: two runs' metrics.jsonl -> PNGs, one line per run, gaps for NaN, memory in GiB."""
+"""mmjax.tools.plot_metrics: two runs' metrics.jsonl -> PNGs, one line per run, gaps for NaN, memory in GiB."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import mmjax
 from mmjax.observe.metrics import memory_metrics
 from mmjax.observe.plots import _max_peak_memory, _series, plot_runs
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def write_run(path: Path, scale: float, with_memory: bool) -> None:
@@ -30,8 +30,9 @@ def test_two_runs_become_pngs(tmp_path):
     write_run(tmp_path / "a", 1.0, with_memory=True)
     write_run(tmp_path / "b", 0.5, with_memory=False)
     out = tmp_path / "plots"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools/plot_metrics.py"), str(tmp_path / "a"),
-                           str(tmp_path / "b"), "--out", str(out)], capture_output=True, text=True, timeout=120)
+    env = dict(os.environ, PYTHONPATH=str(Path(mmjax.__file__).parents[1]))  # the mmjax imported here
+    proc = subprocess.run([sys.executable, "-m", "mmjax.tools.plot_metrics", str(tmp_path / "a"), str(tmp_path / "b"),
+                           "--out", str(out)], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     names = {p.name for p in out.glob("*.png")}
     assert names == {"loss.png", "lr.png", "throughput.png", "mfu.png", "data_wait.png", "memory.png", "overview.png"}

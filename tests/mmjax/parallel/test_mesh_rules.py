@@ -1,5 +1,4 @@
 import jax
-import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -65,8 +64,6 @@ def test_micro_batch_size_must_match_global_batch():
 
 
 def test_layout_presets_load_and_fit_eight_devices():
-    from pathlib import Path
-
     presets = sorted((PACKAGED_CONFIGS / "parallel").glob("*.yaml"))
     assert {p.stem for p in presets} >= {"fsdp", "fsdp_tp", "tp_sp", "context_parallel", "hybrid_dp_fsdp"}
     for preset in presets:

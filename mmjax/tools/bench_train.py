@@ -1,6 +1,6 @@
 """Train-step throughput on synthetic data: tokens/s, MFU, memory, compile time, profile summary.
 
-    python tools/bench_train.py --config mmjax/configs/models/llama_1b.yaml --text-only \
+    python -m mmjax.tools.bench_train --config mmjax/configs/models/llama_1b.yaml --text-only \
         train.global_batch_size=8 model.max_seq_len=2048
 
 Prints a table and writes the JSON to docs/perf/results/ (or --out).
@@ -16,11 +16,8 @@ import shlex
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from mmjax.config import load_config  # noqa: E402
-from mmjax.engine.bench import format_result, run_with_remat_fallback  # noqa: E402
+from mmjax.config import load_config
+from mmjax.engine.bench import format_result, run_with_remat_fallback
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-steps", type=int, default=2, help="steps traced after timing (0 = none)")
     p.add_argument("--remat", default="", help="comma list tried in order until one fits, e.g. none,full")
     p.add_argument("--name", default="", help="result file stem (default: train_<model>_<date>)")
-    p.add_argument("--out", default=str(ROOT / "docs/perf/results"))
+    p.add_argument("--out", default="docs/perf/results")
     p.add_argument("--dump-hlo", action="store_true", help="also write the compiled step's HLO to <out>/<name>.hlo.txt")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.global_batch_size=8")
     args = p.parse_args(argv)
@@ -45,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_with_remat_fallback(cfg, remats, steps=args.steps, warmup=args.warmup,
                                      profile_steps=args.profile_steps, out_dir=out / f"{stem}_trace",
                                      hlo_path=out / f"{stem}.hlo.txt" if args.dump_hlo else None)
-    result["command"] = "python tools/bench_train.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    result["command"] = "python -m mmjax.tools.bench_train " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     print(format_result(result))

@@ -1,6 +1,6 @@
 """Launch-shape sweep for the row-wise kernels: RMSNorm (Pallas) and bias+GELU (jax-triton).
 
-    python tools/sweep_rows.py [--ops rms_norm bias_gelu] [--out docs/perf/results/rows-sweep-<date>.json]
+    python -m mmjax.tools.sweep_rows [--ops rms_norm bias_gelu] [--out docs/perf/results/rows-sweep-<date>.json]
 
 Each candidate `RowTiling` (tile size, row tiles per backward program, warps, backward pipeline stages)
 replaces the op module's `TILING` and is timed on the bench's [32768, 4096] bf16 rows: forward and
@@ -16,20 +16,12 @@ import argparse
 import dataclasses
 import datetime
 import logging
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def norm_candidates() -> dict:
     from mmjax.kernels.norms.pallas import TILING as d
     r = lambda **kw: dataclasses.replace(d, **kw)
-    # First sweep (results/rows-sweep-2026-12-03.json): 8 -> 16 backward warps 81 -> 83%; 4 warps spill (11%);
-    # 32k-element tiles 45%; 8k tiles 74% fwd+bwd (fwd 97%); tiles per program and stages within 1%.
-    # Second (-03b): 16 warps 81%, 32 warps 71%, stages 1/3 and 8/32 tiles per program within 1%.
-    # Third (-03c, 16k tiles): the backward's hand prefetch 0.588 ms (slower); prefetch at 8k tiles 0.382 ms
-    # (94% of 3.75 TB/s) -> the default. Candidates now vary that default one field at a time.
+    # Earlier sweeps (docs/perf/README.md) chose the default; candidates vary it one field at a time.
     return {
         "default": d,
         "no_prefetch": r(bwd_prefetch=False),
@@ -43,8 +35,7 @@ def norm_candidates() -> dict:
 def gelu_candidates() -> dict:
     from mmjax.kernels.bias_gelu.pallas import TILING as d
     r = lambda **kw: dataclasses.replace(d, **kw)
-    # First sweep: 8k-element tiles (8 x 1024, 4 warps) fwd 79% / fwd+bwd 83%; 4k tiles 86% / 90%; 2048-wide
-    # column blocks 80% / 90%; 3 backward stages 79% / 89%; 16k tiles 56% (87% with 8 warps); 2 warps 59%.
+    # The first sweep's results are in docs/perf/README.md.
     return {
         "default": d,
         "bwd_s3": r(bwd_stages=3), "cols2k": r(max_cols=2048), "cols2k_bwd_s3": r(max_cols=2048, bwd_stages=3),

@@ -1,7 +1,7 @@
 """Loader throughput (samples/s, tokens/s) against data.num_workers; writes JSON to docs/perf/results/.
 
-    python tools/bench_data.py                                   # built-in shapes, tiny_shapes config
-    python tools/bench_data.py --workload llava_like --config mmjax/configs/models/llama_1b.yaml \\
+    python -m mmjax.tools.bench_data                             # built-in shapes, tiny_shapes config
+    python -m mmjax.tools.bench_data --workload llava_like --config mmjax/configs/models/llama_1b.yaml \\
         data.packing=true data.max_images=3 train.global_batch_size=8 --workers 0 2 4 8
 """
 
@@ -19,8 +19,6 @@ from mmjax.config import load_config
 from mmjax.data.bench import run_bench
 from mmjax.errors import MmjaxError
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -29,11 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=10.0, help="measured seconds per worker count")
     p.add_argument("--workload", choices=("config", "llava_like"), default="config")
     p.add_argument("--work-dir", default="~/.cache/mmjax/bench", help="where llava_like data is generated")
-    p.add_argument("--out", default=str(ROOT / "docs" / "perf" / "results"))
+    p.add_argument("--out", default="docs/perf/results")
     p.add_argument("--tag", default="", help="added to the output file name (e.g. the machine)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    from absl import flags  # grain's worker pools read absl flags (DESIGN.md section 7)
+    from absl import flags  # grain's worker pools read absl flags
 
     flags.FLAGS(sys.argv[:1])
     try:
@@ -46,14 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     result = {
         "benchmark": "data_loader", "date": now.isoformat(timespec="seconds"), "workload": args.workload,
         "device": {"host_cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
                    "cpu": platform.processor() or "unknown", "tag": args.tag},
         "versions": {"jax": jax.__version__, "grain": grain.__version__ if hasattr(grain, "__version__") else "?",
                      "numpy": np.__version__},
-        "command": "python tools/bench_data.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m mmjax.tools.bench_data " + " ".join(sys.argv[1:] if argv is None else argv),
         "config": {"image_size": cfg.model.vision.image_size, "image_tokens": cfg.model.image_tokens,
                    "max_seq_len": cfg.model.max_seq_len, "global_batch_size": cfg.train.global_batch_size,
                    "packing": cfg.data.packing, "max_images": cfg.data.max_images},

@@ -1,11 +1,11 @@
 """Convert and inspect checkpoints (Hugging Face <-> mmjax); see `mmjax.engine.convert`.
 
-  python tools/convert_checkpoint.py import  HF_DIR OUT [--dtype bfloat16] [--max-seq-len 4096]
-  python tools/convert_checkpoint.py export  CKPT OUT [--step N] [--family llama|mistral|qwen2] [--dtype ...]
+  python -m mmjax.tools.convert_checkpoint import  HF_DIR OUT [--dtype bfloat16] [--max-seq-len 4096]
+  python -m mmjax.tools.convert_checkpoint export  CKPT OUT [--step N] [--family llama|mistral|qwen2] [--dtype ...]
                                              [--tokenizer DIR] [--image-token-id ID] [--decoder-only]
                                              [--max-shard-gb 5]
-  python tools/convert_checkpoint.py export-params CKPT OUT [--step N] [--dtype bfloat16]
-  python tools/convert_checkpoint.py inspect CKPT [--step N] [--json]
+  python -m mmjax.tools.convert_checkpoint export-params CKPT OUT [--step N] [--dtype bfloat16]
+  python -m mmjax.tools.convert_checkpoint inspect CKPT [--step N] [--json]
 
 CKPT is a checkpoint folder (its latest step is used) or one `<step>` folder inside it.
 """
@@ -21,7 +21,7 @@ from mmjax.errors import MmjaxError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="convert_checkpoint", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m mmjax.tools.convert_checkpoint", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="Hugging Face folder -> mmjax params checkpoint")

@@ -1,6 +1,6 @@
 """Measure checkpoint save/restore time and the training stall per save (snapshot vs async vs sync).
 
-  python tools/bench_checkpoint.py --config mmjax/configs/models/llama_1b.yaml [overrides ...] [--dir /tmp/ckpt]
+  python -m mmjax.tools.bench_checkpoint --config models/llama_1b.yaml [overrides ...] [--dir /tmp/ckpt]
       [--out docs/perf/results/checkpoint-<date>.json]
 
 Prints a table and writes JSON (date, device, versions, command, numbers).
@@ -38,9 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides)
     modes = tuple(args.modes.split(","))
     result = checkpoint_bench.run(cfg, args.dir, modes=modes, saves_per_mode=args.saves)
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    record = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "device": jax.devices()[0].device_kind, "device_count": jax.device_count(),
-              "versions": package_versions(), "command": " ".join(["python tools/bench_checkpoint.py", *sys.argv[1:]]),
+              "versions": package_versions(),
+              "command": " ".join(["python -m mmjax.tools.bench_checkpoint", *sys.argv[1:]]),
               "config": {"model": to_dict(cfg.model), "batch": cfg.train.global_batch_size}, **result}
     print(f"mean of {args.saves} saves per mode, in the order run")
     print(f"{'':9}{'blocked s':>10}{'total s':>10}{'stall s':>10}{'stall/step':>11}{'% @1000':>9}{'GB/s':>7}")
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         r = result[mode]
         print(f"{mode:9}{r['save_blocked_s']:10.3f}{r['save_total_s']:10.2f}{r['stall_s']:10.3f}"
               f"{r['stall_in_steps']:11.2f}{r['stall_pct_of_step_time_every_1000']:9.3f}{r['write_GBps']:7.2f}")
-    print(f"restore {result['restore_s']:.2f} s ({result['restore_GBps']:.2f} GB/s); step {result['step_time_s']:.4f} s;"
+    print(f"restore {result['restore_s']:.2f} s ({result['restore_GBps']:.2f} GB/s);"
+          f" step {result['step_time_s']:.4f} s;"
           f" state {result['state_bytes'] / 1e9:.2f} GB; {result['params'] / 1e9:.3f}B params")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Benchmark every kernel against XLA, cuDNN and torch SDPA in one run; write JSON and the docs table.
 
-    python tools/bench_kernels.py                       # all sections, on the default device
-    python tools/bench_kernels.py --sections attention norms --out docs/perf/results
+    python -m mmjax.tools.bench_kernels                 # all sections, on the default device
+    python -m mmjax.tools.bench_kernels --sections attention norms --out docs/perf/results
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import json
 import logging
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mmjax.kernels import bench  # noqa: E402
 

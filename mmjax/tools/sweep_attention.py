@@ -1,6 +1,6 @@
 """Tile sweep for the flash-attention kernels: Pallas-Triton forward/backward tiles and Mosaic GPU forward tiles.
 
-    python tools/sweep_attention.py [--out docs/perf/results/attention-sweep-<date>.json]
+    python -m mmjax.tools.sweep_attention [--out docs/perf/results/attention-sweep-<date>.json]
 
 Each candidate is timed forward and forward+backward at B4 S4096 H16 D128 bf16 causal (the bench's shape),
 the Mosaic GPU ones also at D64 H32; a candidate that fails (e.g. exceeds shared memory) is listed with its
@@ -12,10 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def pallas_candidates():

@@ -1,6 +1,6 @@
 """Time the Mosaic GPU flash backward (`flash_mgpu_bwd`) against the Pallas-Triton one, fwd+bwd on an H200.
 
-    python tools/bench_mgpu_bwd.py --out-dir OUT [--check]
+    python -m mmjax.tools.bench_mgpu_bwd --out-dir OUT [--check]
 
 Shapes: B4 S4096 H16 D128 and B4 S4096 H32 D64, bf16, causal (plus D128 non-causal). For each backward tile
 candidate: fwd+bwd TFLOP/s (FLOPs = 3.5 x forward; forward = 4*B*H*S^2*D/2 causal) and, with --check, the
@@ -13,11 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import traceback
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def candidates():
@@ -44,6 +41,7 @@ def _inputs(b, s, h, d, dtype):
 def _grad_fn(cfg, lay, causal):
     import jax
     import jax.numpy as jnp
+
     from mmjax.kernels.attention import flash_attention_mgpu
     loss = lambda q, k, v: jnp.sum(
         flash_attention_mgpu(q, k, v, causal=causal, config=cfg, **lay).astype(jnp.float32))
@@ -53,6 +51,7 @@ def _grad_fn(cfg, lay, causal):
 def check(rows, name, cfg):
     """Max |dq|,|dk|,|dv| difference to the Pallas backward (B2 S1024 H8 KV2, D128 and D64, bf16 causal)."""
     import jax.numpy as jnp
+
     from mmjax.kernels.attention import MgpuFlashConfig
     for d in (128, 64):
         q, k, v, lay = _inputs(2, 1024, 8, d, jnp.bfloat16)
@@ -79,6 +78,7 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     import jax.numpy as jnp
+
     from mmjax.kernels import bench
     rows: list = []
     out = Path(args.out_dir)

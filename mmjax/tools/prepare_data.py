@@ -1,8 +1,8 @@
 """Convert LLaVA JSON/JSONL + images, or Parquet, into sharded ArrayRecord + manifest.json.
 
-    python tools/prepare_data.py --format llava --input data/llava_instruct.json --image-root data/coco \\
+    python -m mmjax.tools.prepare_data --format llava --input data/llava_instruct.json --image-root data/coco \\
         --out data/llava-ar --num-shards 64
-    python tools/prepare_data.py --format parquet --input 's3://bucket/export/*.parquet' --out s3://bucket/ar
+    python -m mmjax.tools.prepare_data --format parquet --input 's3://bucket/export/*.parquet' --out s3://bucket/ar
 
 Bad records are skipped and listed in the manifest (and summarised here); the exit code is 0 unless
 nothing could be converted. Train with data.source=arrayrecord data.paths=[<out>].

@@ -1,6 +1,6 @@
 """Plot one or several runs' metrics.jsonl as PNGs (loss, lr, throughput, MFU, data wait, memory).
 
-    python tools/plot_metrics.py runs/a runs/b --out plots/
+    python -m mmjax.tools.plot_metrics runs/a runs/b --out plots/
 """
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from mmjax.observe.plots import plot_runs  # noqa: E402
+from mmjax.observe.plots import plot_runs
 
 
 def main(argv: list[str] | None = None) -> int:

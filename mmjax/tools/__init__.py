@@ -1,0 +1,15 @@
+"""Command-line tools; each module only parses arguments and calls library code.
+
+    python -m mmjax.tools.convert_checkpoint   Hugging Face <-> mmjax checkpoints (also `mmjax-convert`)
+    python -m mmjax.tools.prepare_data         LLaVA JSON / Parquet -> sharded ArrayRecord (`mmjax-prepare-data`)
+    python -m mmjax.tools.plot_metrics         metrics.jsonl of one or more runs -> PNGs (`mmjax-plot`)
+    python -m mmjax.tools.bench_train          train-step throughput, MFU, memory, profile summary
+    python -m mmjax.tools.bench_data           loader throughput against data.num_workers
+    python -m mmjax.tools.bench_checkpoint     checkpoint save/restore time and the training stall per save
+    python -m mmjax.tools.bench_kernels        every fused kernel against XLA, cuDNN and torch SDPA
+    python -m mmjax.tools.bench_mgpu_bwd       Mosaic GPU flash-attention backward candidates (H100/H200)
+    python -m mmjax.tools.sweep_attention      flash-attention tile sweep (GPU)
+    python -m mmjax.tools.sweep_rows           launch-shape sweep of the row-wise kernels (GPU)
+
+Benchmarks write JSON into `docs/perf/results/` relative to the working directory unless `--out` says otherwise.
+"""
