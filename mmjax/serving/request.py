@@ -108,7 +108,7 @@ class Request:
             if not (0 <= k.start < k.end <= len(self.prompt_token_ids)):
                 raise RequestError(f"request {self.request_id!r}: extra key range [{k.start}, {k.end}) is not "
                                    f"inside the {len(self.prompt_token_ids)}-token prompt")
-            if not isinstance(k.key, (int, str, bytes)):
+            if isinstance(k.key, bool) or not isinstance(k.key, (int, str, bytes)):
                 raise RequestError(f"request {self.request_id!r}: extra key {k.key!r} must be int, str or bytes")
 
     @property

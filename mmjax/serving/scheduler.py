@@ -48,15 +48,16 @@ class ScheduledRequest:
 class SchedulerOutput:
     """What the model runner computes in one step.
 
-    `scheduled` is the batch in order. The id lists tell a runner that keeps per-request state (sampler RNG,
-    image embeddings) what changed: `new_request_ids` are scheduled for the first time, `resumed_request_ids`
-    come back after a preemption and recompute from position `start`, `preempted_request_ids` lost their pages in
-    this step, `finished_request_ids` finished or were aborted since the previous step.
+    `scheduled` is the batch in order. The rest tells a runner that keeps per-request state (sampling params,
+    sampler RNG, image data) what changed: `new_requests` are scheduled for the first time (read their
+    `sampling_params`, `extra_keys`, `mm_data`), `resumed_request_ids` come back after a preemption and recompute
+    from position `start`, `preempted_request_ids` lost their pages in this step, `finished_request_ids` finished
+    or were aborted since the previous step (drop their state).
     """
 
     step: int
     scheduled: tuple[ScheduledRequest, ...]
-    new_request_ids: tuple[str, ...]
+    new_requests: tuple[Request, ...]
     resumed_request_ids: tuple[str, ...]
     preempted_request_ids: tuple[str, ...]
     finished_request_ids: tuple[str, ...]
@@ -183,7 +184,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        new: list[str] = []
+        new: list[Request] = []
         resumed: list[str] = []
         now = self.clock()
 
@@ -213,7 +214,10 @@ class Scheduler:
             if self.kv.allocate_slots(request, n, pages, num_cached) is None:
                 break
             self.waiting.pop(0)
-            (resumed if request.status is RequestStatus.PREEMPTED else new).append(request.request_id)
+            if request.status is RequestStatus.PREEMPTED:
+                resumed.append(request.request_id)
+            else:
+                new.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
