@@ -1,0 +1,288 @@
+"""Continuous-batching scheduler: which tokens of which requests the model computes in the next step.
+
+Each step has a token budget (`max_num_batched_tokens`) shared by every request: running requests come first
+(a decode token, or the next chunk of a prompt being prefilled), then waiting requests are admitted in
+(priority, arrival) order while the budget, `max_num_seqs` and free KV pages allow. A prompt larger than the
+remaining budget is prefilled in chunks over several steps, mixed with other requests' decode tokens. When a
+running request needs a page and none is free, the least urgent running request is preempted: its pages are
+freed and it goes back to the waiting queue, to recompute prompt + generated tokens (minus prefix-cache hits).
+
+One step is `out = schedule()`, the model runs `out`, then `update_from_output(out, sampled)`. Pure Python.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Mapping
+
+from mmjax.errors import ConfigError
+from mmjax.serving.kv_manager import KVCacheManager
+from mmjax.serving.request import Request, RequestError, RequestStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions start .. start+len-1.
+
+    `page_ids` is the request's whole page table after this step's allocation (it covers positions
+    [0, start + num_tokens)); the KV of the new tokens goes to those pages, and attention reads positions
+    [0, start + num_tokens). `samples` is True when the chunk ends at the last known token: the runner samples
+    one token from the last position's logits and returns it; a partial prefill chunk samples nothing.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start: int
+    page_ids: tuple[int, ...]
+    samples: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    """What the model runner computes in one step.
+
+    `scheduled` is the batch in order. The rest tells a runner that keeps per-request state (sampling params,
+    sampler RNG, image data) what changed: `new_requests` are scheduled for the first time (read their
+    `sampling_params`, `extra_keys`, `mm_data`), `resumed_request_ids` come back after a preemption and recompute
+    from position `start`, `preempted_request_ids` lost their pages in this step, `finished_request_ids` finished
+    or were aborted since the previous step (drop their state).
+    """
+
+    step: int
+    scheduled: tuple[ScheduledRequest, ...]
+    new_requests: tuple[Request, ...]
+    resumed_request_ids: tuple[str, ...]
+    preempted_request_ids: tuple[str, ...]
+    finished_request_ids: tuple[str, ...]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _urgency(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, priorities, prefix caching and recompute preemption."""
+
+    def __init__(self, kv: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                 enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
+            raise ConfigError(f"scheduler: max_num_batched_tokens={max_num_batched_tokens}, max_num_seqs="
+                              f"{max_num_seqs} must be >= 1 and max_model_len={max_model_len} >= 2")
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ConfigError(f"scheduler: without chunked prefill max_num_batched_tokens={max_num_batched_tokens} "
+                              f"must be >= max_model_len={max_model_len}, or a long prompt never fits a step; "
+                              "enable chunked prefill or raise the budget")
+        if long_prefill_token_threshold < 0:
+            raise ConfigError(f"scheduler: long_prefill_token_threshold={long_prefill_token_threshold} must be "
+                              ">= 0 (0 disables it)")
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.clock = clock
+        self.requests: dict[str, Request] = {}  # live (waiting or running) requests
+        self.waiting: list[Request] = []  # sorted by (priority, arrival, insertion)
+        self.running: list[Request] = []  # sorted the same way: the last one is preempted first
+        self._order: dict[str, tuple[int, float, int]] = {}
+        self._counter = itertools.count()
+        self._finished_ids: list[str] = []
+        self._step = 0
+        self.num_preemptions = 0
+
+    # -- requests ---------------------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises RequestError (changing nothing) when it can never be served."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise RequestError(f"request {rid!r}: id already in use by a live request; ids must be unique")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
+            raise RequestError(f"request {rid!r}: already used ({request.status.value}); build a new Request")
+        n = request.num_prompt_tokens
+        if n >= self.max_model_len:
+            raise RequestError(f"request {rid!r}: prompt has {n} tokens but max_model_len={self.max_model_len} "
+                               "leaves no room for an output token; shorten the prompt")
+        # The last token sampled never gets KV, so a request ends with at most (final length - 1) tokens of KV.
+        final_len = min(n + request.sampling_params.max_tokens, self.max_model_len)
+        need = self.kv.pages_for(final_len - 1)
+        if need > self.kv.num_usable_pages:
+            raise RequestError(f"request {rid!r}: {n} prompt tokens + max_tokens={request.sampling_params.max_tokens}"
+                               f" need up to {need} KV pages of {self.kv.page_size} tokens but the pool has "
+                               f"{self.kv.num_usable_pages}; shorten the prompt, lower max_tokens or add pages")
+        self.requests[rid] = request
+        self._order[rid] = (*_urgency(request), next(self._counter))
+        self._insert(self.waiting, request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a waiting or running request and free its pages; False when no such live request exists."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def _insert(self, queue: list[Request], request: Request) -> None:
+        bisect.insort(queue, request, key=lambda r: self._order[r.request_id])
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        rid = request.request_id
+        self.kv.free(rid)
+        request.status = status
+        request.finished_time = self.clock()
+        del self.requests[rid], self._order[rid]
+        self._finished_ids.append(rid)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._insert(self.waiting, request)
+
+    # -- one step ---------------------------------------------------------------------------------------------
+
+    def _chunk(self, n: int, budget: int) -> int:
+        """Tokens to compute now out of `n` pending: capped by the long-prefill threshold and the budget."""
+        if 0 < self.long_prefill_token_threshold < n:
+            n = self.long_prefill_token_threshold
+        return min(n, budget)
+
+    def _entry(self, request: Request, n: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(request.request_id, request.token_ids(start, start + n), start,
+                                tuple(self.kv.block_table(request.request_id)), start + n == request.num_tokens)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens; the caller must run them and call `update_from_output` before the next."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        new: list[Request] = []
+        resumed: list[str] = []
+        now = self.clock()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, n) is None:
+                victim = self.running[-1]  # least urgent; never one already scheduled (those are before i)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._entry(request, n))
+                budget -= n
+                i += 1
+
+        # Admit waiting requests only when nothing was preempted: a page shortage would just bounce them back.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            pages, num_cached = self.kv.get_computed_pages(request)
+            n = request.num_tokens - num_cached
+            if not self.enable_chunked_prefill and n > budget:
+                break
+            n = self._chunk(n, budget)
+            if self.kv.allocate_slots(request, n, pages, num_cached) is None:
+                break
+            self.waiting.pop(0)
+            if request.status is RequestStatus.PREEMPTED:
+                resumed.append(request.request_id)
+            else:
+                new.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            self._insert(self.running, request)
+            scheduled.append(self._entry(request, n))
+            budget -= n
+
+        finished, self._finished_ids = self._finished_ids, []
+        self._step += 1
+        return SchedulerOutput(self._step, tuple(scheduled), tuple(new), tuple(resumed), tuple(preempted),
+                               tuple(finished))
+
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[Request]:
+        """Record a finished model step: advance computed tokens, cache full pages, append the sampled tokens,
+        stop requests that hit EOS / a stop token / max_tokens / max_model_len. Returns the requests finished now.
+
+        `sampled_token_ids` maps the id of every scheduled request with `samples=True` to its new token.
+        Requests aborted between `schedule` and this call are skipped.
+        """
+        done: list[Request] = []
+        now = self.clock()
+        for entry in output.scheduled:
+            request = self.requests.get(entry.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            if request.num_computed_tokens != entry.start:
+                raise ValueError(f"request {entry.request_id!r}: output of step {output.step} starts at "
+                                 f"{entry.start} but {request.num_computed_tokens} tokens are computed; feed every "
+                                 "step's output exactly once, in order")
+            request.num_computed_tokens += entry.num_tokens
+            self.kv.cache_pages(request)
+            if not entry.samples:
+                continue
+            if entry.request_id not in sampled_token_ids:
+                raise ValueError(f"request {entry.request_id!r}: step {output.step} scheduled it to sample but "
+                                 "sampled_token_ids has no token for it")
+            token = int(sampled_token_ids[entry.request_id])
+            request.output_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = self._stop_status(request, token)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                done.append(request)
+        return done
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if (not params.ignore_eos and token == request.eos_token_id) or token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- metrics ----------------------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Queue and cache gauges/counters for a metrics sink."""
+        kv = self.kv
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
+                "num_preemptions": self.num_preemptions, "kv_usage": kv.usage,
+                "prefix_cache_queries": kv.queries, "prefix_cache_hits": kv.hits,
+                "prefix_cache_evictions": kv.evictions}
