@@ -93,5 +93,6 @@ def shard_attention(fn: Callable, q, k, v, **inputs):
     def per_shard(q, k, v, *meta):
         return fn(q, k, v, **static, **dict(zip(keys, meta)))
 
-    return shard_map(per_shard, ctx.mesh, (s4, s4, s4) + (s2,) * len(keys), s4)(
-        q, k, v, *(arrays[key] for key in keys))
+    fn_sharded = shard_map(per_shard, ctx.mesh, (s4, s4, s4) + (s2,) * len(keys), s4)
+    with use_sharding(None):  # the body is per shard: nothing in it may split over the mesh again
+        return fn_sharded(q, k, v, *(arrays[key] for key in keys))
