@@ -27,6 +27,7 @@ from mmjax.parallel.rules import fit_spec, logical_to_spec, rules_from_config, s
 
 log = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass(frozen=True)
 class ShardingContext(MeshSharding):
     """The kernels' `MeshSharding` plus the logical-axis rules; its batch/head axes come from the rules."""

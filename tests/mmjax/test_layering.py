@@ -68,8 +68,8 @@ KERNELS, PARALLEL, TOOLS = RULES  # rule names
     ("kernels/attention/probe.py", "def f():\n    from ... import config\n", KERNELS, True),
     ("kernels/probe.py", "import mmjax.observe.flops\n", KERNELS, True),
     ("kernels/probe.py", "import mmjax\n", KERNELS, True),
-    ("kernels/attention/probe.py", "from mmjax import kernels\nfrom .. import _dispatch\nfrom .reference import make_mask\n"
-     "from mmjax.kernels.attention import OP\n", KERNELS, False),
+    ("kernels/attention/probe.py", "from mmjax import kernels\nfrom .. import _dispatch\n"
+     "from .reference import make_mask\nfrom mmjax.kernels.attention import OP\n", KERNELS, False),
     ("parallel/probe.py", "def f():\n    import mmjax.model.layers\n", PARALLEL, True),
     ("parallel/probe.py", "from ..model import MLLM\n", PARALLEL, True),
     ("parallel/probe.py", "from mmjax import model\n", PARALLEL, True),
