@@ -3,6 +3,7 @@
 The data pipeline is left out on purpose (it has its own benchmark): every step trains on the same
 device-resident batch of full-length rows, so the number is the train step's speed alone. MFU uses
 `mmjax.observe.flops` (6N + causal attention pairs + vision encoder), the same accounting as `train/mfu`.
+The kernels table's train-step rows (`train_step_section`, a `python -m mmjax.tools.bench_kernels` section) come from here too.
 """
 
 from __future__ import annotations
@@ -18,15 +19,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from mmjax.config import Config
+from mmjax.config import Config, load_config
 from mmjax.engine.feed import to_global_batch
 from mmjax.engine.init import create_train_state, model_setup
 from mmjax.engine.optimizer import learning_rate_schedule, make_optimizer
-from mmjax.engine.steps import make_train_step
+from mmjax.engine.steps import jit_train_step
+from mmjax.kernels.bench import Row
 from mmjax.observe.flops import peak_flops_per_device, training_flops
 from mmjax.observe.metrics import memory_metrics
 from mmjax.observe.profile import Profiler
 from mmjax.parallel.mesh import make_mesh
+from mmjax.parallel.sharding import context_from_config
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +77,7 @@ def run_train_bench(cfg: Config, *, steps: int = 20, warmup: int = 3, profile_st
     optimizer, schedule = make_optimizer(cfg), learning_rate_schedule(cfg)
     state, shardings = create_train_state(cfg, mesh, setup, optimizer)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-    step_fn = jax.jit(make_train_step(setup.graphdef, optimizer, schedule, cfg.train.grad_accum_steps),
-                      out_shardings=(shardings, None), donate_argnums=0)
+    step_fn = jit_train_step(cfg, setup, optimizer, schedule, shardings, context_from_config(cfg, mesh))
     host = synthetic_batch(cfg, cfg.train.global_batch_size, cfg.train.seed)
     batch = to_global_batch(host, mesh)
 
@@ -192,3 +194,59 @@ def run_with_remat_fallback(cfg: Config, remats: tuple[str, ...], **kwargs: Any)
             errors.append(remat)
             jax.clear_caches()
     raise MemoryError(f"no remat policy of {remats} fits in device memory")
+
+
+# ----------------------------------------------------------------------------------------------
+# The train-step section of the kernels table (`python -m mmjax.tools.bench_kernels --sections train_step`)
+
+
+def train_configs() -> dict[str, dict[str, str]]:
+    """Kernel choices (model fields) to time the train step with, by name (`--train-impls` picks among them)."""
+    every_xla = dict(attention_impl="xla", norm_impl="xla", loss_impl="xla", swiglu_impl="xla")
+    auto = dict(attention_impl="auto", norm_impl="auto", loss_impl="auto", swiglu_impl="auto")
+    # "xla" everywhere materialises [B, H, S, S] scores and [B*S, V] logits: at B8 S2048 it does not fit in
+    # an H200's memory (docs/perf/README.md), so baselines with cuDNN attention are timed as well.
+    return {"auto": auto, "auto+cudnn_attention": dict(auto, attention_impl="cudnn"),
+            "auto+pallas_attention": dict(auto, attention_impl="pallas"),
+            "auto+mgpu_fwd_pallas_bwd": dict(auto, attention_impl="mgpu"),
+            "auto+xla_swiglu": dict(auto, swiglu_impl="xla"), "xla": every_xla,
+            "cudnn_attention+xla": dict(every_xla, attention_impl="cudnn")}
+
+
+def decoder_config(batch: int, seq: int, config: str = "models/llama_1b.yaml", overrides: tuple[str, ...] = ()
+                   ) -> Config:
+    """`config`'s decoder alone (`model.text_only`) in bf16 compute, trained on `batch` rows of `seq` tokens."""
+    return load_config(config, ["model.text_only=true", "model.compute_dtype=bfloat16",
+                                f"train.global_batch_size={batch}", f"model.max_seq_len={seq}", *overrides])
+
+
+def train_step_rows(rows: list, base: Config, configs: dict[str, dict[str, Any]], *, steps: int = 10,
+                    warmup: int = 3) -> None:
+    """Append one kernels-table `Row` per configuration of `configs` (model fields over `base`).
+
+    The step is `run_train_bench`'s (the trainer's step, MFU from `mmjax.observe.flops`); a configuration
+    that fails (e.g. runs out of memory) becomes a row with the error instead of ending the run.
+    """
+    shape = f"B{base.train.global_batch_size} S{base.model.max_seq_len}"
+    for name, fields in configs.items():
+        try:
+            r = run_train_bench(with_overrides(base, **fields), steps=steps, warmup=warmup, profile_steps=0)
+        except Exception as e:  # noqa: BLE001 - one failing configuration must not end the run
+            log.warning("train step %s failed: %s", name, e)
+            rows.append(Row("train_step", name, shape, None, note=f"failed: {type(e).__name__}: {str(e)[:300]}"))
+        else:
+            mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%} of {r['peak_tflops_per_device']:.0f} TFLOP/s"
+            rows.append(Row("train_step", name, f"{shape} params={r['model']['params'] / 1e9:.2f}B",
+                            r["step_time_s"] * 1e3, tflops=r["achieved_tflops_per_device"],
+                            note=f"{r['tokens_per_sec']:,.0f} tok/s, loss {r['loss_last']:.3f}, MFU {mfu}; {fields}"))
+            log.info("%s", rows[-1])
+        jax.clear_caches()  # the next configuration compiles afresh; free this one's executables
+
+
+def train_step_section(rows: list, configs: dict[str, dict[str, Any]] | None = None, *, steps: int = 10) -> None:
+    """B8 x 2048 for every configuration, then B2 x 2048 for `auto` against `xla` everywhere: the batch at
+    which the all-XLA step (full [B, H, S, S] scores, full-vocab logits) fits in memory."""
+    configs = configs or train_configs()
+    train_step_rows(rows, decoder_config(8, 2048), configs, steps=steps)
+    train_step_rows(rows, decoder_config(2, 2048), {k: v for k, v in configs.items() if k in ("auto", "xla")},
+                    steps=steps)

@@ -24,9 +24,10 @@ from mmjax.config import Config
 from mmjax.engine import checkpoint as ckpt
 from mmjax.engine.init import create_train_state, model_setup
 from mmjax.engine.optimizer import learning_rate_schedule, make_optimizer
-from mmjax.engine.steps import make_train_step
+from mmjax.engine.steps import jit_train_step
 from mmjax.parallel.mesh import make_mesh, resolve_mesh_shape
 from mmjax.parallel.rules import batch_sharding
+from mmjax.parallel.sharding import context_from_config
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,8 @@ def run(cfg: Config, directory: str | Path, *, modes: tuple[str, ...] = MODES, s
     setup = model_setup(cfg, mesh, image_token_id=0)
     optimizer = make_optimizer(cfg)
     state, shardings = create_train_state(cfg, mesh, setup, optimizer)
-    step_fn = jax.jit(make_train_step(setup.graphdef, optimizer, learning_rate_schedule(cfg), cfg.train.grad_accum_steps),
-                      out_shardings=(shardings, None), donate_argnums=0)
+    step_fn = jit_train_step(cfg, setup, optimizer, learning_rate_schedule(cfg), shardings,
+                             context_from_config(cfg, mesh))
     batch = synthetic_batch(cfg, mesh)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))

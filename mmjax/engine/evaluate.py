@@ -14,17 +14,23 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from mmjax.engine.steps import MODEL_INPUTS
+from mmjax.kernels import MeshSharding
 from mmjax.parallel.rules import batch_sharding
+from mmjax.parallel.sharding import in_sharding_context
 from mmjax.serving.generate import greedy_generate
 
 
 
-def make_generate_fn(graphdef: nnx.GraphDef, *, max_new_tokens: int, eos_id: int, pad_id: int) -> Callable:
+def make_generate_fn(graphdef: nnx.GraphDef, *, max_new_tokens: int, eos_id: int, pad_id: int,
+                     sharding: MeshSharding | None = None) -> Callable:
+    """Jitted greedy generation, traced inside the run's `sharding` context (the train step's), so on a
+    mesh the activations follow the rules and the custom kernels run per shard instead of replicated."""
+
     def generate(params: Any, prompt: dict[str, jax.Array]) -> jax.Array:
         return greedy_generate(nnx.merge(graphdef, params), prompt, max_new_tokens=max_new_tokens,
                                eos_id=eos_id, pad_id=pad_id)
 
-    return jax.jit(generate)
+    return jax.jit(in_sharding_context(generate, sharding))
 
 
 def normalize_answer(text: str) -> str:

@@ -20,7 +20,7 @@ from mmjax.config import Config
 from mmjax.engine.precision import initial_loss_scale
 from mmjax.engine.state import TrainState
 from mmjax.model import MLLM
-from mmjax.model.layers import resolve_dtype
+from mmjax.model.layers import param_logical_axes, resolve_dtype
 from mmjax.parallel.zero import ShardingPlan, sharding_plan
 
 
@@ -38,7 +38,7 @@ def model_setup(cfg: Config, mesh: Mesh, image_token_id: int) -> ModelSetup:
         return nnx.split(model, nnx.Param)
 
     graphdef, abstract_params = nnx.eval_shape(lambda: build()[:2])
-    plan = sharding_plan(cfg, mesh, abstract_params)
+    plan = sharding_plan(cfg, mesh, abstract_params, param_logical_axes(abstract_params))
     make_params = jax.jit(lambda: build()[1].to_pure_dict(), out_shardings=plan.params)
     return ModelSetup(graphdef, plan.params, make_params, plan)
 

@@ -12,6 +12,8 @@ from flax import nnx
 from mmjax import kernels
 from mmjax.engine.precision import all_finite
 from mmjax.engine.state import TrainState
+from mmjax.kernels import MeshSharding
+from mmjax.parallel.sharding import in_sharding_context
 
 Batch = dict[str, jax.Array]
 MODEL_INPUTS = ("tokens", "positions", "segment_ids", "images", "image_valid")
@@ -133,3 +135,15 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         return new_state, metrics
 
     return train_step
+
+
+def jit_train_step(cfg: Any, setup: Any, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+                   state_shardings: Any, sharding: MeshSharding | None) -> Callable:
+    """The run's train step as the trainer (and the benchmarks timing it) compile it.
+
+    `setup` is the `engine.init.ModelSetup`; the step is traced inside `sharding` (activation constraints,
+    context parallelism, per-shard custom kernels), its state donated and pinned to `state_shardings`.
+    """
+    step = make_train_step(setup.graphdef, optimizer, schedule, cfg.train.grad_accum_steps,
+                           skip_nonfinite=cfg.observe.nan_policy != "warn", grad_shardings=setup.plan.grads)
+    return jax.jit(in_sharding_context(step, sharding), out_shardings=(state_shardings, None), donate_argnums=0)

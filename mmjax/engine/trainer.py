@@ -16,7 +16,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from mmjax import kernels
 from mmjax.config import Config, to_yaml
 from mmjax.data.pipeline import load_eval_examples, make_train_dataset, open_dataset
 from mmjax.engine import checkpoint as ckpt
@@ -24,10 +23,10 @@ from mmjax.engine.evaluate import Evaluator, make_generate_fn, write_predictions
 from mmjax.engine.feed import DeviceFeed
 from mmjax.engine.init import create_train_state, model_setup
 from mmjax.engine.optimizer import learning_rate_schedule, make_optimizer
-from mmjax.engine.steps import make_train_step
+from mmjax.engine.steps import jit_train_step
 from mmjax.observe.monitor import TrainMonitor
 from mmjax.parallel.mesh import data_parallel_size, make_mesh, resolve_mesh_shape
-from mmjax.parallel.sharding import context_from_config, in_sharding_context
+from mmjax.parallel.sharding import context_from_config
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +69,15 @@ class Trainer:
                 ckpt.check_data_compatible(restored.meta, cfg, f"checkpoint {restored.path}")
                 self.state, self.data_state = restored.state, restored.data
                 log.info("resumed from %s (step %d)", restored.path, step)
-        step_fn = make_train_step(self.setup.graphdef, self.optimizer, self.schedule, cfg.train.grad_accum_steps,
-                                  skip_nonfinite=cfg.observe.nan_policy != "warn",
-                                  grad_shardings=self.setup.plan.grads)
-        step_fn = in_sharding_context(step_fn, context_from_config(cfg, self.mesh))  # activation constraints
-        self._train_step = jax.jit(step_fn, out_shardings=(state_shardings, None), donate_argnums=0)
+        # one sharding context (rules, context parallelism, per-shard kernels) for training and evaluation
+        self.sharding = context_from_config(cfg, self.mesh)
+        self._train_step = jit_train_step(cfg, self.setup, self.optimizer, self.schedule, state_shardings,
+                                          self.sharding)
 
         self.monitor.phase("the evaluation set to load")
         eval_set = load_eval_examples(cfg, self.tokenizer, self.files)
         generate = make_generate_fn(self.setup.graphdef, max_new_tokens=cfg.eval.max_new_tokens,
-                                    eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
+                                    eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, sharding=self.sharding)
         self.evaluator = None if eval_set is None else Evaluator(  # None: user data without data.eval_paths
             eval_set, self.tokenizer, generate, self.mesh, cfg.eval.batch_size, data_parallel_size(self.mesh_sizes))
         n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params))
@@ -114,8 +112,7 @@ class Trainer:
             with monitor.waiting_for("the first batch from the data loader"):
                 batch = next(feed)
             with monitor.waiting_for("XLA to compile the train step"):
-                with kernels.sharding(self.mesh):  # custom kernels trace per shard (mmjax/kernels/_sharding.py)
-                    train_step = self._train_step.lower(self.state, batch).compile()
+                train_step = self._train_step.lower(self.state, batch).compile()
             monitor.write(0, {})  # time/compile/train_step
             monitor.training()
             for step in range(start + 1, cfg.train.steps + 1):

@@ -2,9 +2,11 @@
 
 Every op dispatches through `kernels._dispatch.Op`: `impl="auto"` picks the fastest implementation whose
 guard accepts the platform, GPU capability, dtype and shapes, and logs once why the others were skipped.
+Under a device mesh, trace inside `use_sharding(MeshSharding(mesh, batch_axes, head_axes))` so the custom
+kernels run per shard (`_sharding.py`); mmjax's trainer and evaluator enter it with their rules-derived context.
 """
 
-from mmjax.kernels._sharding import sharding
+from mmjax.kernels._sharding import MeshSharding, use_sharding
 from mmjax.kernels.attention import OP as _ATTENTION
 from mmjax.kernels.attention import attention
 from mmjax.kernels.bias_gelu import OP as _BIAS_GELU
@@ -20,8 +22,8 @@ from mmjax.kernels.softmax import softmax
 from mmjax.kernels.swiglu import OP as _SWIGLU
 from mmjax.kernels.swiglu import swiglu
 
-__all__ = ["sharding", "attention", "paged_attention", "linear_cross_entropy", "rms_norm", "layer_norm",
-           "bias_gelu", "softmax", "swiglu", "attention_impls", "norm_impls", "cross_entropy_impls",
+__all__ = ["MeshSharding", "use_sharding", "attention", "paged_attention", "linear_cross_entropy", "rms_norm",
+           "layer_norm", "bias_gelu", "softmax", "swiglu", "attention_impls", "norm_impls", "cross_entropy_impls",
            "activation_impls", "swiglu_impls", "OPS"]
 
 OPS = {"attention": _ATTENTION, "paged_attention": _PAGED_ATTENTION, "cross_entropy": _CROSS_ENTROPY,

@@ -121,7 +121,7 @@ def pallas_triton(ctx: Ctx, *, min_capability=(8, 0), dtypes=("float32", "bfloat
     if str(ctx.dtype) not in dtypes:
         return f"dtype {ctx.dtype} not in {dtypes}"
     if ctx.get("row_wise") and not ctx.explicit and _sharded():
-        return "inside kernels.sharding(mesh) XLA's fusion is partitioned natively; a custom call would be replicated"
+        return "under a sharding context XLA's fusion is partitioned natively; a custom call would be replicated"
     if ctx.platform == "gpu":
         if ctx.capability is None or ctx.capability < min_capability:
             return f"needs compute capability >= {min_capability[0]}.{min_capability[1]}, have {ctx.capability}"
@@ -145,7 +145,7 @@ def jax_triton(ctx: Ctx, *, min_capability=(8, 0), dtypes=("float32", "bfloat16"
     if ctx.platform != "gpu":
         return f"jax-triton kernels run only on a CUDA GPU, not {ctx.platform}"
     if ctx.get("row_wise") and not ctx.explicit and _sharded():
-        return "inside kernels.sharding(mesh) XLA's fusion is partitioned natively; a custom call would be replicated"
+        return "under a sharding context XLA's fusion is partitioned natively; a custom call would be replicated"
     if str(ctx.dtype) not in dtypes:
         return f"dtype {ctx.dtype} not in {dtypes}"
     if ctx.capability is None or ctx.capability < min_capability:
@@ -154,8 +154,8 @@ def jax_triton(ctx: Ctx, *, min_capability=(8, 0), dtypes=("float32", "bfloat16"
 
 
 def _sharded() -> bool:
-    from mmjax.kernels._sharding import current
-    return current() is not None
+    from mmjax.kernels._sharding import active
+    return active() is not None
 
 
 def interpret() -> bool:

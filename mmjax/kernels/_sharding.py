@@ -1,67 +1,91 @@
-"""Running custom kernels inside a sharded jit: shard_map over the batch (and head) mesh axes.
+"""The one sharding context of mmjax, and running custom kernels per shard inside a sharded jit.
 
 A Pallas/Triton/cuDNN call is an opaque custom call to XLA's SPMD partitioner, which can only replicate
-its operands: every device would all-gather the batch and compute all of it. Under
-`kernels.sharding(mesh)` the attention kernels instead run per shard through `shard_map`, with the batch
-split over `batch_axes` and the heads over `head_axis` (when query and kv heads both divide); the
-row-wise kernels (norms, bias+GELU, softmax) are declined by `auto` there, so XLA's fusions, which GSPMD
+its operands: every device would all-gather the batch and compute all of it. Inside `use_sharding(ctx)`
+the attention kernels instead run per shard through `shard_map`, with the batch split over
+`ctx.batch_axes` and the heads over `ctx.head_axes` (when query and kv heads both divide); the row-wise
+kernels (norms, bias+GELU, softmax) are declined by `auto` there, so XLA's fusions, which GSPMD
 partitions natively, run instead. Sequence (context) parallel attention is not handled here.
-The training loop opens the context around tracing the step (`with kernels.sharding(mesh): ...`).
+
+The context variable lives here, in the lowest layer, so kernels read it without importing the rest of
+mmjax. `mmjax.parallel.sharding.ShardingContext` extends `MeshSharding` with the logical-axis rules
+(deriving the batch and head axes from them); the trainer and the evaluator trace their jitted
+functions inside it (`mmjax.parallel.sharding.in_sharding_context`), once, for model and kernels alike.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import math
-import threading
+from collections.abc import Callable, Iterator
 
 import jax
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardingCtx:
-    mesh: jax.sharding.Mesh
-    batch_axes: tuple[str, ...]
-    head_axis: str | None
+class MeshSharding:
+    """A mesh and the axes of it that split the batch and the attention heads."""
+
+    mesh: Mesh
+    batch_axes: tuple[str, ...] = ()
+    head_axes: tuple[str, ...] = ()
 
 
-_LOCAL = threading.local()
+_CURRENT: contextvars.ContextVar[MeshSharding | None] = contextvars.ContextVar("mmjax_sharding", default=None)
+
+
+def current() -> MeshSharding | None:
+    """The context entered by the innermost `use_sharding`, or None."""
+    return _CURRENT.get()
 
 
 @contextlib.contextmanager
-def sharding(mesh, *, batch_axes=("data", "fsdp"), head_axis: str | None = "tensor"):
-    """Within this context, kernels trace as per-shard programs on `mesh` (see module docstring)."""
-    prev = getattr(_LOCAL, "ctx", None)
-    names = set(mesh.axis_names)
-    _LOCAL.ctx = ShardingCtx(mesh, tuple(a for a in batch_axes if a in names),
-                             head_axis if head_axis in names else None)
+def use_sharding(ctx: MeshSharding | None) -> Iterator[MeshSharding | None]:
+    """Trace inside `ctx` (None: no sharding, e.g. to leave an outer context for a nested computation)."""
+    token = _CURRENT.set(ctx)
     try:
-        yield _LOCAL.ctx
+        yield ctx
     finally:
-        _LOCAL.ctx = prev
+        _CURRENT.reset(token)
 
 
-def current() -> ShardingCtx | None:
-    ctx = getattr(_LOCAL, "ctx", None)
+def active() -> MeshSharding | None:
+    """The current context if its mesh has more than one device (on one device nothing needs splitting)."""
+    ctx = current()
     return ctx if ctx is not None and ctx.mesh.size > 1 else None
 
 
-def shard_attention(fn, q, k, v, **inputs):
+def shard_map(f: Callable, mesh: Mesh, in_specs, out_specs, *, check_vma: bool = False) -> Callable:
+    """`jax.shard_map` over the whole mesh; `check_vma` off by default since custom kernels are opaque to it."""
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+
+
+def _dividing(axes: tuple[str, ...], dim: int, shape: dict[str, int]) -> tuple[str, ...]:
+    """`axes` without those of size 1, then without trailing ones until their product divides `dim`."""
+    axes = tuple(a for a in axes if shape[a] > 1)
+    while axes and dim % math.prod(shape[a] for a in axes):
+        axes = axes[:-1]
+    return axes
+
+
+def _entry(axes: tuple[str, ...]):
+    return axes[0] if len(axes) == 1 else (axes or None)
+
+
+def shard_attention(fn: Callable, q, k, v, **inputs):
     """fn(q, k, v, **inputs) per shard of batch/heads under the active context (else called as is)."""
-    ctx = current()
+    ctx = active()
     if ctx is None:
         return fn(q, k, v, **inputs)
     shape = dict(ctx.mesh.shape)
-    batch = tuple(a for a in ctx.batch_axes if shape[a] > 1)
-    if q.shape[0] % math.prod(shape[a] for a in batch):
-        batch = ()
-    heads = ctx.head_axis if ctx.head_axis and shape[ctx.head_axis] > 1 else None
-    if heads and (q.shape[2] % shape[heads] or k.shape[2] % shape[heads]):
-        heads = None
-    b = batch if batch else None
-    s4, s2 = P(b, None, heads, None), P(b, None)
+    batch = _dividing(ctx.batch_axes, q.shape[0], shape)
+    head_axes = tuple(a for a in ctx.head_axes if a not in batch)  # a mesh axis splits one dimension only
+    heads = _dividing(head_axes, math.gcd(q.shape[2], k.shape[2]), shape)
+    s4, s2 = P(_entry(batch), None, _entry(heads), None), P(_entry(batch), None)
     static = {key: val for key, val in inputs.items() if not hasattr(val, "shape")}
     arrays = {key: val for key, val in inputs.items() if hasattr(val, "shape")}
     keys = sorted(arrays)
@@ -69,17 +93,6 @@ def shard_attention(fn, q, k, v, **inputs):
     def per_shard(q, k, v, *meta):
         return fn(q, k, v, **static, **dict(zip(keys, meta)))
 
-    return _shard_map(per_shard, ctx.mesh, (s4, s4, s4) + (s2,) * len(keys), s4)(
-        q, k, v, *(arrays[key] for key in keys))
-
-
-def _shard_map(f, mesh, in_specs, out_specs):
-    """jax.shard_map without replication checks (the kernels are opaque), across jax versions."""
-    import inspect
-    fn = getattr(jax, "shard_map", None)
-    if fn is not None:
-        params = inspect.signature(fn).parameters
-        flag = {"check_vma": False} if "check_vma" in params else {"check_rep": False} if "check_rep" in params else {}
-        return fn(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **flag)
-    from jax.experimental.shard_map import shard_map  # older jax
-    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+    fn_sharded = shard_map(per_shard, ctx.mesh, (s4, s4, s4) + (s2,) * len(keys), s4)
+    with use_sharding(None):  # the body is per shard: nothing in it may split over the mesh again
+        return fn_sharded(q, k, v, *(arrays[key] for key in keys))

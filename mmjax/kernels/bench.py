@@ -1,8 +1,10 @@
 """Kernel benchmarks: each op's implementations against XLA, cuDNN and (for attention) torch SDPA.
 
-Used by `python -m mmjax.tools.bench_kernels`. Every measurement warms up first (GPU clocks ramp up),
+Used by `python -m mmjax.tools.bench_kernels`. Every measurement warms up first (GPU clocks ramp up under load),
 then times `iters` back-to-back calls between two device syncs. Rows carry the achieved TFLOP/s (matrix
 bound ops) or GB/s (memory bound ops) and the fraction of the ceilings measured on the H200 here.
+This module times kernels only; the whole train step is `mmjax.engine.bench`'s (one FLOP and peak
+accounting, `mmjax.observe.flops`), which the tool adds as a section.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ import jax.numpy as jnp
 
 log = logging.getLogger(__name__)
 
-PEAK_TFLOPS = 750.0   # bf16 dense matmul, measured on the H200
+# Measured ceilings, not datasheet peaks: the best bf16 dense matmul and device-to-device copy this H200
+# achieved. A kernel row's "of ceiling" is against them (how much headroom is left on this device), while
+# the train step's MFU (`mmjax.observe.flops.peak_flops_per_device`, 989 TFLOP/s for an H200) is against
+# the datasheet peak so that runs compare across devices and with published numbers.
+PEAK_TFLOPS = 750.0   # bf16 dense matmul, measured
 PEAK_GBPS = 3750.0    # device copy bandwidth, measured
 
 
@@ -305,91 +311,17 @@ def bench_cross_entropy(rows: list, n=16384, e=2048, v=128256, dtype=jnp.bfloat1
 
 
 # ----------------------------------------------------------------------------------------------
-# End to end: one training step of the 1.2B decoder
-
-
-def bench_train_step(rows: list, impls: dict, batch=8, seq=2048, steps=10, config="mmjax/configs/models/llama_1b.yaml"):
-    """The decoder (llama_1b dims, `model.text_only`, bf16 compute, f32 params), synthetic tokens, AdamW step."""
-    import dataclasses
-    import optax
-    import yaml
-    from flax import nnx
-    from mmjax.config import ModelConfig, from_tree
-    from mmjax.engine.steps import loss_sums
-    from mmjax.model import MLLM
-
-    tree = yaml.safe_load(open(config))["model"]
-    base = from_tree(ModelConfig, {k: v for k, v in tree.items() if k not in ("vision", "projector")})
-    base = dataclasses.replace(base, text_only=True, compute_dtype="bfloat16")
-    tok = jax.random.randint(jax.random.PRNGKey(0), (batch, seq), 0, base.vocab_size)
-    data = dict(tokens=tok, targets=jnp.roll(tok, -1, axis=1), loss_mask=jnp.ones((batch, seq), jnp.int32),
-                segment_ids=jnp.ones((batch, seq), jnp.int32),
-                positions=jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq)))
-
-    t = base.text
-    n_params = None
-    for name, kw in impls.items():
-        cfg = dataclasses.replace(base, **kw)
-        model = MLLM(cfg, image_token_id=0, rngs=nnx.Rngs(0))  # text_only: the decoder alone
-        graphdef, params = nnx.split(model)
-        n_params = sum(p.size for p in jax.tree.leaves(params))
-        opt = optax.adamw(1e-4)
-        opt_state = opt.init(params)
-
-        @functools.partial(jax.jit, donate_argnums=(0, 1))
-        def step(params, opt_state, data):
-            (total, count), grads = jax.value_and_grad(
-                lambda p: loss_sums(nnx.merge(graphdef, p), data), has_aux=True)(params)
-            updates, opt_state = opt.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, total / count
-
-        try:
-            params, opt_state, loss = step(params, opt_state, data)
-            loss.block_until_ready()
-            for _ in range(3):
-                params, opt_state, loss = step(params, opt_state, data)
-            loss.block_until_ready()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                params, opt_state, loss = step(params, opt_state, data)
-            loss.block_until_ready()
-            s = (time.perf_counter() - t0) / steps
-        except Exception as e:  # noqa: BLE001
-            rows.append(Row("train_step_1.2B", name, f"B{batch} S{seq}", None, note=f"failed: {type(e).__name__}: {str(e)[:300]}"))
-            continue
-        # 6 N per token for the matmuls (embedding excluded, output layer included since tied) + causal attention
-        attn = 6 * t.n_layers * seq * t.n_heads * t.resolved_head_dim  # 12*L*S*H*D halved for causality
-        flops = batch * seq * (6 * n_params + attn)
-        rows.append(Row("train_step_1.2B", name, f"B{batch} S{seq} params={n_params/1e9:.2f}B", s * 1e3,
-                        tflops=flops / s / 1e12,
-                        note=f"{batch * seq / s:,.0f} tok/s, loss {float(loss):.3f}, MFU(989) {flops / s / 989e12:.1%}; {kw}"))
-        log.info("%s", rows[-1])
-        del params, opt_state, model
-
-
-# ----------------------------------------------------------------------------------------------
 # One run, one JSON, one table
 
-SECTIONS = ("attention", "paged_attention", "cross_entropy", "norms", "bias_gelu", "softmax", "swiglu", "train_step")
+SECTIONS = ("attention", "paged_attention", "cross_entropy", "norms", "bias_gelu", "softmax", "swiglu")
 
 
-def train_configs() -> dict[str, dict]:
-    """The train-step configurations by name (`tools/bench_kernels.py --train-impls` picks among them)."""
-    every_xla = dict(attention_impl="xla", norm_impl="xla", loss_impl="xla", swiglu_impl="xla")
-    auto = dict(attention_impl="auto", norm_impl="auto", loss_impl="auto", swiglu_impl="auto")
-    # "xla" everywhere materialises [B, H, S, S] scores and [B*S, V] logits: at B8 S2048 it ran out of the
-    # H200's memory on 2026-12-03, so baselines with cuDNN attention are timed as well.
-    return {"auto": auto, "auto+cudnn_attention": dict(auto, attention_impl="cudnn"),
-            "auto+pallas_attention": dict(auto, attention_impl="pallas"),
-            "auto+mgpu_fwd_pallas_bwd": dict(auto, attention_impl="mgpu"),
-            "auto+xla_swiglu": dict(auto, swiglu_impl="xla"), "xla": every_xla,
-            "cudnn_attention+xla": dict(every_xla, attention_impl="cudnn")}
-
-
-def run_all(sections=SECTIONS, *, train_steps: int = 10, train_impls: dict | None = None, save=None) -> dict:
+def run_all(sections=SECTIONS, *, extra: dict[str, Callable[[list], None]] | None = None, save=None) -> dict:
     """Runs the selected benchmarks in one process (peers timed in the same run) and returns the record.
 
-    `save(record)` is called after every section, so a run cut short still leaves its numbers.
+    `extra` adds sections by name, each a function appending `Row`s (`python -m mmjax.tools.bench_kernels` adds the
+    train step, timed by `mmjax.engine.bench`). `save(record)` is called after every section, so a run cut
+    short still leaves its numbers.
     """
     import datetime
     import platform
@@ -405,7 +337,6 @@ def run_all(sections=SECTIONS, *, train_steps: int = 10, train_impls: dict | Non
                   device=getattr(dev, "device_kind", str(dev)), versions=versions,
                   ceilings=dict(matmul_tflops=PEAK_TFLOPS, copy_gbps=PEAK_GBPS, copy_gbps_measured_now=None),
                   rows=[])
-    train_impls = train_impls or train_configs()
     steps = {
         "attention": lambda: bench_attention(rows),
         "paged_attention": lambda: bench_paged_attention(rows),
@@ -414,7 +345,7 @@ def run_all(sections=SECTIONS, *, train_steps: int = 10, train_impls: dict | Non
         "bias_gelu": lambda: bench_bias_gelu(rows),
         "softmax": lambda: bench_softmax(rows),
         "swiglu": lambda: bench_swiglu(rows),
-        "train_step": lambda: _train_steps(rows, train_impls, train_steps),
+        **{name: functools.partial(fn, rows) for name, fn in (extra or {}).items()},
     }
     if set(sections) & {"norms", "bias_gelu", "softmax", "swiglu", "paged_attention"}:
         record["ceilings"]["copy_gbps_measured_now"] = bench_copy(rows)
@@ -424,13 +355,6 @@ def run_all(sections=SECTIONS, *, train_steps: int = 10, train_impls: dict | Non
         if save is not None:
             save(record)
     return record
-
-
-def _train_steps(rows: list, impls: dict, steps: int):
-    """B8 x 2048 for every configuration, then B2 x 2048 for `auto` against `xla` everywhere: the batch at
-    which the all-XLA step (full [B, H, S, S] scores, full-vocab logits) fits in memory."""
-    bench_train_step(rows, impls, batch=8, steps=steps)
-    bench_train_step(rows, {k: v for k, v in impls.items() if k in ("auto", "xla")}, batch=2, steps=steps)
 
 
 def table(record: dict) -> str:

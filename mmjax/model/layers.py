@@ -65,6 +65,11 @@ def logical_axes(tree: Any) -> Any:
     return jax.tree.map(names, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def param_logical_axes(state: nnx.State) -> Any:
+    """Pure-dict tree of each parameter's logical axis names (a tuple; empty if unannotated)."""
+    return nnx.State(logical_axes(state)).to_pure_dict()
+
+
 def dense(x, w, spec: str, dtype, bias=None):
     """einsum(spec, x, w) in `dtype` (params cast at use), plus an optional bias."""
     y = jnp.einsum(spec, x.astype(dtype), w.astype(dtype))

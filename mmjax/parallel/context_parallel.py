@@ -27,18 +27,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from mmjax import kernels
+from mmjax.kernels._sharding import shard_map, use_sharding
 from mmjax.kernels.attention.reference import MASK_VALUE, make_mask
 from mmjax.parallel.rules import spec_axes
-
-if hasattr(jax, "shard_map"):
-    def shard_map(fn, mesh, in_specs, out_specs, check_vma: bool = False):
-        """`jax.shard_map` over the whole mesh (jax >= 0.7; the experimental one before)."""
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
-else:  # jax < 0.7
-    from jax.experimental.shard_map import shard_map as _experimental_shard_map
-
-    def shard_map(fn, mesh, in_specs, out_specs, check_vma: bool = False):
-        return _experimental_shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_vma)
 
 
 def _axes(ctx, name: str, dim: int) -> tuple[str, ...]:
@@ -91,7 +82,8 @@ def context_parallel_attention(ctx, q, k, v, *, q_segment_ids, kv_segment_ids, q
                          load_balance=ctx.load_balance)
 
     fn = shard_map(local, ctx.mesh, (q_spec, kv_spec, kv_spec) + (ids_spec,) * 6, q_spec)
-    return fn(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions, q_block_ids, kv_block_ids)
+    with use_sharding(None):  # the body is already per shard: the kernels in it must not shard_map again
+        return fn(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions, q_block_ids, kv_block_ids)
 
 
 # ----------------------------------------------------------------------------------------------

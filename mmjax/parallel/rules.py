@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 DEFAULT_RULES: dict[str, Any] = {
@@ -117,13 +116,6 @@ def optimizer_spec(param_spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh
             entries[i] = free[0] if len(free) == 1 else free
             break
     return PartitionSpec(*entries)
-
-
-def param_logical_axes(state: nnx.State) -> Any:
-    """Pure-dict tree of each parameter's logical axis names (a tuple; empty if unannotated)."""
-    from mmjax.model.layers import logical_axes  # local: the model imports mmjax.parallel.sharding
-
-    return nnx.State(logical_axes(state)).to_pure_dict()
 
 
 def shardings_for(logical_tree: Any, mesh: Mesh, rules: dict[str, Any] = DEFAULT_RULES) -> Any:

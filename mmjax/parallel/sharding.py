@@ -2,36 +2,49 @@
 
 The model calls `constrain(x, ("batch", "length", "act_embed"))` and `attention(...)`. Outside a
 `ShardingContext` both are plain (no-op / `kernels.attention`), so model files run unchanged on one
-device, in serving and in tests. The train step is traced inside `use_sharding(ctx)` (see
-`in_sharding_context`), where the names become `with_sharding_constraint`s on the mesh and attention
-over a `sequence`-sharded length becomes context-parallel (all-gather-KV or ring).
+device, in serving and in tests. The train step and the evaluation's generation are traced inside
+`use_sharding(ctx)` (see `in_sharding_context`), where the names become `with_sharding_constraint`s on
+the mesh, attention over a `sequence`-sharded length becomes context-parallel (all-gather-KV or ring),
+and the custom kernels run per shard over the `batch` and `heads` rules' axes. The context variable is
+the kernels' (`mmjax.kernels._sharding`): one context, entered once, read by model and kernels alike.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mmjax import kernels
-from mmjax.parallel.rules import fit_spec, logical_to_spec, spec_axes
+from mmjax.kernels import _sharding
+from mmjax.kernels._sharding import MeshSharding, shard_map, use_sharding
+from mmjax.parallel.rules import fit_spec, logical_to_spec, rules_from_config, spec_axes
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardingContext:
-    mesh: Mesh
+class ShardingContext(MeshSharding):
+    """The kernels' `MeshSharding` plus the logical-axis rules; its batch/head axes come from the rules."""
+
+    batch_axes: tuple[str, ...] = dataclasses.field(init=False)
+    head_axes: tuple[str, ...] = dataclasses.field(init=False)
     rules: dict[str, Any]
     context_parallel: str = "ring"  # allgather | ring, used when the `length` rule shards the sequence
     load_balance: bool = True
+
+    def __post_init__(self):
+        names = set(self.mesh.axis_names)
+        rule_axes = lambda name: tuple(a for a in spec_axes(logical_to_spec((name,), self.rules)[0]) if a in names)
+        heads = rule_axes("heads")
+        # GQA groups stay shard-local only if query and kv heads split the same way
+        object.__setattr__(self, "batch_axes", rule_axes("batch"))
+        object.__setattr__(self, "head_axes", heads if heads == rule_axes("kv_heads") else ())
 
     def spec(self, names: tuple, shape: tuple[int, ...]):
         return fit_spec(logical_to_spec(names, self.rules), shape, self.mesh)
@@ -44,28 +57,16 @@ class ShardingContext:
 
 
 def context_from_config(cfg, mesh: Mesh) -> ShardingContext:
-    from mmjax.parallel.rules import rules_from_config
-
     return ShardingContext(mesh, rules_from_config(cfg), cfg.parallel.context_parallel, cfg.parallel.load_balance)
 
 
-_CURRENT: contextvars.ContextVar[ShardingContext | None] = contextvars.ContextVar("mmjax_sharding", default=None)
-
-
 def current() -> ShardingContext | None:
-    return _CURRENT.get()
+    """The active context if it carries rules (a bare `MeshSharding` only concerns the kernels)."""
+    ctx = _sharding.current()
+    return ctx if isinstance(ctx, ShardingContext) else None
 
 
-@contextlib.contextmanager
-def use_sharding(ctx: ShardingContext | None) -> Iterator[None]:
-    token = _CURRENT.set(ctx)
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
-
-
-def in_sharding_context(fn: Callable, ctx: ShardingContext | None) -> Callable:
+def in_sharding_context(fn: Callable, ctx: MeshSharding | None) -> Callable:
     """`fn` run (and therefore traced by jit) inside `use_sharding(ctx)`."""
 
     @functools.wraps(fn)
@@ -96,8 +97,6 @@ def embed_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     ctx = current()
     if ctx is None or ctx.axes_size("vocab") == 1:
         return jnp.take(table, tokens, axis=0)
-    from mmjax.parallel.context_parallel import shard_map
-
     vocab_entry = ctx.spec(("vocab",), (table.shape[0],))[0]
     vocab_axes = spec_axes(vocab_entry)
     if not vocab_axes:

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from mmjax.parallel.rules import optimizer_spec, param_logical_axes, rules_from_config, shardings_for
+from mmjax.parallel.rules import optimizer_spec, rules_from_config, shardings_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +29,10 @@ class ShardingPlan:
     zero_stage: int
 
 
-def sharding_plan(cfg, mesh: Mesh, abstract_params: Any) -> ShardingPlan:
-    """Shardings for `abstract_params` (an nnx.State of ShapeDtypeStructs with logical names)."""
-    params = shardings_for(param_logical_axes(abstract_params), mesh, rules_from_config(cfg))
+def sharding_plan(cfg, mesh: Mesh, abstract_params: Any, logical_axes: Any) -> ShardingPlan:
+    """Shardings for `abstract_params` (an nnx.State of ShapeDtypeStructs) whose dimensions carry the names
+    in `logical_axes` (a pure-dict tree of name tuples: `mmjax.model.layers.param_logical_axes`)."""
+    params = shardings_for(logical_axes, mesh, rules_from_config(cfg))
     stage = cfg.parallel.zero_stage
     if stage == 3:
         return ShardingPlan(params, params, params, stage)

@@ -13,16 +13,19 @@ import logging
 import sys
 from pathlib import Path
 
-from mmjax.kernels import bench  # noqa: E402
+from mmjax.engine import bench as train_bench
+from mmjax.kernels import bench
+
+SECTIONS = (*bench.SECTIONS, "train_step")  # the kernels' sections, then the whole train step (engine.bench)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", nargs="+", default=list(bench.SECTIONS), choices=bench.SECTIONS)
+    p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     p.add_argument("--out", default="docs/perf/results", help="folder for kernels-<date>.json")
     p.add_argument("--readme", default="docs/perf/README.md", help="markdown file whose kernel table is replaced")
     p.add_argument("--train-steps", type=int, default=10)
-    p.add_argument("--train-impls", nargs="+", choices=list(bench.train_configs()),
+    p.add_argument("--train-impls", nargs="+", choices=list(train_bench.train_configs()),
                    help="train-step configurations to time (default: all)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -37,8 +40,10 @@ def main() -> None:
         if args.readme:
             bench.write_readme_section(args.readme, record, command)
 
-    impls = {k: v for k, v in bench.train_configs().items() if k in args.train_impls} if args.train_impls else None
-    record = bench.run_all(args.sections, train_steps=args.train_steps, train_impls=impls, save=save)
+    configs = train_bench.train_configs()
+    configs = {k: v for k, v in configs.items() if k in args.train_impls} if args.train_impls else configs
+    train_step = lambda rows: train_bench.train_step_section(rows, configs, steps=args.train_steps)  # noqa: E731
+    record = bench.run_all(args.sections, extra={"train_step": train_step}, save=save)
     print(bench.table(record))
     print(f"wrote {path}")
 

@@ -76,7 +76,7 @@ def attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positio
     if chosen.name == "cudnn":
         fallback = _cudnn_fallback(ctx)
         return shard_attention(lambda q, k, v, **kw: _cudnn(q, k, v, fallback=fallback, **kw), q, k, v, **inputs)
-    if chosen.name in ("pallas", "mgpu", "mgpu_bwd"):  # custom calls: run them per shard under kernels.sharding(mesh)
+    if chosen.name in ("pallas", "mgpu", "mgpu_bwd"):  # custom calls: per shard under a sharding context
         return shard_attention(chosen.fn, q, k, v, **inputs)
     return chosen.fn(q, k, v, **inputs)
 

@@ -1,5 +1,6 @@
 """The library side of `mmjax.tools.bench_train` on a tiny text-only model: it trains, counts FLOPs, profiles."""
 
+import jax
 import numpy as np
 
 from mmjax.config import load_config
@@ -24,3 +25,23 @@ def test_bench_trains_text_only_and_reports(tmp_path):
     assert r["profile"]["first_step"] == 5 and r["profile"]["devices"] == []  # CPU: no device kernels
     hlo = (tmp_path / "step.hlo.txt").read_text()  # the optimized step
     assert r["hlo_file"] == str(tmp_path / "step.hlo.txt") and hlo.startswith("HloModule") and "ENTRY" in hlo
+
+
+def test_train_step_rows_for_the_kernels_table():
+    """python -m mmjax.tools.bench_kernels's train_step section: one row per configuration, MFU from observe.flops,
+    a configuration that fails becomes a row with the error."""
+    from mmjax.engine.bench import train_configs, train_step_rows
+    from mmjax.kernels import bench as kernel_bench
+
+    assert {"auto", "xla"} <= set(train_configs())
+    cfg = load_config(None, TINY_TEXT)
+    rows = []
+    train_step_rows(rows, cfg, {"xla": {"attention_impl": "xla"}, "broken": {"attention_impl": "nope"}}, steps=2,
+                    warmup=1)
+    ok, broken = rows
+    assert (ok.op, ok.impl, broken.impl) == ("train_step", "xla", "broken") and ok.shape.startswith("B8 S32 params=")
+    flops = training_flops(cfg.model).step_flops(8 * 32, 8 * 32 * 33 / 2, 0)
+    np.testing.assert_allclose(ok.tflops, flops / (ok.ms / 1e3) / len(jax.devices()) / 1e12, rtol=1e-9)
+    assert "MFU" in ok.note and "of 1 TFLOP/s" in ok.note  # observe.peak_flops_per_device=1e12
+    assert broken.ms is None and broken.note.startswith("failed: ValueError") and "nope" in broken.note
+    assert kernel_bench.table({"rows": [r.as_dict() for r in rows]}).count("\n") == 3

@@ -181,7 +181,7 @@ def test_cudnn_wrapper_layout_check_and_fallback(monkeypatch):
 
 
 def test_pallas_per_shard_under_a_mesh():
-    """Under kernels.sharding(mesh) the kernel runs per (batch, head) shard via shard_map: same values, same grads."""
+    """Under a sharding context the kernel runs per (batch, head) shard via shard_map: same values, same grads."""
     from jax.sharding import AxisType, Mesh
     devices = np.asarray(jax.devices()[:8]).reshape(2, 2, 2)
     mesh = Mesh(devices, ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
@@ -192,7 +192,7 @@ def test_pallas_per_shard_under_a_mesh():
                                              kv_positions=pos, impl="pallas")
     want = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fwd(q, k, v, seg, pos, None, impl="reference",
                                                                   causal=True) * w), argnums=(0, 1, 2)))(q, k, v)
-    with kernels.sharding(mesh):
+    with kernels.use_sharding(kernels.MeshSharding(mesh, batch_axes=("data", "fsdp"), head_axes=("tensor",))):
         f = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(call(q, k, v) * w), argnums=(0, 1, 2)))
         assert "shard_map" in str(jax.make_jaxpr(f)(q, k, v)) or "shmap" in str(jax.make_jaxpr(f)(q, k, v))
         got = f(q, k, v)
