@@ -75,28 +75,38 @@ def _urgency(request: Request) -> tuple[int, float]:
     return request.priority, request.arrival_time
 
 
+@dataclasses.dataclass(frozen=True)
+class SchedulerLimits:
+    """What one step may hold: the token budget, the running-sequence cap, the model's length, chunking."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: a prefill chunk is limited by the budget alone
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:
+            raise ConfigError(f"scheduler: max_num_batched_tokens={self.max_num_batched_tokens}, max_num_seqs="
+                              f"{self.max_num_seqs} must be >= 1 and max_model_len={self.max_model_len} >= 2")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(f"scheduler: without chunked prefill max_num_batched_tokens={self.max_num_batched_tokens} "
+                              f"must be >= max_model_len={self.max_model_len}, or a long prompt never fits a step; "
+                              "enable chunked prefill or raise the budget")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"scheduler: long_prefill_token_threshold={self.long_prefill_token_threshold} must be "
+                              ">= 0 (0 disables it)")
+
+
 class Scheduler:
     """Continuous batching with chunked prefill, priorities, prefix caching and recompute preemption."""
 
     def __init__(self, kv: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if max_num_batched_tokens < 1 or max_num_seqs < 1 or max_model_len < 2:
-            raise ConfigError(f"scheduler: max_num_batched_tokens={max_num_batched_tokens}, max_num_seqs="
-                              f"{max_num_seqs} must be >= 1 and max_model_len={max_model_len} >= 2")
-        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise ConfigError(f"scheduler: without chunked prefill max_num_batched_tokens={max_num_batched_tokens} "
-                              f"must be >= max_model_len={max_model_len}, or a long prompt never fits a step; "
-                              "enable chunked prefill or raise the budget")
-        if long_prefill_token_threshold < 0:
-            raise ConfigError(f"scheduler: long_prefill_token_threshold={long_prefill_token_threshold} must be "
-                              ">= 0 (0 disables it)")
+        self.limits = SchedulerLimits(max_num_batched_tokens, max_num_seqs, max_model_len, enable_chunked_prefill,
+                                      long_prefill_token_threshold)
         self.kv = kv
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.clock = clock
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests
         self.waiting: list[Request] = []  # sorted by (priority, arrival, insertion)
@@ -117,11 +127,11 @@ class Scheduler:
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
             raise RequestError(f"request {rid!r}: already used ({request.status.value}); build a new Request")
         n = request.num_prompt_tokens
-        if n >= self.max_model_len:
-            raise RequestError(f"request {rid!r}: prompt has {n} tokens but max_model_len={self.max_model_len} "
+        if n >= self.limits.max_model_len:
+            raise RequestError(f"request {rid!r}: prompt has {n} tokens but max_model_len={self.limits.max_model_len} "
                                "leaves no room for an output token; shorten the prompt")
         # The last token sampled never gets KV, so a request ends with at most (final length - 1) tokens of KV.
-        final_len = min(n + request.sampling_params.max_tokens, self.max_model_len)
+        final_len = min(n + request.sampling_params.max_tokens, self.limits.max_model_len)
         need = self.kv.pages_for(final_len - 1)
         if need > self.kv.num_usable_pages:
             raise RequestError(f"request {rid!r}: {n} prompt tokens + max_tokens={request.sampling_params.max_tokens}"
@@ -170,8 +180,8 @@ class Scheduler:
 
     def _chunk(self, n: int, budget: int) -> int:
         """Tokens to compute now out of `n` pending: capped by the long-prefill threshold and the budget."""
-        if 0 < self.long_prefill_token_threshold < n:
-            n = self.long_prefill_token_threshold
+        if 0 < self.limits.long_prefill_token_threshold < n:
+            n = self.limits.long_prefill_token_threshold
         return min(n, budget)
 
     def _entry(self, request: Request, n: int) -> ScheduledRequest:
@@ -181,7 +191,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens; the caller must run them and call `update_from_output` before the next."""
-        budget = self.max_num_batched_tokens
+        budget = self.limits.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         new: list[Request] = []
@@ -204,11 +214,11 @@ class Scheduler:
                 i += 1
 
         # Admit waiting requests only when nothing was preempted: a page shortage would just bounce them back.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             request = self.waiting[0]
             pages, num_cached = self.kv.get_computed_pages(request)
             n = request.num_tokens - num_cached
-            if not self.enable_chunked_prefill and n > budget:
+            if not self.limits.enable_chunked_prefill and n > budget:
                 break
             n = self._chunk(n, budget)
             if self.kv.allocate_slots(request, n, pages, num_cached) is None:
@@ -273,7 +283,7 @@ class Scheduler:
         if (not params.ignore_eos and token == request.eos_token_id) or token in params.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.limits.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -82,7 +82,7 @@ def run(sched, max_steps=1000, on_step=None):
         if not sched.has_unfinished_requests():
             return finished
         out = sched.schedule()
-        assert 0 < out.num_scheduled_tokens <= sched.max_num_batched_tokens  # always progress, never over budget
+        assert 0 < out.num_scheduled_tokens <= sched.limits.max_num_batched_tokens  # always progress, never over budget
         finished += sched.update_from_output(out, runner.step(out))
         sched.kv.check_consistency()
     raise AssertionError("requests never finished")
