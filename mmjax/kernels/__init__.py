@@ -17,16 +17,19 @@ from mmjax.kernels.norms import OP as _NORM
 from mmjax.kernels.norms import layer_norm, rms_norm
 from mmjax.kernels.paged_attention import OP as _PAGED_ATTENTION
 from mmjax.kernels.paged_attention import paged_attention
+from mmjax.kernels.ragged_paged_attention import OP as _RAGGED_PAGED_ATTENTION
+from mmjax.kernels.ragged_paged_attention import ragged_paged_attention
 from mmjax.kernels.softmax import OP as _SOFTMAX
 from mmjax.kernels.softmax import softmax
 from mmjax.kernels.swiglu import OP as _SWIGLU
 from mmjax.kernels.swiglu import swiglu
 
-__all__ = ["MeshSharding", "use_sharding", "attention", "paged_attention", "linear_cross_entropy", "rms_norm",
-           "layer_norm", "bias_gelu", "softmax", "swiglu", "attention_impls", "norm_impls", "cross_entropy_impls",
-           "activation_impls", "swiglu_impls", "OPS"]
+__all__ = ["MeshSharding", "use_sharding", "attention", "paged_attention", "ragged_paged_attention",
+           "linear_cross_entropy", "rms_norm", "layer_norm", "bias_gelu", "softmax", "swiglu", "attention_impls",
+           "norm_impls", "cross_entropy_impls", "activation_impls", "swiglu_impls", "OPS"]
 
-OPS = {"attention": _ATTENTION, "paged_attention": _PAGED_ATTENTION, "cross_entropy": _CROSS_ENTROPY,
+OPS = {"attention": _ATTENTION, "paged_attention": _PAGED_ATTENTION,
+       "ragged_paged_attention": _RAGGED_PAGED_ATTENTION, "cross_entropy": _CROSS_ENTROPY,
        "norm": _NORM, "bias_gelu": _BIAS_GELU, "softmax": _SOFTMAX, "swiglu": _SWIGLU}
 
 

@@ -1,0 +1,162 @@
+"""`kernels.ragged_paged_attention`: one attention forward over a flat batch of query tokens from many
+sequences (prefill chunks and single decode tokens together), each attending its own pages of a paged KV pool.
+
+    out = ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
+                                 kv_block_ids=None, q_block_ids=None, max_query_len=None, impl="auto")
+
+* q [T, H, D]: T flattened query tokens. A sequence's queries are contiguous; tokens that belong to no
+  sequence (bucket padding) get zero rows.
+* k_pages / v_pages [KV, P, page_size, D]: the head-major pool of `kernels.paged_attention`; page 0 is the
+  null page that padding entries of a page table point to.
+* page_table int [S, max_pages]: for sequence slot s, the pool page of its i-th page.
+* query_start int [S]: index in q of slot s's first query; query_len int [S]: its number of queries
+  (0: the slot is unused). The slots' query ranges lie within q and do not overlap (their order is free).
+* context_len int [S]: tokens in the cache for slot s, its new query tokens included (the caller has
+  already written their K/V into the pool). Query i of slot s sits at position
+  context_len[s] - query_len[s] + i and attends the slot's keys at positions < context_len[s] that are
+  <= its own position ...
+* ... or that share its image: with kv_block_ids int [S, max_pages * page_size] (per slot and position, 0 =
+  text) and q_block_ids int [T] (0 = text), a query also attends a later key iff both carry the same non-zero
+  block id: the rule of `kernels.attention.reference.make_mask`. Keys at positions >= context_len[s] are
+  never read, so an image is seen whole only by a chunk that completes it (a chunked prefill should not
+  split an image).
+* max_query_len (static int, optional): a bound on query_len, used only to pick the query tile (1 for a
+  decode-only batch keeps the tile at 16 rows); results never depend on it.
+* Output [T, H, D] in q's dtype; query head h reads kv head h // (H // KV).
+
+The decode step of `kernels.paged_attention` is the special case query_len = 1, query_start = arange(S),
+context_len = lengths.
+
+Implementations (`impl="auto"` takes the first that can run):
+
+* `pallas` (GPU sm80+; on CPU interpret mode, named explicitly): one program per (query block, kv head),
+  a block being up to `bq` queries of one sequence times the kv head's query heads (>= 16 rows); it walks
+  the sequence's pages through the page table up to the block's causal limit with an online softmax. Needs
+  D and page_size powers of two and the pool in q's dtype.
+* `xla` (anywhere): the reference, which gathers each query token's sequence into a dense
+  [T, max_pages * page_size] cache: memory O(T x context), for tests and small CPU runs.
+
+Tested on the CPU only (Pallas in interpret mode); the GPU test (`-m gpu`) has not run yet.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from mmjax.kernels import _dispatch
+from mmjax.kernels.attention.reference import attention_reference, make_mask
+
+__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "check_inputs", "token_owner", "OP"]
+
+OP = _dispatch.Op("ragged_paged_attention")
+
+
+def check_inputs(q, k_pages, v_pages, page_table, query_start, query_len, context_len, kv_block_ids=None,
+                 q_block_ids=None) -> None:
+    """Shape and dtype errors that name what is wrong (values such as lengths are traced and not checked)."""
+    if q.ndim != 3 or k_pages.ndim != 4:
+        raise ValueError(f"expects q [T, H, D] and k_pages [KV, P, page_size, D]; got {q.shape}, {k_pages.shape}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be floating, got {q.dtype}")
+    t, h, d = q.shape
+    kvh, _, page_size, dk = k_pages.shape
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages {v_pages.shape} differs from k_pages {k_pages.shape}")
+    if dk != d:
+        raise ValueError(f"head dim of the pages ({dk}) differs from q's ({d})")
+    if h % kvh:
+        raise ValueError(f"query heads {h} must be a multiple of kv heads {kvh}")
+    if page_table.ndim != 2:
+        raise ValueError(f"page_table must be [S, max_pages], got {page_table.shape}")
+    s, max_pages = page_table.shape
+    wants = [("page_table", page_table, None), ("query_start", query_start, (s,)), ("query_len", query_len, (s,)),
+             ("context_len", context_len, (s,))]
+    if (kv_block_ids is None) != (q_block_ids is None):
+        raise ValueError("pass both q_block_ids and kv_block_ids, or neither")
+    if kv_block_ids is not None:
+        wants += [("kv_block_ids", kv_block_ids, (s, max_pages * page_size)), ("q_block_ids", q_block_ids, (t,))]
+    for name, x, shape in wants:
+        if shape is not None and tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (S={s} slots, page_table {page_table.shape}, "
+                             f"q {q.shape}), got {tuple(x.shape)}")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer, got {x.dtype}")
+
+
+def token_owner(t: int, query_start, query_len):
+    """(owner [T], owned [T]): the slot whose query range holds each of the T tokens, and whether one does."""
+    tok = jnp.arange(t, dtype=jnp.int32)[:, None]
+    inside = (tok >= query_start[None, :]) & (tok < (query_start + query_len)[None, :])  # [T, S]
+    return jnp.argmax(inside, axis=1).astype(jnp.int32), jnp.any(inside, axis=1)
+
+
+def ragged_paged_attention_reference(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
+                                     kv_block_ids=None, q_block_ids=None, *, max_query_len=None):
+    """The definition: every query token, as its own batch row, attends its sequence's dense cache.
+
+    The mask is `make_mask` with segment 1 for owned queries and for keys below the context length (0
+    otherwise), the queries' and keys' absolute positions and the image block ids, so the semantics are
+    exactly those of `kernels.attention`.
+    """
+    del max_query_len  # a tiling hint
+    t, h, d = q.shape
+    kvh, _, page_size, _ = k_pages.shape
+    n_keys = page_table.shape[1] * page_size
+    owner, owned = token_owner(t, query_start, query_len)
+    ctx = context_len[owner]
+    q_pos = ctx - query_len[owner] + jnp.arange(t, dtype=jnp.int32) - query_start[owner]
+    kv_pos = jnp.broadcast_to(jnp.arange(n_keys, dtype=jnp.int32), (t, n_keys))
+    q_seg = owned.astype(jnp.int32)[:, None]
+    kv_seg = (kv_pos < ctx[:, None]).astype(jnp.int32)
+    blocks = {}
+    if kv_block_ids is not None:
+        blocks = dict(q_block_ids=q_block_ids[:, None], kv_block_ids=kv_block_ids[owner])
+    mask = make_mask(q_seg, kv_seg, q_pos[:, None], kv_pos, causal=True, **blocks)  # [T, 1, L]
+    pages = page_table[owner]  # [T, max_pages]
+    k = k_pages[:, pages].reshape(kvh, t, n_keys, d).transpose(1, 2, 0, 3)  # [T, L, KV, D]
+    v = v_pages[:, pages].reshape(kvh, t, n_keys, d).transpose(1, 2, 0, 3)
+    f32 = lambda x: x.astype(jnp.float32)
+    return attention_reference(f32(q[:, None]), f32(k), f32(v), mask)[:, 0].astype(q.dtype)
+
+
+def _pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len, kv_block_ids=None,
+            q_block_ids=None, *, max_query_len=None):
+    from mmjax.kernels.ragged_paged_attention.pallas import ragged_paged_attention_pallas
+    return ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
+                                         kv_block_ids, q_block_ids, max_query_len=max_query_len)
+
+
+def _pow2(n) -> bool:
+    return n is not None and n >= 1 and not n & (n - 1)
+
+
+def _pallas_guard(ctx) -> str | None:
+    reason = _dispatch.pallas_triton(ctx)
+    if reason:
+        return reason
+    d, page_size = ctx.get("head_dim"), ctx.get("page_size")
+    if d is not None and (d < 16 or not _pow2(d)):
+        return f"head_dim {d} is not a power of two >= 16 (padding it would copy the whole cache pool)"
+    if page_size is not None and not _pow2(page_size):
+        return f"page_size {page_size} is not a power of two (Triton tiles)"
+    kv_dtype = ctx.get("kv_dtype")
+    if kv_dtype is not None and kv_dtype != str(ctx.dtype):
+        return f"cache pool dtype {kv_dtype} differs from q's {ctx.dtype} (casting would copy the whole pool)"
+    return None
+
+
+OP.register("xla", ragged_paged_attention_reference, _dispatch.any_float, priority=0)
+OP.register("pallas", _pallas, _pallas_guard, priority=10)
+
+
+def ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_len, context_len, *,
+                           kv_block_ids=None, q_block_ids=None, max_query_len: int | None = None,
+                           impl: str = "auto"):
+    """Attention of a ragged batch of query tokens over a paged KV cache; see the module docstring."""
+    check_inputs(q, k_pages, v_pages, page_table, query_start, query_len, context_len, kv_block_ids, q_block_ids)
+    ctx = _dispatch.make_ctx(q.dtype, explicit=impl != "auto", head_dim=q.shape[-1], page_size=k_pages.shape[2],
+                             kv_dtype=str(k_pages.dtype), has_blocks=kv_block_ids is not None)
+    i32 = lambda x: None if x is None else x.astype(jnp.int32)
+    return OP.select(impl, ctx).fn(q, k_pages, v_pages, i32(page_table), i32(query_start), i32(query_len),
+                                   i32(context_len), i32(kv_block_ids), i32(q_block_ids),
+                                   max_query_len=max_query_len)

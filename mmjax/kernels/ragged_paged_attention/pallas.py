@@ -1,0 +1,158 @@
+"""Ragged paged attention in Pallas (Triton lowering, sm80+).
+
+Work is cut into query blocks: up to `bq` consecutive queries of one sequence. A cheap jnp pre-pass
+numbers the blocks (slot s gets ceil(query_len[s] / bq) of them; the grid has a static upper bound of
+blocks, the spare ones do nothing), gathers each block's queries into a [rows, D] tile per kv head (bq
+tokens x the kv head's query heads, padded to a power of two >= 16 rows, the smallest dot tile) and records
+per row the query's absolute position and image block id.
+
+Grid (blocks, KV): one program walks its sequence's pages in steps of `pages_per_block` pages, reading the
+page ids from the page table and the pages straight from the pool (no dense copy of the cache), with an
+online softmax in float32. It stops at its causal limit (the last query's position + 1, or the context
+length when a query of the block is an image token), so a decode token reads only its own context and
+the early queries of a prefill chunk skip the chunk's later pages. The outputs are scattered back to
+their token rows; tokens of no sequence stay zero.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from mmjax.kernels._dispatch import interpret as _interpret
+from mmjax.kernels._rows import compiler_params, next_pow2
+from mmjax.kernels.attention.flash_pallas import MASK, _dot
+
+BLOCK_TOKENS = 128  # key tokens per loop step (pages_per_block * page_size): [rows, 128] score tiles
+BLOCK_ROWS = 64     # query rows (tokens x grouped heads) a prefill block aims at
+MIN_ROWS = 16       # query rows of a dot tile
+
+
+def query_tile(group: int, max_query_len: int | None = None, block_rows: int = BLOCK_ROWS) -> int:
+    """Queries per block: block_rows // (group padded to a power of two), at most max_query_len's power of two."""
+    bq = max(1, block_rows // next_pow2(group))
+    if max_query_len is not None:
+        bq = min(bq, next_pow2(max(1, int(max_query_len))))
+    return bq
+
+
+def num_blocks(t: int, n_slots: int, bq: int) -> int:
+    """Static bound on the query blocks: each non-empty slot wastes at most bq - 1 rows of its last block."""
+    return max(1, (t + min(n_slots, t) * (bq - 1)) // bq)
+
+
+def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_blocks: bool):
+    if has_blocks:
+        q_ref, k_ref, v_ref, pt_ref, seq_ref, hi_ref, ctx_ref, qpos_ref, qblk_ref, kvblk_ref, o_ref = refs
+    else:
+        q_ref, k_ref, v_ref, pt_ref, seq_ref, hi_ref, ctx_ref, qpos_ref, o_ref = refs
+    q = q_ref[...]
+    d = q.shape[-1]
+    bk = pages_per_block * page_size
+    seq, hi, ctx = seq_ref[0], hi_ref[0], ctx_ref[0]
+    qpos = qpos_ref[...]
+    qblk = qblk_ref[...] if has_blocks else None
+
+    def block(j, carry):
+        o, m, l = carry
+        pages = pt_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
+        k = k_ref[pages].reshape(bk, d)
+        v = v_ref[pages].reshape(bk, d)
+        s = _dot(q, k, trans_b=True).astype(jnp.float32) * scale
+        kpos = j * bk + jnp.arange(bk, dtype=jnp.int32)
+        ok = kpos[None, :] <= qpos[:, None]
+        if has_blocks:
+            kblk = kvblk_ref[seq, pl.ds(j * bk, bk)]
+            ok = ok | ((kblk[None, :] == qblk[:, None]) & (qblk[:, None] != 0))
+        ok = ok & (kpos < ctx)[None, :]
+        s = jnp.where(ok, s, MASK)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)  # rows masked so far keep l = 0
+        l = l * alpha + jnp.sum(p, axis=1)
+        o = o * alpha[:, None] + _dot(p.astype(v.dtype), v).astype(jnp.float32)
+        return o, m_new, l
+
+    rows = q.shape[0]
+    init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), MASK, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    o, _, l = lax.fori_loop(0, (hi + bk - 1) // bk, block, init)
+    o_ref[...] = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
+
+
+def _schedule(t, bq, nb, query_start, query_len, context_len):
+    """Per block: its slot, first query's offset in the slot, valid queries; per block token: q index, position."""
+    n_slots = query_len.shape[0]
+    ends = jnp.cumsum((query_len + bq - 1) // bq)
+    prog = jnp.arange(nb, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, prog, side="right"), n_slots - 1).astype(jnp.int32)
+    first = (prog - (ends - (query_len + bq - 1) // bq)[seq]) * bq
+    nrows = jnp.where(prog < ends[-1], jnp.clip(query_len[seq] - first, 0, bq), 0)
+    col = jnp.arange(bq, dtype=jnp.int32)[None, :]
+    valid = col < nrows[:, None]                                             # [nb, bq]
+    idx = jnp.where(valid, query_start[seq][:, None] + first[:, None] + col, t)  # t: no token
+    first_pos = context_len[seq] - query_len[seq] + first
+    qpos = jnp.where(valid, first_pos[:, None] + col, -1)
+    return seq, nrows, idx, valid, qpos
+
+
+def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
+                                  kv_block_ids=None, q_block_ids=None, *, max_query_len=None,
+                                  block_rows: int = BLOCK_ROWS):
+    """Inputs as `ragged_paged_attention` (int32 indices; pool in q's dtype, D and page_size powers of two)."""
+    t, h, d = q.shape
+    kvh, n_pages, page_size, _ = k_pages.shape
+    n_slots, max_pages = page_table.shape
+    g = h // kvh
+    gp = next_pow2(g)
+    bq = query_tile(g, max_query_len, block_rows)
+    rows = max(MIN_ROWS, bq * gp)
+    nb = num_blocks(t, n_slots, bq)
+    pages_per_block = max(1, BLOCK_TOKENS // page_size)
+    padded_pages = -(-max_pages // pages_per_block) * pages_per_block
+    # Padding entries point at page 0: a step may read them past the context, where the mask hides them.
+    table = jnp.pad(page_table, ((0, 0), (0, padded_pages - max_pages)))
+
+    seq, nrows, idx, valid, qpos_tok = _schedule(t, bq, nb, query_start, query_len, context_len)
+    ctx = context_len[seq]
+    hi = jnp.where(nrows > 0, qpos_tok[:, 0] + nrows, 0)  # causal limit: the last query's position + 1
+    has_blocks = kv_block_ids is not None
+    if has_blocks:
+        qblk_tok = jnp.where(valid, q_block_ids[jnp.minimum(idx, t - 1)], 0)
+        hi = jnp.where(jnp.any(qblk_tok != 0, axis=1), ctx, hi)  # an image query may see its later tokens
+    hi = jnp.clip(hi, 0, jnp.minimum(ctx, max_pages * page_size)).astype(jnp.int32)
+
+    # Row r of a block tile is query r // gp, head r % gp of the kv head's group; padding rows attend nothing.
+    r = np.arange(rows)
+    row_tok, row_ok = np.minimum(r // gp, bq - 1), (r < bq * gp) & (r % gp < g)
+    qpos = jnp.where(row_ok[None, :], qpos_tok[:, row_tok], -1).astype(jnp.int32)  # [nb, rows]
+    qt = q[jnp.minimum(idx, t - 1)].reshape(nb, bq, kvh, g, d)
+    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0))).transpose(0, 2, 1, 3, 4)
+    qt = jnp.pad(qt.reshape(nb, kvh, bq * gp, d), ((0, 0), (0, 0), (0, rows - bq * gp), (0, 0)))
+
+    scalar = pl.BlockSpec((1,), lambda i, j: (i,))
+    row_spec = pl.BlockSpec((None, rows), lambda i, j: (i, 0))
+    head_block = pl.BlockSpec((None, None, rows, d), lambda i, j: (i, j, 0, 0))
+    pool = pl.BlockSpec((None, n_pages, page_size, d), lambda i, j: (j, 0, 0, 0))
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)
+    args = [qt, k_pages, v_pages, table, seq, hi, ctx.astype(jnp.int32), qpos]
+    specs = [head_block, pool, pool, whole(table), scalar, scalar, scalar, row_spec]
+    if has_blocks:
+        kvblk = jnp.pad(kv_block_ids, ((0, 0), (0, (padded_pages - max_pages) * page_size)))
+        qblk = jnp.where(row_ok[None, :], qblk_tok[:, row_tok], 0).astype(jnp.int32)
+        args += [qblk, kvblk]
+        specs += [row_spec, whole(kvblk)]
+    kernel = functools.partial(_kernel, pages_per_block=pages_per_block, page_size=page_size,
+                               scale=1.0 / math.sqrt(d), has_blocks=has_blocks)
+    out = pl.pallas_call(
+        kernel, grid=(nb, kvh), in_specs=specs, out_specs=head_block,
+        out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype), interpret=_interpret(),
+        compiler_params=compiler_params(4, 2), name="mmjax_ragged_paged_attention",
+    )(*args)
+    out = out[:, :, :bq * gp].reshape(nb, kvh, bq, gp, d)[:, :, :, :g].transpose(0, 2, 1, 3, 4)
+    return jnp.zeros_like(q).at[idx.reshape(-1)].set(out.reshape(nb * bq, h, d), mode="drop")

@@ -1,0 +1,191 @@
+"""Ragged paged attention: the reference against a token-by-token numpy loop, the Pallas kernel (interpret mode)
+against the reference on mixed decode/prefill batches with padding, empty slots and image blocks, the decode
+case against `paged_attention`, guards, dispatch and input errors; a GPU comparison at real sizes (`-m gpu`)."""
+
+import logging
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mmjax import kernels
+from mmjax.kernels import _dispatch
+from mmjax.kernels.ragged_paged_attention import OP, ragged_paged_attention, ragged_paged_attention_reference
+from mmjax.kernels.ragged_paged_attention.pallas import query_tile
+
+
+def make_case(h, kvh, d, page_size, slots, pad_tokens=0, images=(), dtype=jnp.float32, seed=0):
+    """slots: (query_len, context_len) per slot, (0, 0) unused. Queries are laid out in shuffled slot order,
+    then `pad_tokens` padding tokens; pages are distinct shuffled pool pages (page 0 is the null page, the
+    table's padding). images: (slot, first position, end position, block id) spans of kv_block_ids."""
+    rng = np.random.default_rng(seed)
+    n = len(slots)
+    qlen = np.array([s[0] for s in slots], np.int32)
+    ctx = np.array([s[1] for s in slots], np.int32)
+    max_pages = max(1, int(-(-ctx.max() // page_size))) + 1
+    n_pages = 1 + n * max_pages + 2
+    table = np.zeros((n, max_pages), np.int32)
+    free = list(rng.permutation(np.arange(1, n_pages)))
+    for s in range(n):
+        for i in range(-(-ctx[s] // page_size)):
+            table[s, i] = free.pop()
+    qstart, t = np.zeros(n, np.int32), 0
+    for s in rng.permutation(n):
+        qstart[s], t = t, t + qlen[s]
+    t += pad_tokens
+    q = jnp.asarray(rng.standard_normal((t, h, d)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((kvh, n_pages, page_size, d)), dtype) for _ in range(2))
+    args = (q, k, v, jnp.asarray(table), jnp.asarray(qstart), jnp.asarray(qlen), jnp.asarray(ctx))
+    if not images:
+        return args, {}
+    kvb = np.zeros((n, max_pages * page_size), np.int32)
+    for s, lo, hi, bid in images:
+        kvb[s, lo:hi] = bid
+    qb = np.zeros(t, np.int32)
+    for s in range(n):
+        for i in range(qlen[s]):
+            qb[qstart[s] + i] = kvb[s, ctx[s] - qlen[s] + i]
+    return args, dict(kv_block_ids=jnp.asarray(kvb), q_block_ids=jnp.asarray(qb))
+
+
+def numpy_loop(q, k, v, table, qstart, qlen, ctx, kv_block_ids=None, q_block_ids=None):
+    """Token by token and head by head: list the keys the query may see, copy them out of the pool, attend."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    table, qstart, qlen, ctx = (np.asarray(x) for x in (table, qstart, qlen, ctx))
+    t, h, d = q.shape
+    kvh, _, page_size, _ = k.shape
+    out = np.zeros((t, h, d))
+    for s in range(len(qlen)):
+        for i in range(qlen[s]):
+            tok, pos = qstart[s] + i, ctx[s] - qlen[s] + i
+            qb = 0 if q_block_ids is None else int(q_block_ids[tok])
+            keys = [j for j in range(ctx[s]) if j <= pos or (qb != 0 and int(kv_block_ids[s, j]) == qb)]
+            for head in range(h):
+                kh = head // (h // kvh)
+                kk = np.stack([k[kh, table[s, j // page_size], j % page_size] for j in keys])
+                vv = np.stack([v[kh, table[s, j // page_size], j % page_size] for j in keys])
+                w = np.exp(kk @ q[tok, head] / np.sqrt(d) - (kk @ q[tok, head] / np.sqrt(d)).max())
+                out[tok, head] = (w / w.sum()) @ vv
+    return out
+
+
+# Decode tokens (1 query over prior context), prefill chunks with and without prior context, a chunk that
+# ends mid-page, an unused slot; plus padding tokens at the end of the bucket.
+MIXED = [(1, 9), (5, 5), (0, 0), (7, 20), (1, 1), (3, 17)]
+# Slot 1 holds an image at positions 2..5 inside its chunk, slot 3 one straddling the chunk's start (13..16:
+# partly prior context) and a stale id past its context (20..22, never read); slot 5 reuses id 1.
+IMAGES = [(1, 2, 6, 1), (3, 13, 17, 2), (3, 20, 23, 2), (5, 15, 17, 1)]
+
+
+def test_reference_matches_numpy_loop():
+    args, blocks = make_case(4, 2, 8, 4, MIXED, pad_tokens=3, images=IMAGES)
+    np.testing.assert_allclose(np.asarray(ragged_paged_attention_reference(*args, **blocks)),
+                               numpy_loop(*args, **blocks), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ragged_paged_attention_reference(*args)), numpy_loop(*args), atol=1e-5)
+
+
+# A 40-token chunk over 100 tokens of prior context: several query blocks and 128-token key steps; its image
+# (positions 118..130) crosses a key step, so a block of queries below 128 must read the step above.
+LONG = [(40, 140), (1, 3)]
+LONG_IMAGES = [(0, 118, 131, 1)]
+
+
+@pytest.mark.parametrize("h,kvh,d,page_size,max_query_len,slots,images", [
+    (8, 2, 16, 4, None, MIXED, IMAGES),  # GQA 4: 16 tokens x 4 heads per block; 32 pages of 4 per key step
+    (4, 4, 16, 8, 2, MIXED, ()),         # MHA: 2-token blocks padded to 16 rows
+    (6, 2, 32, 16, None, MIXED, ()),     # GQA 3: the group padded to 4 heads
+    (2, 1, 16, 64, 8, LONG, LONG_IMAGES),  # MQA 2, pages larger than some chunks, a long chunk
+    (4, 2, 16, 8, 1, MIXED, IMAGES),     # one query per block: image queries see past their position
+])
+def test_pallas_matches_reference(h, kvh, d, page_size, max_query_len, slots, images):
+    args, blocks = make_case(h, kvh, d, page_size, slots, pad_tokens=5, images=images, seed=page_size)
+    got = np.asarray(ragged_paged_attention(*args, **blocks, max_query_len=max_query_len, impl="pallas"))
+    np.testing.assert_allclose(got, np.asarray(ragged_paged_attention_reference(*args, **blocks)), atol=1e-5)
+    assert not np.any(got[-5:])  # padding tokens give zeros
+    if images:  # the image mask is really applied, and only to image tokens' rows
+        plain = np.asarray(ragged_paged_attention_reference(*args))
+        img = np.asarray(blocks["q_block_ids"]) != 0
+        assert np.abs(got[img] - plain[img]).max() > 1e-3
+        np.testing.assert_allclose(got[~img], plain[~img], atol=1e-5)
+
+
+def test_decode_case_agrees_with_paged_attention():
+    lengths = [13, 1, 0, 48]
+    args, _ = make_case(8, 2, 16, 8, [(1 if n else 0, n) for n in lengths], seed=2)
+    q, k, v, table, _, _, _ = args
+    # The decode layout: slot b's one query is token b (an empty slot's token is padding).
+    qstart, qlen, ctx = (jnp.arange(4, dtype=jnp.int32), jnp.asarray([1, 1, 0, 1], jnp.int32),
+                         jnp.asarray(lengths, jnp.int32))
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((4, 8, 16)), jnp.float32)
+    want = kernels.paged_attention(q, k, v, table, ctx, impl="xla")
+    for impl in ("xla", "pallas"):
+        got = ragged_paged_attention(q, k, v, table, qstart, qlen, ctx, max_query_len=1, impl=impl)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, err_msg=impl)
+
+
+def test_pallas_bf16():
+    args, _ = make_case(8, 2, 32, 16, MIXED, pad_tokens=2, dtype=jnp.bfloat16, seed=4)
+    got = ragged_paged_attention(*args, impl="pallas")
+    assert got.dtype == jnp.bfloat16
+    want = ragged_paged_attention_reference(*(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x
+                                              for x in args))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2)
+
+
+def test_query_tile():
+    assert query_tile(4) == 16 and query_tile(4, max_query_len=1) == 1 and query_tile(3, max_query_len=5) == 8
+    assert query_tile(128) == 1  # a group wider than the row target: one query per block
+
+
+def test_auto_on_cpu_is_xla_and_guards(caplog):
+    args, _ = make_case(2, 1, 16, 16, [(2, 20)])
+    with caplog.at_level(logging.INFO, logger="mmjax.kernels"):
+        kernels.ragged_paged_attention(*args)
+    assert "ragged_paged_attention impl=auto chose 'xla'" in caplog.text
+    assert "ragged_paged_attention" in kernels.OPS
+    gpu = lambda **facts: _dispatch.Ctx("gpu", jnp.dtype("bfloat16"), (9, 0), facts=tuple(sorted(facts.items())))
+    assert OP.reason("pallas", gpu(head_dim=128, page_size=16)) is None
+    assert "power of two" in OP.reason("pallas", gpu(head_dim=80, page_size=16))
+    assert "page_size 12" in OP.reason("pallas", gpu(head_dim=64, page_size=12))
+    assert "differs from q's" in OP.reason("pallas", gpu(head_dim=64, page_size=16, kv_dtype="float32"))
+    assert OP.reason("pallas", _dispatch.Ctx("gpu", jnp.dtype("bfloat16"), (7, 5))) is not None
+
+
+def test_input_errors():
+    (q, k, v, table, qs, ql, ctx), blocks = make_case(4, 2, 16, 8, [(2, 5), (1, 9)], images=[(0, 0, 2, 1)])
+    call = ragged_paged_attention
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        call(q[:, :3], k, v, table, qs, ql, ctx)
+    with pytest.raises(ValueError, match="q must be floating"):
+        call(q.astype(jnp.int32), k, v, table, qs, ql, ctx)
+    with pytest.raises(ValueError, match="v_pages"):
+        call(q, k, v[:, :1], table, qs, ql, ctx)
+    with pytest.raises(ValueError, match="head dim of the pages"):
+        call(q, k[..., :8], v[..., :8], table, qs, ql, ctx)
+    with pytest.raises(ValueError, match="page_table must be"):
+        call(q, k, v, table[0], qs, ql, ctx)
+    with pytest.raises(ValueError, match="query_start must have shape"):
+        call(q, k, v, table, qs[:1], ql, ctx)
+    with pytest.raises(ValueError, match="context_len must be integer"):
+        call(q, k, v, table, qs, ql, ctx.astype(jnp.float32))
+    with pytest.raises(ValueError, match="pass both"):
+        call(q, k, v, table, qs, ql, ctx, kv_block_ids=blocks["kv_block_ids"])
+    with pytest.raises(ValueError, match="kv_block_ids must have shape"):
+        call(q, k, v, table, qs, ql, ctx, kv_block_ids=blocks["kv_block_ids"][:, :4],
+             q_block_ids=blocks["q_block_ids"])
+    with pytest.raises(ValueError, match="q_block_ids must have shape"):
+        call(q, k, v, table, qs, ql, ctx, kv_block_ids=blocks["kv_block_ids"],
+             q_block_ids=blocks["q_block_ids"][:1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,kvh,d", [(32, 8, 128), (16, 16, 64)])
+def test_pallas_gpu(h, kvh, d):
+    """Real sizes, bf16, page_size 16: decode tokens, long prefill chunks with prior context, images, padding."""
+    slots = [(1, 777), (512, 512), (300, 2048), (0, 0), (1, 1), (64, 1500)] + [(1, 100 + 37 * i) for i in range(26)]
+    images = [(1, 100, 356, 3), (2, 1900, 1996, 1)]
+    args, blocks = make_case(h, kvh, d, 16, slots, pad_tokens=100, images=images, dtype=jnp.bfloat16, seed=11)
+    for kw in ({}, blocks):
+        got = ragged_paged_attention(*args, **kw, impl="pallas")
+        want = ragged_paged_attention_reference(*args, **kw)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
