@@ -4,7 +4,7 @@ Layout: `<checkpoint.dir>/<step>/{state,data,meta}`. A step folder appears only 
 written (Orbax writes into a temporary folder and renames it), so a run killed mid-save leaves at most
 a temporary folder that the next run ignores and removes; the checkpoints before it stay valid.
 
-- `state`: the `TrainState` pytree (params, optimizer state, step, RNG key, loss scale), sharded arrays.
+- `state`: the `TrainState` pytree (params, optimizer state, step, loss scale), sharded arrays.
   Restore goes through abstract targets (`jax.ShapeDtypeStruct` carrying this run's `NamedSharding`s),
   so a checkpoint written on one mesh loads onto another (resharding happens in the read).
 - `data`: the loader state after the last consumed batch (`PackingIterator.get_state()`: a stream
@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 STATE, DATA, META, PARAMS = "state", "data", "meta", "params"
 ITEMS = (STATE, DATA, META, PARAMS)  # a training checkpoint has state/data/meta, a params-only one params/meta
 FORMAT_VERSION = 1
+# Top-level TrainState fields that earlier versions saved and this one no longer has: read and dropped on
+# restore, so those checkpoints still resume. `rng`: a PRNG key split every step but read by no layer.
+DROPPED_STATE_FIELDS = ("rng",)
 _PACKAGES = ("mmjax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
 
 
@@ -186,9 +189,11 @@ def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     return {k: tuple(int(s) for s in v.shape) for k, v in flat_leaves(tree).items()}
 
 
-def check_shapes(saved: Any, target: Any, where: str) -> None:
-    """Refuse a checkpoint whose arrays differ in name or shape from this run's state (a different model)."""
+def check_shapes(saved: Any, target: Any, where: str, ignore: tuple[str, ...] = ()) -> None:
+    """Refuse a checkpoint whose arrays differ in name or shape from this run's state (a different model);
+    saved arrays named in `ignore` are not compared."""
     have, want = _flat_shapes(getattr(saved, "tree", saved)), _flat_shapes(target)
+    have = {k: v for k, v in have.items() if k not in ignore}
     missing = sorted(set(want) - set(have))
     extra = sorted(set(have) - set(want))
     if missing or extra:
@@ -201,6 +206,15 @@ def check_shapes(saved: Any, target: Any, where: str) -> None:
             raise CheckpointError(
                 f"{where}: {key} has shape {have[key]} in the checkpoint but {want[key]} in this run; the "
                 "model config differs (compare the checkpoint's meta config with this run's)")
+
+
+def _dropped_fields(saved: Any, target: Any) -> dict[str, Any]:
+    """{name: metadata} of the DROPPED_STATE_FIELDS a checkpoint holds and the target state lacks."""
+    tree = getattr(saved, "tree", saved)
+    if not dataclasses.is_dataclass(target) or not isinstance(tree, dict):
+        return {}
+    names = {f.name for f in dataclasses.fields(target)}
+    return {k: tree[k] for k in DROPPED_STATE_FIELDS if k in tree and k not in names}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -401,8 +415,15 @@ class Checkpointer:
                                   "truncated or corrupt: resume from another step (train.resume=<step>)") from e
         if saved_tree is None:
             raise CheckpointError(f"{where}: the state item has no metadata; the folder is incomplete")
-        check_shapes(saved_tree, target_state, where)
+        dropped = _dropped_fields(saved_tree, target_state)
+        check_shapes(saved_tree, target_state, where, ignore=tuple(dropped))
         target = abstract_like(target_state)
+        if dropped:  # restore into a tree with the old fields, then leave them out
+            log.info("checkpoint: %s holds %s, which this version no longer keeps; skipped", where, sorted(dropped))
+            replicated = next(x.sharding for x in jax.tree.leaves(target) if len(x.shape) == 0)  # e.g. step
+            target = {**{f.name: getattr(target, f.name) for f in dataclasses.fields(target)},
+                      **{k: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=replicated)
+                         for k, m in dropped.items()}}
         items = {STATE: ocp.args.StandardRestore(target)}
         has_data = (path / DATA).is_dir()
         if has_data:
@@ -414,7 +435,10 @@ class Checkpointer:
         except Exception as e:
             raise CheckpointError(f"{where} cannot be restored ({type(e).__name__}: {one_line(e)}); it is "
                                   "truncated or corrupt: resume from another step (train.resume=<step>)") from e
-        return Restored(state=out[STATE], data=out[DATA] if has_data else None, meta=meta, step=step, path=path)
+        state = out[STATE]
+        if dropped:
+            state = dataclasses.replace(target_state, **{k: v for k, v in state.items() if k not in dropped})
+        return Restored(state=state, data=out[DATA] if has_data else None, meta=meta, step=step, path=path)
 
 
 def _params_metadata(step_dir: Path) -> Any:
@@ -528,10 +552,3 @@ def check_data_compatible(meta: dict[str, Any], cfg: Config, where: str) -> None
         raise CheckpointError(
             f"{where}: its data position counts batches of {saved_gbs} rows but train.global_batch_size="
             f"{cfg.train.global_batch_size}; set train.global_batch_size={saved_gbs}")
-
-
-def tree_equal(a: Any, b: Any) -> bool:
-    """Bitwise equality of two state trees matched by key path (a TrainState equals its saved dict)."""
-    fa, fb = flat_leaves(a), flat_leaves(b)
-    return fa.keys() == fb.keys() and all(
-        np.array_equal(np.asarray(jax.device_get(fa[k])), np.asarray(jax.device_get(fb[k]))) for k in fa)

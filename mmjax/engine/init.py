@@ -55,7 +55,6 @@ def create_train_state(cfg: Config, mesh: Mesh, setup: ModelSetup,
         step=jnp.zeros((), jnp.int32),
         params=params,
         opt_state=opt_state,
-        rng=jax.random.key_data(jax.random.key(cfg.train.seed)),
         loss_scale=initial_loss_scale(cfg, compute_dtype),
     )
     state = jax.device_put(state, state_shardings(mesh, setup, optimizer, state))

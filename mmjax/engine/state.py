@@ -16,5 +16,4 @@ class TrainState:
     step: jax.Array  # int32 scalar: optimizer updates applied (skipped steps included)
     params: Any  # pure dict of float32 arrays (nnx.merge(graphdef, params) rebuilds the model)
     opt_state: optax.OptState
-    rng: jax.Array  # key for stochastic layers; split every step so resume replays the same stream
     loss_scale: LossScale

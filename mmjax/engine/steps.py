@@ -107,12 +107,10 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         # A step with non-finite gradients (fp16 overflow, or a bad batch) leaves params untouched.
         guard = finite if (skip_nonfinite or state.loss_scale.dynamic) else jnp.asarray(True)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(guard, n, o), new, old)
-        rng, _ = jax.random.split(state.rng)
         new_state = state.replace(
             step=state.step + 1,
             params=keep(new_params, state.params),
             opt_state=keep(new_opt, state.opt_state),
-            rng=rng,
             loss_scale=state.loss_scale.update(finite),
         )
         metrics = {

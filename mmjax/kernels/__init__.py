@@ -19,35 +19,12 @@ from mmjax.kernels.paged_attention import OP as _PAGED_ATTENTION
 from mmjax.kernels.paged_attention import paged_attention
 from mmjax.kernels.ragged_paged_attention import OP as _RAGGED_PAGED_ATTENTION
 from mmjax.kernels.ragged_paged_attention import ragged_paged_attention
-from mmjax.kernels.softmax import OP as _SOFTMAX
-from mmjax.kernels.softmax import softmax
 from mmjax.kernels.swiglu import OP as _SWIGLU
 from mmjax.kernels.swiglu import swiglu
 
 __all__ = ["MeshSharding", "use_sharding", "attention", "paged_attention", "ragged_paged_attention",
-           "linear_cross_entropy", "rms_norm", "layer_norm", "bias_gelu", "softmax", "swiglu", "attention_impls",
-           "norm_impls", "cross_entropy_impls", "activation_impls", "swiglu_impls", "OPS"]
+           "linear_cross_entropy", "rms_norm", "layer_norm", "bias_gelu", "swiglu", "OPS"]
 
 OPS = {"attention": _ATTENTION, "paged_attention": _PAGED_ATTENTION,
        "ragged_paged_attention": _RAGGED_PAGED_ATTENTION, "cross_entropy": _CROSS_ENTROPY,
-       "norm": _NORM, "bias_gelu": _BIAS_GELU, "softmax": _SOFTMAX, "swiglu": _SWIGLU}
-
-
-def attention_impls() -> list[str]:
-    return _ATTENTION.available()
-
-
-def norm_impls() -> list[str]:
-    return _NORM.available()
-
-
-def cross_entropy_impls() -> list[str]:
-    return _CROSS_ENTROPY.available()
-
-
-def activation_impls() -> list[str]:
-    return _BIAS_GELU.available()
-
-
-def swiglu_impls() -> list[str]:
-    return _SWIGLU.available()
+       "norm": _NORM, "bias_gelu": _BIAS_GELU, "swiglu": _SWIGLU}

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
 import importlib.util
 import logging
+import pkgutil
 from typing import Any, Callable
 
 import jax
@@ -52,6 +54,30 @@ def _device_info(backend: str) -> tuple[str, tuple[int, int] | None]:
     return dev.platform, None
 
 
+def platform_here() -> tuple[str, tuple[int, int] | None] | None:
+    """(platform, capability) this process computes on, found without starting a backend (which must wait for
+    XLA flags and jax.distributed); None while that cannot be told: an accelerator plugin is installed but no
+    backend runs yet (a GPU's capability is only known from the device)."""
+    from jax._src import xla_bridge  # private; getattr: the check is an optimisation, not a contract
+    if getattr(xla_bridge, "backends_are_initialized", lambda: False)():
+        return _device_info(jax.default_backend())
+    first = (jax.config.jax_platforms or "").split(",")[0].strip()
+    if first == "cpu" or (not first and not _accelerator_plugins()):
+        return "cpu", None
+    return None
+
+
+def _accelerator_plugins() -> bool:
+    """Whether a PJRT plugin (CUDA, ROCm) or libtpu is installed, so the default backend may be an accelerator."""
+    if importlib.util.find_spec("libtpu") is not None:
+        return True
+    if importlib.util.find_spec("jax_plugins") is not None:
+        import jax_plugins
+        if any(True for _ in pkgutil.iter_modules(jax_plugins.__path__)):
+            return True
+    return bool(importlib.metadata.entry_points(group="jax_plugins"))
+
+
 def make_ctx(dtype, *, explicit: bool = False, **facts) -> Ctx:
     """Ctx for the backend the current computation is compiled for (under jit: the default backend)."""
     platform, cap = _device_info(jax.default_backend())
@@ -81,6 +107,23 @@ class Op:
         if impl not in self._impls:
             return f"unknown {self.name} implementation {impl!r}; choose one of {self.available()} or 'auto'"
         return self._impls[impl].supports(ctx)
+
+    def unsupported_here(self, impl: str, dtype: str = "auto") -> str | None:
+        """Why `impl` (named in a config) cannot run on this machine in `dtype` (a name; "auto" = bfloat16 on
+        an accelerator, float32 on CPU), or None. For config validation: nothing is traced and shapes are not
+        known, so only the guards' platform, capability and dtype checks can fail. `auto` always passes, as
+        does everything while the platform cannot be told without starting a backend (`platform_here`)."""
+        if impl == "auto":
+            return None
+        if impl not in self._impls:
+            return self.reason(impl, Ctx(platform="cpu", dtype=jnp.dtype(jnp.float32)))
+        here = platform_here()
+        if here is None:
+            return None
+        platform, capability = here
+        if dtype == "auto":
+            dtype = "float32" if platform == "cpu" else "bfloat16"
+        return self.reason(impl, Ctx(platform=platform, dtype=jnp.dtype(dtype), capability=capability, explicit=True))
 
     def select(self, impl: str, ctx: Ctx) -> Implementation:
         if impl != "auto":

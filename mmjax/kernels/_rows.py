@@ -1,4 +1,4 @@
-"""Shared plumbing for row-wise Pallas kernels (norms, softmax, bias+GELU): padding and tile choice."""
+"""Shared plumbing for row-wise Pallas kernels (norms, bias+GELU, SwiGLU): padding and tile choice."""
 
 from __future__ import annotations
 

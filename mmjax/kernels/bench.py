@@ -270,17 +270,6 @@ def bench_bias_gelu(rows: list, n=32768, e=4096, dtype=jnp.bfloat16, impls=("tri
             _run(rows, "bias_gelu_fwd_bwd", impl, shape, g, (x, bias, x[::-1]), nbytes=5 * b)
 
 
-def bench_softmax(rows: list, n=32768, e=4096, dtype=jnp.bfloat16, impls=("pallas", "xla")):
-    from mmjax import kernels
-    x = jax.random.normal(jax.random.PRNGKey(6), (n, e), dtype)
-    b = x.size * x.dtype.itemsize
-    shape = f"[{n},{e}] {jnp.dtype(dtype).name}"
-    for impl in impls:
-        _run(rows, "softmax_fwd", impl, shape, jax.jit(lambda x: kernels.softmax(x, impl=impl)), (x,), nbytes=2 * b)
-        g = _fwd_bwd(lambda x, _: kernels.softmax(x, impl=impl))
-        _run(rows, "softmax_fwd_bwd", impl, shape, g, (x, None, x[::-1]), nbytes=5 * b)
-
-
 def bench_swiglu(rows: list, n=16384, m=8192, dtype=jnp.bfloat16, impls=("pallas", "xla")):
     """The decoder MLP's silu(gate) * up at the 1.2B decoder's B8 S2048 (n = 16384 rows, M = 8192)."""
     from mmjax import kernels
@@ -313,7 +302,7 @@ def bench_cross_entropy(rows: list, n=16384, e=2048, v=128256, dtype=jnp.bfloat1
 # ----------------------------------------------------------------------------------------------
 # One run, one JSON, one table
 
-SECTIONS = ("attention", "paged_attention", "cross_entropy", "norms", "bias_gelu", "softmax", "swiglu")
+SECTIONS = ("attention", "paged_attention", "cross_entropy", "norms", "bias_gelu", "swiglu")
 
 
 def run_all(sections=SECTIONS, *, extra: dict[str, Callable[[list], None]] | None = None, save=None) -> dict:
@@ -343,11 +332,10 @@ def run_all(sections=SECTIONS, *, extra: dict[str, Callable[[list], None]] | Non
         "cross_entropy": lambda: bench_cross_entropy(rows),
         "norms": lambda: bench_norms(rows),
         "bias_gelu": lambda: bench_bias_gelu(rows),
-        "softmax": lambda: bench_softmax(rows),
         "swiglu": lambda: bench_swiglu(rows),
         **{name: functools.partial(fn, rows) for name, fn in (extra or {}).items()},
     }
-    if set(sections) & {"norms", "bias_gelu", "softmax", "swiglu", "paged_attention"}:
+    if set(sections) & {"norms", "bias_gelu", "swiglu", "paged_attention"}:
         record["ceilings"]["copy_gbps_measured_now"] = bench_copy(rows)
     for name in sections:
         steps[name]()

@@ -181,7 +181,7 @@ def build_sinks(cfg: Config, output_dir: Path, total_steps: int, start_step: int
             continue
         elif name == "jsonl":
             sinks.append(JsonlSink(output_dir / "metrics.jsonl"))
-        elif name == "progress" and o.progress:
+        elif name == "progress":
             sinks.append(ProgressSink(total_steps, start_step))
         elif name == "tensorboard":
             sinks.append(TensorBoardSink(o.tensorboard_dir or output_dir / "tensorboard"))

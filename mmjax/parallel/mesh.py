@@ -76,12 +76,6 @@ def check_fits(cfg: Config, sizes: dict[str, int]) -> None:
     """Sizes that must divide the model and batch dimensions they shard."""
     dp = data_parallel_size(sizes)
     per_step = cfg.train.global_batch_size // cfg.train.grad_accum_steps
-    micro = cfg.train.micro_batch_size
-    if micro and micro * dp * cfg.train.grad_accum_steps != cfg.train.global_batch_size:
-        raise ConfigError(
-            f"train.micro_batch_size={micro} x data-parallel size (data x fsdp = {dp}) x train.grad_accum_steps="
-            f"{cfg.train.grad_accum_steps} = {micro * dp * cfg.train.grad_accum_steps} != train.global_batch_size="
-            f"{cfg.train.global_batch_size}; set train.micro_batch_size=0 to derive it, or fix one of them")
     if per_step % dp:
         raise ConfigError(
             f"train.global_batch_size={cfg.train.global_batch_size} / train.grad_accum_steps="

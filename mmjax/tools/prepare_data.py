@@ -37,15 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", default="~/.cache/mmjax", help="where the input's record index is cached")
     args = p.parse_args(argv)
     try:
+        options = parse_storage_options(args.storage_options)
         cfg = Config(data=DataConfig(source=args.format, paths=tuple(args.input), image_root=args.image_root,
-                                     storage_options=args.storage_options, cache_dir=args.cache_dir))
+                                     storage_options=options, cache_dir=args.cache_dir))
         source = open_source(cfg, args.input, key="--input")
         with Progress(TextColumn("converting"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()) as bar:
             task = bar.add_task("records", total=len(source))
             report = prepare_dataset(source, args.out, num_shards=args.num_shards,
                                      records_per_shard=args.records_per_shard, prefix=args.prefix,
                                      verify_images=not args.no_verify_images,
-                                     storage_options=parse_storage_options(args.storage_options),
+                                     storage_options=options,
                                      progress=lambda k: bar.advance(task, k))
     except MmjaxError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -19,7 +19,7 @@ from mmjax.errors import ConfigError
 def open_source(cfg: Config, paths: Sequence[str], key: str = "data.paths") -> RecordSource:
     """The configured reader over `paths` (files, directories, globs, fsspec URLs)."""
     d = cfg.data
-    options = parse_storage_options(d.storage_options)
+    options = dict(d.storage_options)
     if d.source in ("arrayrecord", "builtin"):
         return ArrayRecordSource(paths, options, cache_dir=d.cache_dir, cache_shards=d.remote_cache_shards, key=key)
     if d.source == "parquet":

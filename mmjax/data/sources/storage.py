@@ -1,7 +1,7 @@
 """fsspec plumbing shared by the sources: URL expansion, streamed reads, a bounded local shard cache.
 
 Any fsspec URL works (`file://`, plain paths, `s3://`, `gs://`, `http(s)://`, ...); credentials and endpoints
-come from `data.storage_options` (a JSON object passed to the filesystem) or the backend's usual
+come from `data.storage_options` (a mapping passed to the filesystem) or the backend's usual
 environment variables. Files are read in blocks with read-ahead, never slurped whole into memory.
 """
 
@@ -32,17 +32,17 @@ LOCK_STALE_S = 120.0  # a shard download lock not refreshed for this long belong
 _GLOB_CHARS = "*?["
 
 
-def parse_storage_options(text: str) -> dict[str, Any]:
-    """`data.storage_options` (JSON object text, may be empty) -> kwargs for the fsspec filesystem."""
+def parse_storage_options(text: str, key: str = "--storage-options") -> dict[str, Any]:
+    """A command line's JSON object text (may be empty) -> kwargs for the fsspec filesystem."""
     if not text:
         return {}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"data.storage_options is not valid JSON ({e}); write e.g. "
+        raise ConfigError(f"{key} is not valid JSON ({e}); write e.g. "
                           '\'{"endpoint_url": "http://127.0.0.1:9000"}\'') from e
     if not isinstance(value, dict):
-        raise ConfigError(f"data.storage_options must be a JSON object, got {type(value).__name__}")
+        raise ConfigError(f"{key} must be a JSON object, got {type(value).__name__}")
     return value
 
 

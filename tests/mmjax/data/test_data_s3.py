@@ -1,7 +1,6 @@
 """Object storage: shards on an S3-compatible server (moto, loopback) stream into the same batches."""
 
 import dataclasses
-import json
 import socket
 
 import numpy as np
@@ -50,7 +49,7 @@ def _assert_same(a, b):
 
 
 def test_s3_shards_stream_like_local(cfg, tokenizer, shapes_files, llava_export, user_config, s3, tmp_path):
-    opts = json.dumps(s3)
+    opts = dict(s3)  # data.storage_options is a mapping
     local = user_config(cfg, "llava", [str(llava_export / "train.jsonl")], shapes_files.tokenizer_path)
     # the converter writes straight into the bucket (shards + manifest)
     report = prepare_dataset(open_source(local, local.data.paths), "s3://mmjax-test/shapes", num_shards=4,

@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from mmjax.config import load_config, to_yaml
-from mmjax.engine.checkpoint import Checkpointer, check_data_compatible, tree_equal
+from mmjax.engine.checkpoint import Checkpointer, check_data_compatible, flat_leaves
 from mmjax.engine.trainer import Trainer
 from mmjax.errors import CheckpointError
 from mmjax.train import DEFAULT_CONFIG, main
@@ -30,7 +30,7 @@ TINY = [
     "model.text.dim=64", "model.text.mlp_dim=128", "model.text.n_layers=2", "model.vision.dim=64",
     "model.vision.mlp_dim=128", "model.vision.n_layers=1", "data.num_train=512", "data.num_eval=32",
     "data.num_shards=2", "eval.num_examples=4", "eval.batch_size=4", "eval.every_steps=0",
-    "train.global_batch_size=16", "optim.warmup_steps=2", "observe.progress=false", "observe.log_every=1",
+    "train.global_batch_size=16", "optim.warmup_steps=2", "observe.sinks=[jsonl]", "observe.log_every=1",
 ]
 
 
@@ -44,6 +44,13 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
 def saved_state(step_dir: Path):
     """The state item exactly as written (restored in its saved sharding, fetched to numpy)."""
     return jax.device_get(ocp.StandardCheckpointer().restore(step_dir.absolute() / "state"))
+
+
+def tree_equal(a, b) -> bool:
+    """Bitwise equality of two state trees matched by key path (a TrainState equals its saved dict)."""
+    fa, fb = flat_leaves(a), flat_leaves(b)
+    return fa.keys() == fb.keys() and all(
+        np.array_equal(np.asarray(jax.device_get(fa[k])), np.asarray(jax.device_get(fb[k]))) for k in fa)
 
 
 def listing(root: Path) -> dict[str, int]:
@@ -101,6 +108,26 @@ def test_restore_onto_another_mesh_and_continue(runs, tmp_path, mesh):
     assert int(trainer.state.step) == N + 2
     assert [s for s, _ in losses(tmp_path)] == [N + 1, N + 2]
     assert all(np.isfinite(l) for _, l in losses(tmp_path))
+
+
+def test_checkpoint_with_the_dropped_rng_field_still_resumes(runs, tmp_path):
+    """Checkpoints of earlier versions hold a TrainState `rng` key (never read by a layer, now gone)."""
+    full, _, common = runs
+    old = tmp_path / "old"
+    shutil.copytree(full / "checkpoints" / str(N), old / str(N))
+    state = saved_state(old / str(N))
+    assert "rng" not in state
+    shutil.rmtree(old / str(N) / "state")
+    writer = ocp.StandardCheckpointer()
+    writer.save((old / str(N) / "state").absolute(), {**state, "rng": np.array([0, 7], np.uint32)})
+    writer.wait_until_finished()
+    assert "rng" in saved_state(old / str(N))
+    cfg = load_config(DEFAULT_CONFIG, common + [f"train.output_dir={tmp_path / 'run'}", f"train.resume={old}",
+                                                f"train.steps={N + 1}"])
+    trainer = Trainer(cfg)
+    assert not hasattr(trainer.state, "rng") and tree_equal(trainer.state, state)
+    trainer.run()
+    assert int(trainer.state.step) == N + 1
 
 
 def test_different_model_shape_is_refused_and_nothing_is_deleted(runs, tmp_path):

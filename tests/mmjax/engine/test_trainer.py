@@ -13,7 +13,7 @@ TINY = [
     "model.text.dim=64", "model.text.mlp_dim=128", "model.text.n_layers=2", "model.vision.dim=64",
     "model.vision.mlp_dim=128", "model.vision.n_layers=1", "data.num_train=512", "data.num_eval=32",
     "data.num_shards=2", "eval.num_examples=32", "eval.batch_size=16", "train.global_batch_size=16",
-    "optim.warmup_steps=5", "observe.progress=false",
+    "optim.warmup_steps=5", "observe.sinks=[jsonl]",
 ]
 
 

@@ -54,15 +54,6 @@ def test_bad_parallel_config_is_a_config_error(overrides, message):
         load_config(None, overrides)
 
 
-def test_micro_batch_size_must_match_global_batch():
-    cfg = load_config(None, ["mesh.data=8", "train.global_batch_size=64", "train.grad_accum_steps=2",
-                             "train.micro_batch_size=4"])
-    assert make_mesh(cfg).shape["data"] == 8
-    bad = load_config(None, ["mesh.data=8", "train.global_batch_size=64", "train.micro_batch_size=4"])
-    with pytest.raises(ConfigError, match="micro_batch_size=4"):
-        make_mesh(bad)
-
-
 def test_layout_presets_load_and_fit_eight_devices():
     presets = sorted((PACKAGED_CONFIGS / "parallel").glob("*.yaml"))
     assert {p.stem for p in presets} >= {"fsdp", "fsdp_tp", "tp_sp", "context_parallel", "hybrid_dp_fsdp"}

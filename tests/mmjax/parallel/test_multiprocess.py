@@ -21,7 +21,7 @@ from mmjax.train import DEFAULT_CONFIG
 REPO = Path(__file__).resolve().parents[3]
 RUN = ["model.text.n_layers=1", "model.vision.n_layers=1", "data.num_train=256", "data.num_eval=16",
        "data.num_shards=2", "eval.num_examples=16", "eval.batch_size=16", "train.global_batch_size=16",
-       "train.steps=5", "observe.log_every=1", "observe.progress=false", "eval.every_steps=0",
+       "train.steps=5", "observe.log_every=1", "observe.sinks=[jsonl]", "eval.every_steps=0",
        "model.compute_dtype=float32", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
        # each process gets its own output_dir here; Orbax's multi-process save needs one shared folder
        "checkpoint.enabled=false"]
