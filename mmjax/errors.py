@@ -13,5 +13,9 @@ class DataError(MmjaxError):
     """A data file, record or tokenizer is missing or malformed."""
 
 
+class ModelError(MmjaxError):
+    """The model was called with inputs its config does not fit (image shape, cache length, missing images)."""
+
+
 class CheckpointError(MmjaxError):
     """A checkpoint is missing, incomplete, or cannot be restored onto this run."""

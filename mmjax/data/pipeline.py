@@ -22,7 +22,7 @@ import binascii
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -320,9 +320,3 @@ def open_dataset(cfg: Config) -> tuple[ShapesFiles | DatasetFiles, Tokenizer]:
                           f"{cfg.model.vocab_size}; set model.vocab_size to at least {tokenizer.vocab_size}")
     return files, tokenizer
 
-
-def answer_distribution(answers: Sequence[str]) -> dict[str, float]:
-    """Share of each answer, most common first (for reports and tests)."""
-    counts = Counter(answers)
-    total = max(1, len(answers))
-    return {a: c / total for a, c in counts.most_common()}

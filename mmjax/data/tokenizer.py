@@ -44,14 +44,6 @@ CONFIG_FILE = "tokenizer_config.json"
 TURN_CACHE_SIZE = 16384  # cached turn encodings per process
 TOKENIZER_FILE = "tokenizer.json"
 
-# Same template as Tokenizer.encode_chat, for tools that render chats as text (informational).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['role'] == 'user' %}{{ user_token }}{{ m['content'] | replace('<image>', image_token * image_tokens) }}"
-    "{% else %}{{ assistant_token }}{{ m['content'] }}{{ eos_token }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ assistant_token }}{% endif %}"
-)
-
 _ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
 
 
@@ -81,7 +73,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, path: str | os.Pa
     tok.train_from_iterator(texts, trainer=trainer)
     tok.save(str(file))
     config = {f"{role}_token": text for role, text in SPECIAL_TOKENS.items()}
-    config.update({"image_marker": IMAGE_MARKER, "chat_template": CHAT_TEMPLATE})
+    config["image_marker"] = IMAGE_MARKER
     (file.parent / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return file
 
@@ -111,8 +103,6 @@ class Tokenizer:
         # (a shared system prompt, a templated question) is an exact hit. Per process; LRU-bounded.
         self._turn_cache: OrderedDict[tuple[str, str, int], tuple[list[int], list[int]]] = OrderedDict()
         self._cache_lock = threading.Lock()
-        self.cache_hits = 0
-        self.cache_queries = 0
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -236,10 +226,8 @@ class Tokenizer:
     def _encode_turn(self, role: str, content: str, image_tokens: int) -> tuple[list[int], list[int], bool]:
         key = (role, content, image_tokens)
         with self._cache_lock:  # the in-process loader encodes from two threads
-            self.cache_queries += 1
             cached = self._turn_cache.get(key)
             if cached is not None:
-                self.cache_hits += 1
                 self._turn_cache.move_to_end(key)
                 return (*cached, True)
         if role == "user":
@@ -257,10 +245,6 @@ class Tokenizer:
             if len(self._turn_cache) > TURN_CACHE_SIZE:
                 self._turn_cache.popitem(last=False)
         return ids, mask, False
-
-    @property
-    def cache_hit_rate(self) -> float:
-        return self.cache_hits / self.cache_queries if self.cache_queries else 0.0
 
 
 def _turn(turn: Any, index: int) -> tuple[str, str]:

@@ -12,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mmjax import kernels
 from mmjax.config import ModelConfig
+from mmjax.errors import ModelError
 from mmjax.model.layers import RMSNorm, dense, make_stack, normal, param, rope, run_stack, zeros
 from mmjax.parallel.sharding import attention, constrain, embed_lookup
 
@@ -168,7 +169,7 @@ class Decoder(nnx.Module):
         """Right-padded prompts (one segment per row from position 0): logits and the filled cache."""
         s = x.shape[1]
         if s > cache.max_len:
-            raise ValueError(f"prompt length {s} exceeds the KV cache length {cache.max_len}")
+            raise ModelError(f"prompt length {s} exceeds the KV cache length {cache.max_len}; make the cache longer")
         logits, (k, v) = self(x, positions, segment_ids, block_ids, return_kv=True)
         k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, 0, 0, 0, 0))
         v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, 0, 0, 0, 0))

@@ -8,6 +8,7 @@ with `logical_axes(state)` below (plain tuples). Mapping names to mesh axes is `
 
 from __future__ import annotations
 
+import typing
 from typing import Any, Callable, Sequence
 
 import jax
@@ -15,6 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mmjax import kernels
+from mmjax.config import ComputeDtype, RematPolicy
+from mmjax.errors import ConfigError, ModelError
 
 Names = tuple[str | None, ...]
 
@@ -26,7 +29,7 @@ def resolve_dtype(name: str):
     if name == "auto":
         return jnp.bfloat16 if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else jnp.float32
     if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of 'auto', {', '.join(_DTYPES)}")
+        raise ConfigError(f"unknown dtype {name!r}; choose one of {', '.join(typing.get_args(ComputeDtype))}")
     return _DTYPES[name]
 
 
@@ -35,7 +38,7 @@ def param(rngs: nnx.Rngs | None, init: Callable, shape: Sequence[int], names: Na
     shape = tuple(int(s) for s in shape)
     names = tuple(names)
     if len(names) != len(shape):
-        raise ValueError(f"logical axis names {names} do not match the rank of shape {shape}")
+        raise ModelError(f"logical axis names {names} do not match the rank of shape {shape}")
     key = rngs.params() if rngs is not None else None
     return nnx.Param(init(key, shape, dtype), out_sharding=names, eager_sharding=False)
 
@@ -79,8 +82,7 @@ def dense(x, w, spec: str, dtype, bias=None):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype, rngs: nnx.Rngs | None = None,
-                 impl: str = "auto"):
+    def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype, impl: str = "auto"):
         self.scale = param(None, ones, (dim,), ("embed",), param_dtype)
         self.eps = eps
         self.compute_dtype = compute_dtype
@@ -93,8 +95,7 @@ class RMSNorm(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype, rngs: nnx.Rngs | None = None,
-                 impl: str = "auto"):
+    def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype, impl: str = "auto"):
         self.scale = param(None, ones, (dim,), ("embed",), param_dtype)
         self.bias = param(None, zeros, (dim,), ("embed",), param_dtype)
         self.eps = eps
@@ -137,7 +138,7 @@ def rope(x, positions, theta: float, llama3: tuple[float, float, float, int] | N
 # ----------------------------------------------------------------------------------------------
 # Layer stacks: stacked + lax.scan (scan=True) or a python loop (scan=False), with remat.
 
-REMAT_POLICIES = {
+REMAT_POLICIES: dict[RematPolicy, Any] = {  # the names are config.RematPolicy's
     "none": None,
     "full": None,
     "dots": jax.checkpoint_policies.checkpoint_dots,
@@ -148,7 +149,7 @@ REMAT_POLICIES = {
 
 def remat(fn: Callable, policy: str, *, prevent_cse: bool = True) -> Callable:
     if policy not in REMAT_POLICIES:
-        raise ValueError(f"unknown remat policy {policy!r}; choose one of {tuple(REMAT_POLICIES)}")
+        raise ConfigError(f"model.remat={policy!r} is not one of: {', '.join(REMAT_POLICIES)}")
     if policy == "none":
         return fn
     return jax.checkpoint(fn, policy=REMAT_POLICIES[policy], prevent_cse=prevent_cse)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mmjax.config import ModelConfig
+from mmjax.errors import ConfigError, ModelError
 from mmjax.model.decoder import Decoder, KVCache
 from mmjax.model.layers import resolve_dtype
 from mmjax.model.projector import Projector
@@ -24,7 +25,8 @@ from mmjax.model.vision import VisionEncoder
 class MLLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, image_token_id: int, rngs: nnx.Rngs):
         if not 0 <= image_token_id < cfg.vocab_size:
-            raise ValueError(f"image_token_id={image_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
+            raise ConfigError(f"image_token_id={image_token_id} is outside the vocabulary [0, {cfg.vocab_size}); "
+                              "raise model.vocab_size or fix the tokenizer")
         self.cfg = cfg
         self.image_token_id = int(image_token_id)
         self.compute_dtype = resolve_dtype(cfg.compute_dtype)
@@ -39,11 +41,11 @@ class MLLM(nnx.Module):
         """Token embeddings with projected image features merged in, and the attention block ids."""
         if self.text_only:
             if images is not None:
-                raise ValueError("model.text_only=true builds no vision tower, but the batch has images; "
+                raise ModelError("model.text_only=true builds no vision tower, but the batch has images; "
                                  "use a text dataset or set model.text_only=false")
             return self.decoder.embed(tokens), jnp.zeros_like(tokens, dtype=jnp.int32)
         if images is None or image_valid is None:
-            raise ValueError("this model has a vision tower and needs `images` and `image_valid` "
+            raise ModelError("this model has a vision tower and needs `images` and `image_valid` "
                              "(set model.text_only=true for a decoder-only model)")
         b, n = images.shape[:2]
         t = self.cfg.image_tokens

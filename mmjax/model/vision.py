@@ -9,6 +9,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mmjax import kernels
 from mmjax.config import ModelConfig
+from mmjax.errors import ModelError
 from mmjax.model.layers import LayerNorm, dense, make_stack, normal, param, run_stack, zeros
 from mmjax.parallel.sharding import constrain
 
@@ -110,7 +111,7 @@ class VisionEncoder(nnx.Module):
         b, n = images.shape[:2]
         v = self.vcfg
         if images.shape[2:] != (v.image_size, v.image_size, v.channels):
-            raise ValueError(f"images have shape {images.shape}, expected [B, N, {v.image_size}, "
+            raise ModelError(f"images have shape {images.shape}, expected [B, N, {v.image_size}, "
                              f"{v.image_size}, {v.channels}] (model.vision.image_size/channels)")
         x = dense(self.patchify(images), self.patch_embed[...], "bsp,pe->bse", self.compute_dtype,
                   self.patch_bias[...])

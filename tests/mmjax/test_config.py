@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,14 @@ def test_base_loop_is_an_error(tmp_path):
     ("model.text=3", "model.text must be a mapping"),
     ("model.text.n_kv_heads=3", "must be a multiple of model.text.n_kv_heads=3"),
     ("model.vision.patch_size=7", "not a multiple of model.vision.patch_size"),
-    ("model.compute_dtype=float8", "model.compute_dtype"),
+    ("model.compute_dtype=float8", "model.compute_dtype='float8' is not one of: auto, float32, bfloat16, float16"),
+    ("model.param_dtype=auto", "model.param_dtype='auto' is not one of: float32, bfloat16, float16"),
+    ("model.remat=dot", "model.remat='dot' is not one of: none, full, dots, dots_no_batch, save_attention_out; "
+                        "did you mean dots?"),
+    ("parallel.zero_stage=4", "parallel.zero_stage=4 is not one of: 1, 2, 3"),
+    ("parallel.zero_stage=true", "parallel.zero_stage=True is not one of: 1, 2, 3"),
+    ("observe.sinks=[jsonl,grafana]", "observe.sinks='grafana' is not one of: jsonl, progress, tensorboard"),
+    ("data.storage_options=3", "data.storage_options must be a mapping with string keys, got 3"),
     ("train.grad_accum_steps=5", "not divisible by train.grad_accum_steps"),
     ("model.max_seq_len=8", "model.max_seq_len=8 cannot hold"),
     ("model.projector.pos_embed=sincos", "model.projector.pos_embed='sincos' is not one of: none, learned"),
@@ -79,3 +87,84 @@ def test_cli_print_config_resolves_default_file():
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert "steps: 3" in proc.stdout and "dataset: shapes" in proc.stdout
+
+
+def test_choice_keys_are_literal_types():
+    """Every fixed set of choices is a Literal on the dataclass, so the loader checks it (no hand-written list)."""
+    import dataclasses
+    import typing
+
+    def choices(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(hint):
+                yield from choices(hint, f"{prefix}{f.name}.")
+                continue
+            if typing.get_origin(hint) is tuple:
+                hint = typing.get_args(hint)[0]
+            if typing.get_origin(hint) is typing.Literal:
+                yield f"{prefix}{f.name}"
+
+    assert set(choices(Config)) == {
+        "model.text.rope_scaling", "model.vision.pos_embed", "model.vision.act", "model.projector.pos_embed",
+        "model.compute_dtype", "model.param_dtype", "model.remat", "model.image_attention",
+        "parallel.zero_stage", "parallel.context_parallel", "parallel.xla_flags_preset",
+        "distributed.cpu_collectives", "data.source", "data.pack_strategy", "data.image_mode", "optim.schedule",
+        "observe.sinks", "observe.wandb_mode", "observe.nan_policy"}
+    assert load_config(None, ["parallel.zero_stage=1"]).parallel.zero_stage == 1
+
+
+@pytest.mark.parametrize("override, message", [
+    ("observe.progress=false", "config key observe.progress was removed; add `progress` to observe.sinks"),
+    ("train.micro_batch_size=4", "config key train.micro_batch_size was removed; .* use train.grad_accum_steps"),
+])
+def test_removed_keys_name_their_replacement(override, message, tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+    section, key = override.split("=")[0].split(".")
+    (tmp_path / "old.yaml").write_text(f"{section}:\n  {key}: 1\n")  # in a YAML file too
+    with pytest.raises(ConfigError, match=message):
+        load_config(tmp_path / "old.yaml")
+
+
+def test_storage_options_is_a_mapping(tmp_path):
+    cfg = load_config(None, ['data.storage_options={"anon": true, "endpoint_url": "http://127.0.0.1:9000"}'])
+    assert cfg.data.storage_options == {"anon": True, "endpoint_url": "http://127.0.0.1:9000"}
+    (tmp_path / "s3.yaml").write_text("data:\n  storage_options: {anon: true}\n")
+    assert load_config(tmp_path / "s3.yaml").data.storage_options == {"anon": True}
+    assert load_config(None).data.storage_options == {}
+    assert "storage_options:\n    anon: true" in to_yaml(load_config(tmp_path / "s3.yaml"))
+    with pytest.raises(ConfigError, match="data.storage_options must be a mapping, not the string"):
+        load_config(None, ["data.storage_options='{\"anon\": true}'"])  # the old JSON-string form
+
+
+def test_kernel_impl_that_cannot_run_here_fails_at_config_time():
+    """The tests pin JAX to the CPU: Mosaic GPU, cuDNN and jax-triton kernels cannot run; Pallas can (interpret)."""
+    for override, reason in [("model.attention_impl=mgpu", "Mosaic GPU flash attention needs a CUDA GPU, not cpu"),
+                             ("model.attention_impl=cudnn", "cuDNN flash attention needs a CUDA GPU"),
+                             ("model.activation_impl=triton", "jax-triton kernels run only on a CUDA GPU")]:
+        key = override.split("=")[0]
+        with pytest.raises(ConfigError, match=f"{key}=.* cannot run on this machine: {reason}"):
+            load_config(None, [override])
+    for ok in ["model.attention_impl=pallas", "model.attention_impl=xla", "model.norm_impl=pallas",
+               "model.attention_impl=auto", "model.swiglu_impl=pallas"]:
+        load_config(None, [ok])
+
+
+def test_kernel_support_query_needs_no_backend():
+    """The query answers without starting a backend (XLA flags and jax.distributed come after the config)."""
+    code = ("import jax; from jax._src import xla_bridge as xb; from mmjax import kernels; "
+            "r = kernels.OPS['attention'].unsupported_here('mgpu'); "
+            "print(repr(r), xb.backends_are_initialized())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("False") and "needs a CUDA GPU" in proc.stdout
+
+
+def test_cli_removed_key_exits_2_with_one_line():
+    proc = subprocess.run([sys.executable, "-m", "mmjax.train", "observe.progress=false"], capture_output=True,
+                          text=True, cwd=REPO)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "observe.sinks" in lines[0]

@@ -204,8 +204,7 @@ def export_hf(ckpt: str | Path, out: str | Path, *, step: int | None = None, fam
     out = Path(out).absolute()
     _fresh_dir(out, "output folder")
     params, meta, step_dir = load_params(ckpt, step)
-    cfg = from_tree(Config, meta["config"])
-    m = cfg.model
+    m = from_tree(ModelConfig, meta["config"]["model"], "model.")  # only the model: other keys change across versions
     hf_info = meta.get("hf") or {}
     llava = not decoder_only and "vision" in params and meta.get("towers", ["vision"]) != ["decoder"]
     text_family = family or hf_info.get("text_family") or ("qwen2" if m.text.qkv_bias else "llama")

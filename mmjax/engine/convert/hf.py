@@ -345,6 +345,3 @@ def rules_for(cfg: ModelConfig, layout: Layout, llava: bool, vision_family: str 
         rules += vision_rules(cfg.vision, layout.vision, vision_family) + projector_rules(layout.projector)
     return rules
 
-
-def layer_counts(cfg: ModelConfig) -> dict[str, int]:
-    return {"decoder": cfg.text.n_layers, "vision": cfg.vision.n_layers}

@@ -7,6 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
+from mmjax.errors import ConfigError, ModelError
 from mmjax.model import MLLM, logical_axes, resolve_dtype
 
 KNOWN_AXES = {"layers", "vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", None}
@@ -65,8 +66,36 @@ def test_untied_head_and_loop_axes(helpers):
 def test_resolve_dtype():
     assert resolve_dtype("auto") == jnp.float32  # CPU
     assert resolve_dtype("bfloat16") == jnp.bfloat16
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="unknown dtype 'float8'; choose one of auto, float32, bfloat16, float16"):
         resolve_dtype("float8")
+
+
+def test_remat_policy_names_match_the_config():
+    import typing
+
+    from mmjax.config import RematPolicy
+    from mmjax.model.layers import REMAT_POLICIES, remat
+
+    assert tuple(REMAT_POLICIES) == typing.get_args(RematPolicy)
+    with pytest.raises(ConfigError, match="model.remat='dot' is not one of: none, full, dots"):
+        remat(lambda x: x, "dot")
+
+
+def test_bad_inputs_raise_model_errors(helpers):
+    """Inputs the config does not fit are ModelErrors (ConfigError for the config itself), raised while tracing."""
+    cfg = helpers["tiny_config"]()
+    with pytest.raises(ConfigError, match=r"image_token_id=64 is outside the vocabulary \[0, 64\)"):
+        nnx.eval_shape(lambda: MLLM(cfg, image_token_id=64, rngs=nnx.Rngs(0)))
+    model = helpers["random_model"](cfg)
+    batch = {k: jnp.asarray(v) for k, v in helpers["make_batch"]().items()}
+    text = (batch["tokens"], batch["positions"], batch["segment_ids"])
+    wrong = jnp.zeros((2, 2, 4, 4, 3), jnp.float32)  # 4x4 images, the config says 8x8
+    with pytest.raises(ModelError, match=r"images have shape \(2, 2, 4, 4, 3\), expected \[B, N, 8, 8, 3\]"):
+        jax.eval_shape(lambda: model(*text, wrong, batch["image_valid"]))
+    with pytest.raises(ModelError, match="needs `images` and `image_valid`"):
+        jax.eval_shape(lambda: model(*text))
+    with pytest.raises(ModelError, match="prompt length 24 exceeds the KV cache length 8"):
+        jax.eval_shape(lambda: model.prefill(*text, batch["images"], batch["image_valid"], model.init_cache(2, 8)))
 
 
 def test_causal_and_segments(helpers):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from mmjax.errors import ModelError
 from mmjax.model import MLLM
 
 
@@ -28,5 +29,5 @@ def test_text_only_model_matches_mllm_decoder_on_text(helpers):
     got = np.asarray(helpers["call"](text, "__call__", *(jnp.asarray(batch[k]) for k in keys)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
-    with pytest.raises(ValueError, match="text_only"):
+    with pytest.raises(ModelError, match="text_only"):
         text(*(jnp.asarray(batch[k]) for k in helpers["batch_keys"]))
