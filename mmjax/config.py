@@ -83,7 +83,7 @@ class VisionConfig:
     class_token: bool = False  # a learned [CLS] token is prepended (and dropped from the output)
     pre_norm: bool = False  # LayerNorm on the embeddings before the first block (CLIP's pre_layrnorm)
     final_norm: bool = True  # LayerNorm after the last block (LLaVA reads CLIP features without it)
-    act: Literal["gelu", "gelu_tanh", "quick_gelu"] = "gelu"  # MLP activation: gelu (exact) | gelu_tanh | quick_gelu (CLIP)
+    act: Literal["gelu", "gelu_tanh", "quick_gelu"] = "gelu"  # MLP activation: gelu is exact; quick_gelu: CLIP
 
     @property
     def num_patches(self) -> int:
@@ -150,11 +150,12 @@ class ParallelConfig:
 
     # logical axis -> mesh axis, list of mesh axes, or null; merged over mmjax.parallel.rules.DEFAULT_RULES
     rules: dict[str, Any] = dataclasses.field(default_factory=dict)
-    zero_stage: Literal[1, 2, 3] = 3  # 3: params+grads+opt state sharded over fsdp; 1/2: params replicated, opt state sharded
+    # 3: params+grads+opt state sharded over fsdp; 1/2: params replicated, opt state sharded
+    zero_stage: Literal[1, 2, 3] = 3
     sequence_parallel: bool = False  # Megatron SP: norm/residual activations split over `tensor` along length
     context_parallel: Literal["allgather", "ring"] = "ring"  # attention when mesh.sequence > 1: allgather (KV) | ring
     load_balance: bool = True  # ring: zigzag causal layout so every sequence shard does equal work
-    xla_flags_preset: Literal["none", "gpu_overlap"] = "none"  # gpu_overlap: (latency-hiding scheduler, async collectives, ...)
+    xla_flags_preset: Literal["none", "gpu_overlap"] = "none"  # gpu_overlap: latency-hiding scheduler, async comms
     xla_flags: str = ""  # extra XLA flags appended to XLA_FLAGS before the backend starts
 
 
@@ -184,7 +185,8 @@ class DataConfig:
     num_workers: int = 0  # Grain worker processes; 0 = in-process
     prefetch: int = 2  # batches buffered ahead of the train loop
     # -- user datasets and loader behaviour (mmjax/data/sources, mmjax/data/loader.py) --
-    source: Literal["builtin", "arrayrecord", "parquet", "llava"] = "builtin"  # builtin = data.dataset; llava = JSON/JSONL + images
+    # builtin: data.dataset; llava: LLaVA JSON/JSONL + images
+    source: Literal["builtin", "arrayrecord", "parquet", "llava"] = "builtin"
     paths: tuple[str, ...] = ()  # train files, directories or globs; local paths or fsspec URLs (s3://, gs://, ...)
     eval_paths: tuple[str, ...] = ()  # held-out records for generation eval (same format); empty = no eval
     image_root: str = ""  # llava/parquet: base URL of relative image paths (default: beside the JSON file)
@@ -395,8 +397,9 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
     origin = typing.get_origin(hint)
     if origin is dict:
         if isinstance(value, str):  # data.storage_options was once a JSON string
-            raise ConfigError(f"{name} must be a mapping, not the string {value!r}; write YAML ({name.rsplit('.', 1)[-1]}: "
-                              f"{{endpoint_url: http://host:9000}}) or {name}={{\"endpoint_url\": \"http://host:9000\"}}")
+            key = name.rsplit(".", 1)[-1]
+            raise ConfigError(f"{name} must be a mapping, not the string {value!r}; write YAML ({key}: {{endpoint_url: "
+                              f"http://host:9000}}) or {name}={{\"endpoint_url\": \"http://host:9000\"}}")
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ConfigError(f"{name} must be a mapping with string keys, got {value!r}")
         return dict(value)

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY_LR = 3.0e-4  # optim.lr in mmjax/configs/tiny_shapes.yaml, the built-in default
 RUN = ["model.text.n_layers=1", "model.vision.n_layers=1", "data.num_train=64", "data.num_eval=8",
        "data.num_shards=1", "train.global_batch_size=8", "train.steps=3", "eval.num_examples=8",
-       "eval.batch_size=8", "eval.max_new_tokens=2", "observe.log_every=1", "observe.progress=false",
+       "eval.batch_size=8", "eval.max_new_tokens=2", "observe.log_every=1", "observe.sinks=[jsonl]",
        "checkpoint.enabled=false"]
 
 pytestmark = pytest.mark.slow

@@ -97,7 +97,7 @@ def test_data_config_errors():
 
     for overrides, match in [(["data.source=llava"], "data.source=llava needs data.paths"),
                              (["data.source=parquet", "data.paths=[x.parquet]"], "needs data.tokenizer"),
-                             (["data.source=webdataset"], "data.source='webdataset' is not one of: builtin, arrayrecord"),
+                             (["data.source=webdataset"], "data.source='webdataset' is not one of: builtin, arrayrec"),
                              (["data.pad_to_multiple=5"], "must be >= 1 and divide model.max_seq_len=64"),
                              (["data.image_tiles=2"], "data.max_images >= 5")]:
         with pytest.raises(ConfigError, match=match):
