@@ -111,6 +111,6 @@ def prepare_dataset(source: RecordSource, out: str, *, num_shards: int = 0, reco
             written.append({"name": name, "records": count})
     manifest = {"format": "mmjax-arrayrecord", "version": 1, "num_records": sum(s["records"] for s in written),
                 "shards": written, "bad_records": len(bad), "bad": bad[:MAX_LISTED_BAD],
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+                "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     fs.pipe_file(f"{root.rstrip('/')}/{MANIFEST}", (json.dumps(manifest, indent=1) + "\n").encode())
     return PrepareReport(out=out, num_records=manifest["num_records"], shards=written, bad=bad)

@@ -117,7 +117,7 @@ def run_train_bench(cfg: Config, *, steps: int = 20, warmup: int = 3, profile_st
     peak = peak_flops_per_device(device, cfg.observe.peak_flops_per_device)
     n_dev = mesh.devices.size
     result: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": device.device_kind, "devices": n_dev, "platform": device.platform,
         "versions": {"jax": jax.__version__, "python": platform.python_version()},
         "model": {"params": n_params, "text_only": cfg.model.text_only, "dim": cfg.model.text.dim,

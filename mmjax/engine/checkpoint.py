@@ -73,10 +73,10 @@ class DataStateHandler(ocp.CheckpointHandler):
     def _file(directory: epath.Path) -> epath.Path:
         return directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
-    def save(self, directory: epath.Path, args: "DataStateSave") -> None:
+    def save(self, directory: epath.Path, args: DataStateSave) -> None:
         self._file(directory).write_text(json.dumps({"kind": "json", "value": args.state}))
 
-    def restore(self, directory: epath.Path, args: "DataStateRestore | None" = None) -> Any:
+    def restore(self, directory: epath.Path, args: DataStateRestore | None = None) -> Any:
         path = self._file(directory)
         if not path.exists():
             found = sorted(p.name for p in directory.iterdir()) if directory.exists() else []
@@ -274,7 +274,7 @@ class Checkpointer:
             raise CheckpointError(f"cannot open checkpoint folder {self.directory}: {one_line(e)}") from e
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "Checkpointer":
+    def from_config(cls, cfg: Config) -> Checkpointer:
         c = cfg.checkpoint
         return cls(checkpoint_dir(cfg), every_steps=c.every_steps, keep=c.keep, keep_every=c.keep_every,
                    async_save=c.async_save, device_snapshot=c.device_snapshot)

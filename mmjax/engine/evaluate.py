@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import collections
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -18,7 +19,6 @@ from mmjax.kernels import MeshSharding
 from mmjax.parallel.rules import batch_sharding
 from mmjax.parallel.sharding import in_sharding_context
 from mmjax.serving.generate import greedy_generate
-
 
 
 def make_generate_fn(graphdef: nnx.GraphDef, *, max_new_tokens: int, eos_id: int, pad_id: int,

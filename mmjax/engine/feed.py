@@ -10,7 +10,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -64,7 +65,7 @@ class DeviceFeed:
         except BaseException as e:  # surfaced in the consumer's thread, never swallowed
             self._queue.put(e)
 
-    def __iter__(self) -> "DeviceFeed":
+    def __iter__(self) -> DeviceFeed:
         return self
 
     def __next__(self) -> dict[str, jax.Array]:

@@ -26,7 +26,7 @@ class LossScale:
     def dynamic(self) -> bool:
         return self.growth_interval > 0
 
-    def update(self, grads_finite: jax.Array) -> "LossScale":
+    def update(self, grads_finite: jax.Array) -> LossScale:
         if not self.dynamic:
             return self.replace(skipped=self.skipped + (~grads_finite).astype(jnp.int32))
         grow = grads_finite & (self.good_steps + 1 >= self.growth_interval)

@@ -16,7 +16,8 @@ import importlib.metadata
 import importlib.util
 import logging
 import pkgutil
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,7 @@ class Implementation:
     priority: int = 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_info(backend: str) -> tuple[str, tuple[int, int] | None]:
     dev = jax.devices(backend)[0]
     cap = getattr(dev, "compute_capability", None)
@@ -174,7 +175,7 @@ def pallas_triton(ctx: Ctx, *, min_capability=(8, 0), dtypes=("float32", "bfloat
     return f"Pallas Triton lowering needs a CUDA GPU, not {ctx.platform}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def jax_triton_missing() -> str | None:
     """None if jax-triton and triton import, else why not (they are GPU-only packages: the `gpu` extra)."""
     for mod in ("triton", "jax_triton"):

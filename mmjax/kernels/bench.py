@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -148,16 +148,17 @@ def _torch_sdpa(rows, b, s, h, d, shape, fwd_flops):
             raise RuntimeError("torch has no CUDA device")
         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        t = time_torch(lambda: sdpa(q, k, v, is_causal=True))
+        t = time_torch(functools.partial(sdpa, q, k, v, is_causal=True))
         rows.append(Row("attention_fwd", "torch_sdpa", shape, t * 1e3, tflops=fwd_flops / t / 1e12,
                         note=f"torch {torch.__version__}"))
 
-        def fb():
+        def fwd_bwd(q, k, v):
             sdpa(q, k, v, is_causal=True).float().sum().backward()
-        t = time_torch(fb)
+
+        t = time_torch(functools.partial(fwd_bwd, q, k, v))
         rows.append(Row("attention_fwd_bwd", "torch_sdpa", shape, t * 1e3, tflops=3.5 * fwd_flops / t / 1e12,
                         note=f"torch {torch.__version__}"))
-        del q, k, v
+        del q, k, v  # free the inputs before the next section allocates
         torch.cuda.empty_cache()
     except Exception as e:  # noqa: BLE001
         rows.append(Row("attention_fwd", "torch_sdpa", shape, None, note=f"skipped: {e}"))
@@ -322,7 +323,7 @@ def run_all(sections=SECTIONS, *, extra: dict[str, Callable[[list], None]] | Non
             versions[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001 - optional packages
             pass
-    record = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    record = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                   device=getattr(dev, "device_kind", str(dev)), versions=versions,
                   ceilings=dict(matmul_tflops=PEAK_TFLOPS, copy_gbps=PEAK_GBPS, copy_gbps_measured_now=None),
                   rows=[])

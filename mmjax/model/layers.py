@@ -9,7 +9,8 @@ with `logical_axes(state)` below (plain tuples). Mapping names to mesh axes is `
 from __future__ import annotations
 
 import typing
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

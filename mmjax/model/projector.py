@@ -6,7 +6,6 @@ from __future__ import annotations
 from flax import nnx
 
 from mmjax import kernels
-
 from mmjax.config import ModelConfig
 from mmjax.model.layers import dense, normal, param, zeros
 from mmjax.parallel.sharding import constrain

@@ -25,8 +25,15 @@ import numpy as np
 from mmjax.data.sources.arrayrecord import parse_json_record
 from mmjax.data.sources.base import RecordSource
 from mmjax.data.sources.parquet import read_image_file
-from mmjax.data.sources.storage import (READ_BLOCK, OpenFiles, expand_paths, file_fingerprint, join_url,
-                                        open_stream, parent_url)
+from mmjax.data.sources.storage import (
+    READ_BLOCK,
+    OpenFiles,
+    expand_paths,
+    file_fingerprint,
+    join_url,
+    open_stream,
+    parent_url,
+)
 from mmjax.errors import DataError
 
 log = logging.getLogger(__name__)

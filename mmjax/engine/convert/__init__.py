@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -27,8 +28,17 @@ import yaml
 
 from mmjax.config import Config, ModelConfig, from_tree, to_dict, validate
 from mmjax.engine.checkpoint import FORMAT_VERSION, Checkpointer, is_step_dir, numpy_params, package_versions
-from mmjax.engine.convert.hf import (DECODER_FAMILIES, EXPORT_LAYOUT, ConversionError, Rule, find_layout, model_config_from_hf,
-                                     rules_for, text_config_to_hf, vision_config_to_hf)
+from mmjax.engine.convert.hf import (
+    DECODER_FAMILIES,
+    EXPORT_LAYOUT,
+    ConversionError,
+    Rule,
+    find_layout,
+    model_config_from_hf,
+    rules_for,
+    text_config_to_hf,
+    vision_config_to_hf,
+)
 from mmjax.engine.convert.safetensors_io import SafetensorsFolder, write_sharded
 
 log = logging.getLogger(__name__)

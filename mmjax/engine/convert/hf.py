@@ -11,7 +11,8 @@ with a `clip_vision_model` or `siglip_vision_model` tower (single feature layer,
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

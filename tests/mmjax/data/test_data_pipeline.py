@@ -14,7 +14,6 @@ from mmjax.data.pipeline import ExampleEncoder, load_eval_examples, make_train_d
 from mmjax.errors import ConfigError, DataError
 
 
-
 def replace(cfg, section, **kw):
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **kw)})
 

@@ -10,8 +10,15 @@ import pytest
 from PIL import Image
 
 from mmjax.data.builtin import shapes
-from mmjax.data.builtin.shapes import (COLORS, KINDS, NUMBERS, POSITIONS, ensure_shapes_dataset, generate_records,
-                                       is_held_out)
+from mmjax.data.builtin.shapes import (
+    COLORS,
+    KINDS,
+    NUMBERS,
+    POSITIONS,
+    ensure_shapes_dataset,
+    generate_records,
+    is_held_out,
+)
 from mmjax.errors import ConfigError
 
 

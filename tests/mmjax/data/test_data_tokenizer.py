@@ -1,6 +1,6 @@
 import json
-import re
 import pickle
+import re
 
 import pytest
 

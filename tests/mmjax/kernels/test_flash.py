@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_attention import make_inputs, naive
 
 from mmjax import kernels
 from mmjax.kernels.attention import FlashConfig, chunked_attention, flash_attention
 from mmjax.kernels.attention.flash_pallas import _bounds
-from test_attention import make_inputs, naive
 
 SMALL = FlashConfig(16, 16, 4, 2, 16, 16, 16, 16, 4, 2, interpret=True)
 S = 40

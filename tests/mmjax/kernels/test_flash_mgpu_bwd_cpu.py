@@ -13,12 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_flash_mgpu_cpu import _random_layout, check_grads_vs_reference  # tests/kernels is on sys.path
 
 from mmjax.kernels.attention import flash_mgpu as fm
 from mmjax.kernels.attention import flash_mgpu_bwd as mb
 from mmjax.kernels.attention.reference import make_mask
-
-from test_flash_mgpu_cpu import _random_layout, check_grads_vs_reference  # tests/kernels is on sys.path
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -100,10 +100,12 @@ def test_auto_loss_chunks_only_when_logits_are_big():
 def test_model_fused_loss_matches_logits_loss():
     """steps.loss_sums through Decoder.hidden + output_matrix equals the logits path, value and grads."""
     import dataclasses
+
     from flax import nnx
+
+    from mmjax.config import ModelConfig, TextConfig
     from mmjax.engine.steps import loss_sums
     from mmjax.model import MLLM
-    from mmjax.config import ModelConfig, TextConfig
     cfg = ModelConfig(vocab_size=96, max_seq_len=32, compute_dtype="float32", text_only=True,
                       text=TextConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=48))
 

@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mmjax.kernels.attention import attention_reference, make_mask
 from mmjax.parallel.context_parallel import _zigzag_perms, context_parallel_attention

@@ -5,8 +5,6 @@ import random
 import subprocess
 import sys
 
-import pytest
-
 from mmjax.serving.kv_manager import NULL_PAGE, KVCacheManager, hash_page
 from mmjax.serving.request import ExtraKey, Request, SamplingParams
 
