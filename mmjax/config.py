@@ -113,7 +113,8 @@ class ModelConfig:
     param_dtype: ParamDtype = "float32"
     scan_layers: bool = True
     remat: RematPolicy = "none"
-    attention_impl: str = "auto"   # kernels.attention: auto | mgpu | mgpu_bwd | pallas | cudnn | xla | chunked | reference
+    # kernels.attention: auto | mgpu | mgpu_bwd | pallas | cudnn | xla | chunked | reference
+    attention_impl: str = "auto"
     norm_impl: str = "auto"        # kernels.rms_norm / layer_norm: auto | pallas | triton | xla
     loss_impl: str = "auto"        # kernels.linear_cross_entropy: auto | chunked | xla
     activation_impl: str = "auto"  # kernels.bias_gelu (ViT MLP, projector): auto | triton | pallas | xla
@@ -530,7 +531,8 @@ def validate(cfg: Config) -> None:
          "model.text.rope_scaling=llama3 needs rope_factor > 0 and rope_high_freq_factor > rope_low_freq_factor > 0")
     need(v.dim % v.n_heads == 0, f"model.vision.dim={v.dim} is not divisible by model.vision.n_heads={v.n_heads}")
     need(v.pos_temperature > 1.0,
-         f"model.vision.pos_temperature must be > 1 (1 makes every sincos2d frequency the same), got {v.pos_temperature}")
+         f"model.vision.pos_temperature must be > 1 (1 makes every sincos2d frequency the same), "
+         f"got {v.pos_temperature}")
     need(v.pos_embed != "sincos2d" or v.dim % 4 == 0,
          f"model.vision.pos_embed=sincos2d needs model.vision.dim divisible by 4, got {v.dim}")
     need(v.image_size % v.patch_size == 0,
@@ -580,7 +582,8 @@ def validate(cfg: Config) -> None:
     c, resume = cfg.checkpoint, cfg.train.resume
     for name, value in [("checkpoint.every_steps", c.every_steps), ("checkpoint.keep", c.keep),
                         ("checkpoint.keep_every", c.keep_every)]:
-        need(value >= 0, f"{name} must be >= 0 (0 = {'only at the end' if 'every_steps' in name else 'off'}), got {value}")
+        need(value >= 0,
+             f"{name} must be >= 0 (0 = {'only at the end' if 'every_steps' in name else 'off'}), got {value}")
     need(not isinstance(resume, int) or resume >= 0,
          f"train.resume={resume} must be auto, never, a step >= 0 or a checkpoint path")
     need(isinstance(resume, int) or resume.strip() != "",

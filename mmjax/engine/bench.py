@@ -3,7 +3,8 @@
 The data pipeline is left out on purpose (it has its own benchmark): every step trains on the same
 device-resident batch of full-length rows, so the number is the train step's speed alone. MFU uses
 `mmjax.observe.flops` (6N + causal attention pairs + vision encoder), the same accounting as `train/mfu`.
-The kernels table's train-step rows (`train_step_section`, a `python -m mmjax.tools.bench_kernels` section) come from here too.
+The kernels table's train-step rows (`train_step_section`, a `python -m mmjax.tools.bench_kernels` section)
+come from here too.
 """
 
 from __future__ import annotations

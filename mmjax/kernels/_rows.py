@@ -68,4 +68,5 @@ def col_mask(width: int, real: int):
     return jnp.arange(width) < real
 
 
-__all__ = ["RowTiling", "TILES_PER_PROGRAM", "compiler_params", "next_pow2", "rows_per_block", "pad_cols", "col_mask", "pl"]
+__all__ = ["RowTiling", "TILES_PER_PROGRAM", "compiler_params", "next_pow2", "rows_per_block", "pad_cols", "col_mask",
+           "pl"]

@@ -68,7 +68,8 @@ class DecoderLayer(nnx.Module):
         q = qkv[:, :, :, :g].reshape(b, s, self.n_heads, self.head_dim)
         k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
         q = constrain(rope(q, positions, self.rope_theta, self.rope_llama3), ("batch", "length", "heads", "head_dim"))
-        k = constrain(rope(k, positions, self.rope_theta, self.rope_llama3), ("batch", "length", "kv_heads", "head_dim"))
+        k = constrain(rope(k, positions, self.rope_theta, self.rope_llama3),
+                      ("batch", "length", "kv_heads", "head_dim"))
         return q, k, constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
     def finish(self, x, attn):

@@ -90,7 +90,8 @@ class SchedulerLimits:
             raise ConfigError(f"scheduler: max_num_batched_tokens={self.max_num_batched_tokens}, max_num_seqs="
                               f"{self.max_num_seqs} must be >= 1 and max_model_len={self.max_model_len} >= 2")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(f"scheduler: without chunked prefill max_num_batched_tokens={self.max_num_batched_tokens} "
+            raise ConfigError("scheduler: without chunked prefill "
+                              f"max_num_batched_tokens={self.max_num_batched_tokens} "
                               f"must be >= max_model_len={self.max_model_len}, or a long prompt never fits a step; "
                               "enable chunked prefill or raise the budget")
         if self.long_prefill_token_threshold < 0:

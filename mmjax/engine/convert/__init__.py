@@ -241,7 +241,8 @@ def export_hf(ckpt: str | Path, out: str | Path, *, step: int | None = None, fam
         hf_cfg = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
                   "text_config": text_hf, "vision_config": vision_hf, "image_token_id": int(token),
                   "image_token_index": int(token), "projector_hidden_act": "gelu", "vision_feature_layer": -1,
-                  "vision_feature_select_strategy": "default" if m.vision.class_token else "full", "image_seq_length": m.image_tokens,
+                  "vision_feature_select_strategy": "default" if m.vision.class_token else "full",
+                  "image_seq_length": m.image_tokens,
                   "multimodal_projector_bias": True, "tie_word_embeddings": m.text.tie_embeddings,
                   "dtype": dtype, "torch_dtype": dtype}
         layout = EXPORT_LAYOUT[True]

@@ -95,7 +95,8 @@ def decoder_rules(t: TextConfig, prefix: str, lm_head: str) -> list[Rule]:
 def text_config_from_hf(hf: dict[str, Any]) -> TextConfig:
     family = hf.get("model_type")
     if family not in DECODER_FAMILIES:
-        raise ConversionError(f"decoder model_type={family!r} is not supported; supported: {', '.join(DECODER_FAMILIES)}")
+        raise ConversionError(f"decoder model_type={family!r} is not supported; "
+                              f"supported: {', '.join(DECODER_FAMILIES)}")
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
@@ -220,13 +221,16 @@ def projector_rules(prefix: str) -> list[Rule]:
 def vision_config_from_hf(hf: dict[str, Any], feature_layer: int, preprocessor: dict[str, Any] | None) -> VisionConfig:
     family = hf.get("model_type")
     if family not in VISION_FAMILIES:
-        raise ConversionError(f"vision model_type={family!r} is not supported; supported: {', '.join(VISION_FAMILIES)}")
+        raise ConversionError(f"vision model_type={family!r} is not supported; "
+                              f"supported: {', '.join(VISION_FAMILIES)}")
     act = HF_ACT.get(hf.get("hidden_act", "quick_gelu"))
     if act is None:
-        raise ConversionError(f"vision hidden_act={hf.get('hidden_act')!r} has no mmjax equivalent ({', '.join(HF_ACT)})")
+        raise ConversionError(f"vision hidden_act={hf.get('hidden_act')!r} has no mmjax equivalent "
+                              f"({', '.join(HF_ACT)})")
     total = hf["num_hidden_layers"]
     if not isinstance(feature_layer, int):
-        raise ConversionError(f"vision_feature_layer={feature_layer!r} (several layers) is not supported; use one layer")
+        raise ConversionError(f"vision_feature_layer={feature_layer!r} (several layers) is not supported; "
+                              "use one layer")
     used = total + 1 + feature_layer if feature_layer < 0 else feature_layer  # hidden_states[k] = after k layers
     if not 1 <= used <= total:
         raise ConversionError(f"vision_feature_layer={feature_layer} selects no encoder layer of {total}")

@@ -90,11 +90,13 @@ def bwd(spec, x, bias, seed, g):
     programs = -(-n_tiles // per_program)
     column = pl.BlockSpec((n, bc), lambda i, j: (0, j))  # all rows of one column block: the kernel walks them
     dx, db = pl.pallas_call(
-        functools.partial(_bwd_kernel, spec=spec, r=r, bc=bc, c=c, n_tiles=n_tiles, per_program=per_program), grid=(programs, cp // bc),
+        functools.partial(_bwd_kernel, spec=spec, r=r, bc=bc, c=c, n_tiles=n_tiles, per_program=per_program),
+        grid=(programs, cp // bc),
         in_specs=[column, vec, sd, column],
         out_specs=[column, pl.BlockSpec((None, bc), lambda i, j: (i, j))],
         out_shape=[jax.ShapeDtypeStruct((n, cp), x.dtype), jax.ShapeDtypeStruct((programs, cp), jnp.float32)],
-        interpret=interpret(), compiler_params=_rows.compiler_params(TILING.warps(r * bc, fwd=False), num_stages=TILING.bwd_stages),
+        interpret=interpret(),
+        compiler_params=_rows.compiler_params(TILING.warps(r * bc, fwd=False), num_stages=TILING.bwd_stages),
         name="mmjax_bias_gelu_bwd")(
         _rows.pad_cols(x, cp), _rows.pad_cols(bias, cp), seed, _rows.pad_cols(g, cp))
     return dx[:, :c], db.sum(0)[:c]

@@ -61,8 +61,8 @@ def bias_gelu_fwd(x_ptr, b_ptr, s_ptr, y_ptr, C: tl.constexpr, R: tl.constexpr, 
 
 @triton.jit
 def bias_gelu_bwd(x_ptr, b_ptr, s_ptr, g_ptr, dx_ptr, db_ptr, N_TILES: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
-         BC: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, APPROX: tl.constexpr, RATE: tl.constexpr, THRESH: tl.constexpr,
-         K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr):
+         BC: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, APPROX: tl.constexpr, RATE: tl.constexpr,
+         THRESH: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr):
     # Program (i, j) walks row tiles [i*TILES, min((i+1)*TILES, N_TILES)) and writes one partial db row.
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     inb = cols < C

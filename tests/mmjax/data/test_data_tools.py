@@ -11,8 +11,8 @@ def test_prepare_data_cli_reports_bad_records(llava_export, tmp_path, capsys):
     for r in recs:
         r["image"] = str(llava_export / r["image"])
     (tmp_path / "bad.png").write_bytes(b"garbage")
-    rows = [json.dumps(r) for r in recs] + ['{"id": "cut-off", "conver', json.dumps(dict(recs[0], id="x9",
-                                                                                       image=str(tmp_path / "bad.png")))]
+    rows = [json.dumps(r) for r in recs] + ['{"id": "cut-off", "conver',
+                                            json.dumps(dict(recs[0], id="x9", image=str(tmp_path / "bad.png")))]
     (tmp_path / "in.jsonl").write_text("\n".join(rows) + "\n")
     rc = main(["--format", "llava", "--input", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "out"),
                "--records-per-shard", "8", "--cache-dir", str(tmp_path / "cache")])

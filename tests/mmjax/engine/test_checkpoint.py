@@ -75,7 +75,8 @@ def test_resume_is_bit_identical_through_the_cli(runs):
     want = losses(full)
     assert [s for s, _ in want] == list(range(1, 2 * N + 1))
     assert losses(split) == want  # both legs appended to one metrics.jsonl; equal floats, bit for bit
-    assert sorted(os.listdir(split / "checkpoints"), key=int) == sorted(os.listdir(full / "checkpoints"), key=int) == [str(N), str(2 * N)]
+    assert (sorted(os.listdir(split / "checkpoints"), key=int) == sorted(os.listdir(full / "checkpoints"), key=int)
+            == [str(N), str(2 * N)])
     a, b = saved_state(full / "checkpoints" / str(2 * N)), saved_state(split / "checkpoints" / str(2 * N))
     assert tree_equal(a, b) and int(b["step"]) == 2 * N
     meta = json.loads((split / "checkpoints" / str(2 * N) / "meta" / "metadata").read_text())
@@ -253,7 +254,8 @@ def test_params_only_export_starts_a_new_run_and_native_towers_do_not_export_to_
     cfg = load_config(DEFAULT_CONFIG, common + [f"train.output_dir={tmp_path / 'ft'}",
                                                 f"train.resume={tmp_path / 'params'}", "train.steps=1"])
     trainer = Trainer(cfg)  # initial weights only: step 0, fresh optimizer and data position
-    want = jax.tree.map(lambda x: np.asarray(x.astype(jax.numpy.bfloat16)), saved_state(full / "checkpoints" / str(2 * N))["params"])
+    want = jax.tree.map(lambda x: np.asarray(x.astype(jax.numpy.bfloat16)),
+                        saved_state(full / "checkpoints" / str(2 * N))["params"])
     got = jax.tree.map(lambda x: np.asarray(x.astype(jax.numpy.bfloat16)), jax.device_get(trainer.state.params))
     assert tree_equal(got, want) and int(trainer.state.step) == 0 and trainer.data_state is None
     # the tiny model (bidirectional image attention, ViT with a final LayerNorm) has no exact LLaVA form

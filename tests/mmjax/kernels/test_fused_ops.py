@@ -149,7 +149,8 @@ def test_norms_pallas_matches_reference(kind, residual, shape, prefetch, monkeyp
         outs = out if residual else (out,)
         return sum(jnp.sum(o * w) for o in outs), out
 
-    (lr, outr), gr = jax.value_and_grad(lambda *a: run("xla", *a), argnums=(0, 1, 2, 3), has_aux=True)(x, r, scale, bias)
+    (lr, outr), gr = jax.value_and_grad(lambda *a: run("xla", *a), argnums=(0, 1, 2, 3), has_aux=True)(
+        x, r, scale, bias)
     (lp, outp), gp = jax.jit(jax.value_and_grad(lambda *a: run("pallas", *a), argnums=(0, 1, 2, 3), has_aux=True))(
         x, r, scale, bias)
     for a, b in zip(jax.tree.leaves(outp), jax.tree.leaves(outr)):

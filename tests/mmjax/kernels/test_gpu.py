@@ -132,7 +132,8 @@ def test_bias_gelu_gpu(impl, shape):
             keep = np.asarray(keep_mask(jnp.int32(3), idx, rate))
             assert np.all(np.asarray(y)[~keep] == 0) and 0.05 < 1 - keep.mean() < 0.15
         _close(y, want, 2e-2)
-        for a, r in zip(jax.jit(jax.grad(loss(impl), argnums=(0, 1)))(x, b), jax.jit(jax.grad(loss("xla"), argnums=(0, 1)))(x, b)):
+        for a, r in zip(jax.jit(jax.grad(loss(impl), argnums=(0, 1)))(x, b),
+                        jax.jit(jax.grad(loss("xla"), argnums=(0, 1)))(x, b)):
             _close(a, r, 3e-2)
 
 
@@ -142,7 +143,8 @@ def test_swiglu_gpu(shape):
     h = jnp.asarray(rng.standard_normal(shape) * 2, jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((shape[0], shape[2])), jnp.float32)
     loss = lambda i: (lambda h: jnp.sum(kernels.swiglu(h, impl=i).astype(jnp.float32) * w))
-    _close(jax.jit(lambda h: kernels.swiglu(h, impl="pallas"))(h), jax.jit(lambda h: kernels.swiglu(h, impl="xla"))(h), 2e-2)
+    _close(jax.jit(lambda h: kernels.swiglu(h, impl="pallas"))(h), jax.jit(lambda h: kernels.swiglu(h, impl="xla"))(h),
+           2e-2)
     _close(jax.jit(jax.grad(loss("pallas")))(h), jax.jit(jax.grad(loss("xla")))(h), 3e-2)
 
 

@@ -150,7 +150,8 @@ def test_decoder_block_mask(helpers):
     decoder = helpers["random_model"](cfg, seed=5).decoder
 
     def dec(x, pos, seg, blk):
-        return np.asarray(helpers["call"](decoder, "__call__", x, pos, seg, jnp.zeros_like(seg) if blk is None else blk))
+        return np.asarray(helpers["call"](decoder, "__call__", x, pos, seg,
+                                          jnp.zeros_like(seg) if blk is None else blk))
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1, 12, cfg.text.dim)), jnp.float32)

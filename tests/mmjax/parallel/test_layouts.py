@@ -134,7 +134,8 @@ def test_layout_matches_one_device(name, reference):
         shapes = collective_shapes(one_step.hlo)
         assert shapes and not [sh for sh in shapes if vocab in sh]
     # the step really moved the parameters (the comparison above is not of two initial states)
-    moved = [float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(old.params)))]
+    moved = [float(np.max(np.abs(a - b)))
+             for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(old.params)))]
     assert max(moved) > 1e-3
 
 

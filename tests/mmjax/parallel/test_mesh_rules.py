@@ -36,7 +36,8 @@ def test_logical_rules_to_partition_specs():
 def test_rules_from_config_switches_and_overrides():
     cfg = load_config(None, ["parallel.sequence_parallel=true", "parallel.rules={vocab: null, mlp: [tensor, fsdp]}"])
     rules = rules_from_config(cfg)
-    assert logical_to_spec(("batch", "norm_length", "act_embed"), rules) == P(("data", "fsdp"), ("sequence", "tensor"), None)
+    assert (logical_to_spec(("batch", "norm_length", "act_embed"), rules)
+            == P(("data", "fsdp"), ("sequence", "tensor"), None))
     assert logical_to_spec(("vocab", "embed"), rules) == P(None, "fsdp")
     assert logical_to_spec(("embed", "mlp"), rules) == P("fsdp", "tensor")  # fsdp already used by embed
     zero1 = rules_from_config(load_config(None, ["parallel.zero_stage=1"]))

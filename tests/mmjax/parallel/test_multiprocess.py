@@ -41,15 +41,16 @@ def free_port() -> int:
 @pytest.mark.multiprocess
 def test_two_processes_match_one_process(tmp_path):
     cache = f"data.cache_dir={tmp_path / 'cache'}"
-    Trainer(load_config(DEFAULT_CONFIG, RUN + [cache, f"train.output_dir={tmp_path / 'single'}"])).run()  # 1 x 8 devices
+    # 1 x 8 devices
+    Trainer(load_config(DEFAULT_CONFIG, RUN + [cache, f"train.output_dir={tmp_path / 'single'}"])).run()
     port = free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     procs = [subprocess.Popen(
         [sys.executable, "-m", "mmjax.train", *RUN, cache, f"train.output_dir={tmp_path / f'p{i}'}",
          f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
-         f"distributed.process_id={i}", "mesh.dcn_data=2"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True) for i in range(2)]
+         f"distributed.process_id={i}", "mesh.dcn_data=2"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for i in range(2)]
     logs = []
     for p in procs:
         try:

@@ -269,8 +269,8 @@ def test_simulated_engine_outputs_match_running_alone(caching, chunked, threshol
     rng = random.Random(1)
     # 20 pages of 4 tokens for up to 6 requests of up to 48 tokens: preemptions are certain.
     sched = Scheduler(KVCacheManager(21, 4, enable_prefix_caching=caching),
-                      max_num_batched_tokens=20 if chunked else 48, max_num_seqs=6, max_model_len=48, enable_chunked_prefill=chunked,
-                      long_prefill_token_threshold=threshold)
+                      max_num_batched_tokens=20 if chunked else 48, max_num_seqs=6, max_model_len=48,
+                      enable_chunked_prefill=chunked, long_prefill_token_threshold=threshold)
     systems = [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (9, 16)]
     image = [60] * 6  # placeholder ids: the same for every image
     pending = []
