@@ -505,7 +505,7 @@ class PackedDataset(grain.IterDataset):
 
 
 def _ensure_absl_flags() -> None:
-    """grain's multiprocessing reads absl flags; parse them if the entry point has not (DESIGN section 7)."""
+    """grain's multiprocessing reads absl flags; parse them if the entry point has not."""
     from absl import flags
 
     if not flags.FLAGS.is_parsed():

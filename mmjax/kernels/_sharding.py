@@ -4,7 +4,7 @@ A Pallas/Triton/cuDNN call is an opaque custom call to XLA's SPMD partitioner, w
 its operands: every device would all-gather the batch and compute all of it. Inside `use_sharding(ctx)`
 the attention kernels instead run per shard through `shard_map`, with the batch split over
 `ctx.batch_axes` and the heads over `ctx.head_axes` (when query and kv heads both divide); the row-wise
-kernels (norms, bias+GELU, softmax) are declined by `auto` there, so XLA's fusions, which GSPMD
+kernels (norms, bias+GELU, SwiGLU) are declined by `auto` there, so XLA's fusions, which GSPMD
 partitions natively, run instead. Sequence (context) parallel attention is not handled here.
 
 The context variable lives here, in the lowest layer, so kernels read it without importing the rest of

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_flash_mgpu_cpu import _random_layout, check_grads_vs_reference  # tests/kernels is on sys.path
+from test_flash_mgpu_cpu import _random_layout, check_grads_vs_reference  # pytest puts this folder on sys.path
 
 from mmjax.kernels.attention import flash_mgpu as fm
 from mmjax.kernels.attention import flash_mgpu_bwd as mb
