@@ -28,23 +28,30 @@ import jax.numpy as jnp
 
 from mmjax.kernels import _dispatch
 
-__all__ = ["paged_attention", "paged_attention_reference", "check_inputs", "OP"]
+__all__ = ["paged_attention", "paged_attention_reference", "check_inputs", "check_pool", "pallas_pool_guard", "OP"]
 
 OP = _dispatch.Op("paged_attention")
 
 
-def check_inputs(q, k_pages, v_pages, page_table, lengths) -> None:
-    """Shape and dtype errors that name what is wrong (values such as lengths are not checked: traced)."""
+def check_pool(q, k_pages, v_pages, rows: str = "B") -> None:
+    """The query/pool agreement every paged op needs: ranks, head dims, grouped heads (`rows` names q's dim 0)."""
     if q.ndim != 3 or k_pages.ndim != 4:
-        raise ValueError(f"expects q [B, H, D] and k_pages [KV, P, page_size, D]; got {q.shape}, {k_pages.shape}")
-    b, h, d = q.shape
-    kvh, _, _, dk = k_pages.shape
+        raise ValueError(f"expects q [{rows}, H, D] and k_pages [KV, P, page_size, D]; got {q.shape}, "
+                         f"{k_pages.shape}")
+    h, d = q.shape[1:]
+    kvh, dk = k_pages.shape[0], k_pages.shape[3]
     if v_pages.shape != k_pages.shape:
         raise ValueError(f"v_pages {v_pages.shape} differs from k_pages {k_pages.shape}")
     if dk != d:
         raise ValueError(f"head dim of the pages ({dk}) differs from q's ({d})")
     if h % kvh:
         raise ValueError(f"query heads {h} must be a multiple of kv heads {kvh}")
+
+
+def check_inputs(q, k_pages, v_pages, page_table, lengths) -> None:
+    """Shape and dtype errors that name what is wrong (values such as lengths are not checked: traced)."""
+    check_pool(q, k_pages, v_pages)
+    b = q.shape[0]
     if page_table.ndim != 2 or page_table.shape[0] != b:
         raise ValueError(f"page_table must be [B={b}, max_pages], got {page_table.shape}")
     if lengths.shape != (b,):
@@ -79,7 +86,8 @@ def _pow2(n) -> bool:
     return n is not None and n >= 1 and not n & (n - 1)
 
 
-def _pallas_guard(ctx) -> str | None:
+def pallas_pool_guard(ctx) -> str | None:
+    """Limits of the Pallas kernels that read a paged pool (this op and the ragged one)."""
     reason = _dispatch.pallas_triton(ctx)
     if reason:
         return reason
@@ -95,7 +103,7 @@ def _pallas_guard(ctx) -> str | None:
 
 
 OP.register("xla", paged_attention_reference, _dispatch.any_float, priority=0)
-OP.register("pallas", _pallas, _pallas_guard, priority=10)
+OP.register("pallas", _pallas, pallas_pool_guard, priority=10)
 
 
 def paged_attention(q, k_pages, v_pages, page_table, lengths, *, impl: str = "auto"):

@@ -32,24 +32,41 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, *, pages_per_block: int
     length = len_ref[0]
 
     def block(j, carry):
-        o, m, l = carry
         pages = pt_ref[pl.ds(j * pages_per_block, pages_per_block)]
         k = k_ref[pages].reshape(bk, d)
         v = v_ref[pages].reshape(bk, d)
         s = _dot(q, k, trans_b=True).astype(jnp.float32) * scale
         token = j * bk + jnp.arange(bk, dtype=jnp.int32)
-        s = jnp.where((token < length)[None, :], s, MASK)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        o = o * alpha[:, None] + _dot(p.astype(v.dtype), v).astype(jnp.float32)
-        return o, m_new, l
+        return online_softmax_step(carry, s, v, (token < length)[None, :])
 
-    rows = q.shape[0]
-    init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), MASK, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    o, _, l = lax.fori_loop(0, (length + bk - 1) // bk, block, init)
-    o_ref[...] = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
+    o, _, l = lax.fori_loop(0, (length + bk - 1) // bk, block, softmax_carry(q.shape[0], d))
+    o_ref[...] = normalized(o, l).astype(o_ref.dtype)
+
+
+def softmax_carry(rows: int, d: int):
+    """(output, running max, running denominator) before the first key block."""
+    return jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), MASK, jnp.float32), jnp.zeros((rows,), jnp.float32)
+
+
+def online_softmax_step(carry, s, v, valid):
+    """Fold one key block into the online softmax: scores `s` [rows, bk] (float32), values `v` [bk, d].
+
+    Keys outside `valid` add nothing, also to a row that has had no valid key yet (its max is still MASK).
+    Shared by the paged kernels (decode and ragged).
+    """
+    o, m, l = carry
+    s = jnp.where(valid, s, MASK)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
+    l = l * alpha + jnp.sum(p, axis=1)
+    o = o * alpha[:, None] + _dot(p.astype(v.dtype), v).astype(jnp.float32)
+    return o, m_new, l
+
+
+def normalized(o, l):
+    """o / l, with rows that attended nothing set to zero."""
+    return jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
 
 
 def paged_attention_pallas(q, k_pages, v_pages, page_table, lengths):

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 
 from mmjax.kernels import _dispatch
 from mmjax.kernels.attention.reference import attention_reference, make_mask
+from mmjax.kernels.paged_attention import check_pool, pallas_pool_guard
 
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "check_inputs", "token_owner", "OP"]
 
@@ -54,18 +55,10 @@ OP = _dispatch.Op("ragged_paged_attention")
 def check_inputs(q, k_pages, v_pages, page_table, query_start, query_len, context_len, kv_block_ids=None,
                  q_block_ids=None) -> None:
     """Shape and dtype errors that name what is wrong (values such as lengths are traced and not checked)."""
-    if q.ndim != 3 or k_pages.ndim != 4:
-        raise ValueError(f"expects q [T, H, D] and k_pages [KV, P, page_size, D]; got {q.shape}, {k_pages.shape}")
+    check_pool(q, k_pages, v_pages, rows="T")
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be floating, got {q.dtype}")
-    t, h, d = q.shape
-    kvh, _, page_size, dk = k_pages.shape
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"v_pages {v_pages.shape} differs from k_pages {k_pages.shape}")
-    if dk != d:
-        raise ValueError(f"head dim of the pages ({dk}) differs from q's ({d})")
-    if h % kvh:
-        raise ValueError(f"query heads {h} must be a multiple of kv heads {kvh}")
+    t, page_size = q.shape[0], k_pages.shape[2]
     if page_table.ndim != 2:
         raise ValueError(f"page_table must be [S, max_pages], got {page_table.shape}")
     s, max_pages = page_table.shape
@@ -126,27 +119,8 @@ def _pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len
                                          kv_block_ids, q_block_ids, max_query_len=max_query_len)
 
 
-def _pow2(n) -> bool:
-    return n is not None and n >= 1 and not n & (n - 1)
-
-
-def _pallas_guard(ctx) -> str | None:
-    reason = _dispatch.pallas_triton(ctx)
-    if reason:
-        return reason
-    d, page_size = ctx.get("head_dim"), ctx.get("page_size")
-    if d is not None and (d < 16 or not _pow2(d)):
-        return f"head_dim {d} is not a power of two >= 16 (padding it would copy the whole cache pool)"
-    if page_size is not None and not _pow2(page_size):
-        return f"page_size {page_size} is not a power of two (Triton tiles)"
-    kv_dtype = ctx.get("kv_dtype")
-    if kv_dtype is not None and kv_dtype != str(ctx.dtype):
-        return f"cache pool dtype {kv_dtype} differs from q's {ctx.dtype} (casting would copy the whole pool)"
-    return None
-
-
 OP.register("xla", ragged_paged_attention_reference, _dispatch.any_float, priority=0)
-OP.register("pallas", _pallas, _pallas_guard, priority=10)
+OP.register("pallas", _pallas, pallas_pool_guard, priority=10)  # the paged decode kernel's limits
 
 
 def ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_len, context_len, *,

@@ -27,7 +27,8 @@ from jax.experimental import pallas as pl
 
 from mmjax.kernels._dispatch import interpret as _interpret
 from mmjax.kernels._rows import compiler_params, next_pow2
-from mmjax.kernels.attention.flash_pallas import MASK, _dot
+from mmjax.kernels.attention.flash_pallas import _dot
+from mmjax.kernels.paged_attention.pallas import normalized, online_softmax_step, softmax_carry
 
 BLOCK_TOKENS = 128  # key tokens per loop step (pages_per_block * page_size): [rows, 128] score tiles
 BLOCK_ROWS = 64     # query rows (tokens x grouped heads) a prefill block aims at
@@ -60,7 +61,6 @@ def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_block
     qblk = qblk_ref[...] if has_blocks else None
 
     def block(j, carry):
-        o, m, l = carry
         pages = pt_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
         k = k_ref[pages].reshape(bk, d)
         v = v_ref[pages].reshape(bk, d)
@@ -71,18 +71,10 @@ def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_block
             kblk = kvblk_ref[seq, pl.ds(j * bk, bk)]
             ok = ok | ((kblk[None, :] == qblk[:, None]) & (qblk[:, None] != 0))
         ok = ok & (kpos < ctx)[None, :]
-        s = jnp.where(ok, s, MASK)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)  # rows masked so far keep l = 0
-        l = l * alpha + jnp.sum(p, axis=1)
-        o = o * alpha[:, None] + _dot(p.astype(v.dtype), v).astype(jnp.float32)
-        return o, m_new, l
+        return online_softmax_step(carry, s, v, ok)
 
-    rows = q.shape[0]
-    init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), MASK, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    o, _, l = lax.fori_loop(0, (hi + bk - 1) // bk, block, init)
-    o_ref[...] = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
+    o, _, l = lax.fori_loop(0, (hi + bk - 1) // bk, block, softmax_carry(q.shape[0], d))
+    o_ref[...] = normalized(o, l).astype(o_ref.dtype)
 
 
 def _schedule(t, bq, nb, query_start, query_len, context_len):
