@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mmjax.errors import MmjaxError
@@ -32,10 +34,29 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
+MAX_LOGPROBS = 20  # most top logprobs a request may ask for besides the chosen token's
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    """A finite real number (NaN would slip through every range check)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are drawn and when generation stops. The scheduler reads only the stop fields; the
-    model runner's sampler reads the rest (temperature 0 is greedy)."""
+    """How tokens are drawn and when generation stops. The scheduler reads only the stop-token fields; the
+    model runner's sampler (`sampling.py`) reads the sampling fields and the detokenizer (`detokenize.py`)
+    the stop strings. Temperature 0 is greedy.
+
+    Penalties follow vLLM: `repetition_penalty` (Hugging Face semantics) divides the positive logits and
+    multiplies the negative ones of every token seen in the prompt or the output; `presence_penalty` and
+    `frequency_penalty` (OpenAI semantics) subtract `presence * [count > 0] + frequency * count` over the
+    output tokens only. `logprobs=n` returns the chosen token's logprob plus the `n` most likely tokens'.
+    """
 
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
@@ -44,17 +65,71 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0  # 0: no min-p cut
+    repetition_penalty: float = 1.0  # 1: none
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()  # stop strings; the output ends before the first one found
+    logprobs: int | None = None  # None: only the chosen token's logprob is computed, none returned
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise RequestError(f"sampling max_tokens={self.max_tokens!r}: must be a positive int")
+        def bad(field: str, allowed: str) -> RequestError:
+            return RequestError(f"sampling {field}={getattr(self, field)!r}: {allowed}")
+
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+            raise bad("max_tokens", "must be a positive int")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not all(_is_int(t) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of int token ids")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if self.temperature < 0:
-            raise RequestError(f"sampling temperature={self.temperature}: must be >= 0 (0 is greedy)")
-        if self.top_k < 0:
-            raise RequestError(f"sampling top_k={self.top_k}: must be >= 0 (0 disables top-k)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"sampling top_p={self.top_p}: must be in (0, 1]")
+        if not _is_num(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a number >= 0 (0 is greedy)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "must be an int >= 0 (0 disables top-k)")
+        if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "must be an int or null")
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1] (0 disables min-p)")
+        if not _is_num(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise bad("repetition_penalty", "must be > 0 (1 disables it)")
+        for field in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, field)
+            if not _is_num(value) or not -2.0 <= value <= 2.0:
+                raise bad(field, "must be in [-2, 2] (0 disables it)")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not all(isinstance(s, str) and s for s in stop):
+            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be null or an int in [0, {MAX_LOGPROBS}]")
+        for field in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, field), bool):
+                raise bad(field, "must be true or false")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
+        """Parameters from a JSON-like mapping (e.g. an HTTP request body's sampling fields); an unknown key
+        is an error naming it, so a misspelt parameter is never silently ignored."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise RequestError(f"unknown sampling parameter {unknown[0]!r}; known: {', '.join(known)}")
+        kwargs = dict(d)
+        for field in ("stop_token_ids", "stop"):  # JSON lists -> tuples (a single stop string stays a str)
+            if isinstance(kwargs.get(field), list):
+                kwargs[field] = tuple(kwargs[field])
+        return cls(**kwargs)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether the sampler needs this request's token history."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclasses.dataclass(frozen=True)
