@@ -294,7 +294,8 @@ class ServeConfig:
     long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk per step; 0 = the budget alone
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = model compute dtype
     image_cache_size: int = 64  # encoded images kept (LRU by content hash) so a repeated image is encoded once
-    max_logprobs: int = 0  # top logprobs a request may ask for (the sampler's static K)
+    max_logprobs: int = 5  # most top logprobs a request may ask for (every step computes this many)
+    seed: int = 0  # draws the sampling seed of each request that gives none, so a run is reproducible
 
 
 @dataclasses.dataclass(frozen=True)
@@ -630,7 +631,7 @@ def validate_serve(s: ServeConfig, model_max_len: int) -> None:
     need(s.max_model_len <= model_max_len,
          f"serve.max_model_len={s.max_model_len} exceeds model.max_seq_len={model_max_len}; lower it or use 0")
     need(s.long_prefill_token_threshold >= 0, "serve.long_prefill_token_threshold must be >= 0 (0 = off)")
-    need(s.max_logprobs >= 0, "serve.max_logprobs must be >= 0")
+    need(0 <= s.max_logprobs <= 20, f"serve.max_logprobs={s.max_logprobs} must be in [0, 20]")
     need(s.max_num_seqs <= s.max_num_batched_tokens,
          f"serve.max_num_seqs={s.max_num_seqs} must be <= serve.max_num_batched_tokens={s.max_num_batched_tokens} "
          "(each running sequence takes at least one token of a step)")

@@ -24,6 +24,7 @@ from mmjax.model.decoder import PagedMeta
 from mmjax.model.layers import resolve_dtype
 from mmjax.serving.kv_manager import NULL_PAGE
 from mmjax.serving.request import Request
+from mmjax.serving.sampling import SamplingTensors, sample
 from mmjax.serving.scheduler import SchedulerOutput
 
 
@@ -73,16 +74,6 @@ def pick_bucket(sizes: Sequence[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
 
 
-def greedy_sample(logits: jax.Array, sampling: Any, num_logprobs: int) -> tuple[jax.Array, ...]:
-    """Argmax with its logprob and the top `num_logprobs` alternatives; the sampler used when none is given."""
-    del sampling
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logp, max(num_logprobs, 1))
-    return tokens, chosen, top_ids[:, :num_logprobs].astype(jnp.int32), top_lp[:, :num_logprobs]
-
-
 class ImageCache:
     """LRU of encoded images [image_tokens, E] (host numpy) keyed by content hash."""
 
@@ -119,15 +110,14 @@ class _RequestState:
 class ModelRunner:
     """Owns the parameters and the KV pools and runs one step per `execute`.
 
-    `model` is an `MLLM` (or a (graphdef, state) pair of one). `sample_fn(logits [S,V], sampling, num_logprobs)
-    -> (tokens [S], logprobs [S], top_ids [S,K], top_logprobs [S,K])` is traced into the step;
-    `make_sampling(requests per slot, num_slots)` builds its per-slot `sampling` pytree on the host.
-    `num_compiles` counts traces of the step and of the image encoder: it stays put after `warmup()`.
+    `model` is an `MLLM` (or a (graphdef, state) pair of one). The step samples with `sampling.sample`,
+    returning `serve.max_logprobs` top logprobs per token. The sampler's token history (for penalties) is
+    either empty or `max_model_len` long, so each (token, slot) bucket has two shapes, both compiled by
+    `warmup()`. `num_compiles` counts traces of the step and of the image encoder: it stays put after warm-up.
     """
 
     def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int,
-                 sample_fn: Callable = greedy_sample, make_sampling: Callable | None = None,
-                 num_logprobs: int = 0, mesh: jax.sharding.Mesh | None = None) -> None:
+                 mesh: jax.sharding.Mesh | None = None) -> None:
         self.graphdef, self.state = model if isinstance(model, tuple) else nnx.split(model)
         abstract = nnx.merge(self.graphdef, self.state)
         self.model_cfg = abstract.cfg
@@ -139,9 +129,10 @@ class ModelRunner:
         self.max_pages = -(-max_model_len // serve.page_size)
         self.token_buckets = buckets(serve.min_token_bucket, serve.max_num_batched_tokens)
         self.slot_buckets = buckets(1, serve.max_num_seqs)
-        self.num_logprobs = num_logprobs
-        self.sample_fn = sample_fn
-        self.make_sampling = make_sampling or (lambda reqs, n: None)
+        self.max_model_len = max_model_len
+        self.num_logprobs = serve.max_logprobs
+        self._seed_rng = np.random.default_rng(serve.seed)
+        self.seeds: dict[str, int] = {}  # drawn once per unseeded random-sampling request
         kv_dtype = abstract.compute_dtype if serve.kv_cache_dtype == "auto" else resolve_dtype(serve.kv_cache_dtype)
         self.embed_dim = self.model_cfg.text.dim
         self.embed_dtype = abstract.compute_dtype
@@ -169,7 +160,8 @@ class ModelRunner:
             batch["tokens"][None], batch["positions"][None], pools, meta,
             None if rows is None else rows[None], None if mask is None else mask[None],
             None if blocks is None else blocks[None])
-        return self.sample_fn(logits, sampling, self.num_logprobs), pools
+        r = sample(logits, sampling, self.num_logprobs)
+        return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs), pools
 
     def _encode_fn(self, state, image):
         self.num_compiles += 1
@@ -184,6 +176,15 @@ class ModelRunner:
             for rank, (start, end) in enumerate(images.ranges):
                 block_ids[start:end] = rank + 1
         self._requests[request.request_id] = _RequestState(request, images, block_ids)
+        sp = request.sampling_params
+        if sp.seed is None and not sp.greedy and request.request_id not in self.seeds:
+            self.seeds[request.request_id] = int(self._seed_rng.integers(0, 2**32))
+
+    def _sampling(self, requests: Sequence[Request | None], num_slots: int) -> SamplingTensors:
+        """Per-slot sampler inputs; the history is empty unless a request uses a penalty (two shapes)."""
+        penalised = any(r is not None and r.sampling_params.uses_penalties for r in requests)
+        return SamplingTensors.from_requests(requests, num_slots, self.max_model_len if penalised else 0,
+                                             seeds=self.seeds)
 
     def _image_rows(self, state: _RequestState, index: int) -> np.ndarray:
         rows = state.embeds.get(index)
@@ -223,6 +224,7 @@ class ModelRunner:
         """Run one scheduler step; returns the sampled token of every entry with `samples=True`."""
         for rid in out.finished_request_ids:
             self._requests.pop(rid, None)
+            self.seeds.pop(rid, None)
         for request in out.new_requests:
             self._register(request)
         for entry in out.scheduled:  # requests handed in directly (e.g. tests that skip new_requests)
@@ -267,7 +269,7 @@ class ModelRunner:
         if not self.text_only:
             batch["image_rows"] = self._zeros(t) if rows is None else rows.astype(self.embed_dtype)
         slot_requests = [self._requests[e.request_id].request for e in out.scheduled]
-        sampling = self.make_sampling(slot_requests, s)
+        sampling = self._sampling(slot_requests, s)
         tokens, logprobs, top_ids, top_lp = self._run(batch, sampling)
         result = {}
         for i, entry in enumerate(out.scheduled):
@@ -288,7 +290,8 @@ class ModelRunner:
                 batch = self._empty_batch(t, s)
                 if not self.text_only:
                     batch["image_rows"] = self._zeros(t)
-                self._run(batch, self.make_sampling([], s))
+                for history in (0, self.max_model_len):
+                    self._run(batch, SamplingTensors.from_requests([], s, history))
         if not self.text_only:
             v = self.model_cfg.vision
             self._encode(self.state, jnp.zeros((v.image_size, v.image_size, v.channels), jnp.float32))
