@@ -59,14 +59,16 @@ class PlainReference:
         out = self._fwd(self.state, buf, pos, seg, imgs, valid)
         return np.asarray(out[0, :n])
 
-    def greedy(self, prompt, max_tokens, images=(), eos=None):
+    def greedy(self, prompt, max_tokens, images=(), eos=None, stop=(IMAGE_TOKEN,)):
+        """Greedy tokens until `eos`, a `stop` token (a generated image placeholder would be read as an image
+        by the training forward, so the tests stop on it), `max_tokens` or the buffer's end."""
         seq = list(prompt)
         out = []
         for _ in range(max_tokens):
             token = int(np.argmax(self.logits(seq, images)[-1]))
             out.append(token)
             seq.append(token)
-            if token == eos or len(seq) >= self.size:
+            if token == eos or token in stop or len(seq) >= self.size:
                 break
         return out
 
