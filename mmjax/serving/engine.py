@@ -258,7 +258,8 @@ class Engine:
         if finished:
             reason = "stop" if live.stop_str is not None else FINISH_REASONS[request.status]
             stop = live.stop_str if live.stop_str is not None else request.stop_reason
-        return RequestOutput(request.request_id, list(request.prompt_token_ids), new_ids, new_text, list(request.output_token_ids), live.text,
+        return RequestOutput(request.request_id, list(request.prompt_token_ids), new_ids, new_text,
+                             list(request.output_token_ids), live.text,
                              finished, reason, stop, logprobs, self.metrics(live))
 
     def metrics(self, live: _Live) -> RequestMetrics:

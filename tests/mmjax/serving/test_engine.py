@@ -80,8 +80,8 @@ def test_stream_equals_each_request_alone(setup):
         for _ in range(int(rng.integers(0, 4))):  # arrivals while others run
             if pending:
                 i, (prompt, images, max_tokens) = pending.pop(0)
-                rid = engine.add_request(prompt, images, SamplingParams(max_tokens=max_tokens, stop_token_ids=[img_tok]),
-                                         request_id=f"r{i}")
+                params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[img_tok])
+                rid = engine.add_request(prompt, images, params, request_id=f"r{i}")
                 want[rid] = ref.greedy(prompt, max_tokens, images, eos=EOS)
                 got[rid] = []
                 if bad and i % 4 == 2:
@@ -153,3 +153,14 @@ def test_text_prompt_images_as_bytes_and_stop_string(setup):
                                                                  stop=[text[1:3]]),
                              images=[[pixels]])
         assert cut.finish_reason == "stop" and cut.stop_reason == text[1:3] and cut.text == text[:1]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("serve.page_size=12", "power of two"), ("serve.num_pages=1", "null page"),
+    ("serve.max_num_seqs=512", "max_num_batched_tokens"), ("serve.max_model_len=100000", "model.max_seq_len"),
+    ("serve.kv_cache_dtype=int8", "not one of"), ("serve.max_logprobs=21", "max_logprobs")])
+def test_serve_config_is_validated(override, message):
+    from mmjax.config import load_config
+    from mmjax.errors import ConfigError
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])

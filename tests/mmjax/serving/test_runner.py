@@ -99,7 +99,8 @@ def test_runner_greedy_stream_no_recompiles_and_image_cache(tiny):
         if i % 2:
             prompt[2:6] = [tiny["image_token"]] * 4
             mm = ImageInput((image,), ((2, 6),), (image_hash(image),))
-        sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=6, stop_token_ids=[tiny['image_token']]), mm_data=mm))
+        params = SamplingParams(max_tokens=6, stop_token_ids=[tiny["image_token"]])
+        sched.add_request(Request(f"r{i}", prompt, params, mm_data=mm))
         want[f"r{i}"] = ref.greedy(prompt, 6, [image] if mm else [])
     got = {rid: [] for rid in want}
     while sched.has_unfinished_requests():
