@@ -280,6 +280,25 @@ class ObserveConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """The serving engine (`mmjax.serving.engine`): KV pool, step budget, shape buckets, caches."""
+
+    page_size: int = 16  # tokens per KV page (a power of two for the Pallas kernel)
+    num_pages: int = 512  # KV pages in the pool, page 0 (the null page) included
+    max_num_batched_tokens: int = 256  # token budget of one step (the largest token bucket)
+    max_num_seqs: int = 16  # sequences running at once (the largest slot bucket)
+    max_model_len: int = 0  # prompt + output tokens of one request; 0 = model.max_seq_len
+    min_token_bucket: int = 16  # smallest token bucket; buckets double up to max_num_batched_tokens
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk per step; 0 = the budget alone
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto = model compute dtype
+    image_cache_size: int = 64  # encoded images kept (LRU by content hash) so a repeated image is encoded once
+    max_logprobs: int = 5  # most top logprobs a request may ask for (every step computes this many)
+    seed: int = 0  # draws the sampling seed of each request that gives none, so a run is reproducible
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     mesh: MeshConfig = MeshConfig()
@@ -291,6 +310,7 @@ class Config:
     eval: EvalConfig = EvalConfig()
     observe: ObserveConfig = ObserveConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    serve: ServeConfig = ServeConfig()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -588,8 +608,30 @@ def validate(cfg: Config) -> None:
          f"train.resume={resume} must be auto, never, a step >= 0 or a checkpoint path")
     need(isinstance(resume, int) or resume.strip() != "",
          "train.resume is empty; use auto, never, a step number or a checkpoint path")
+    validate_serve(cfg.serve, m.max_seq_len)
     sizes = {k: v for k, v in dataclasses.asdict(cfg.mesh).items() if not k.startswith("dcn_")}
     need(cfg.mesh.dcn_data >= 1 and cfg.mesh.dcn_fsdp >= 1, "mesh.dcn_data and mesh.dcn_fsdp must be >= 1")
     need(list(sizes.values()).count(-1) <= 1,
          f"at most one mesh axis may be -1 (the rest of the devices), got {sizes}")
     need(all(s == -1 or s > 0 for s in sizes.values()), f"mesh sizes must be positive or -1, got {sizes}")
+
+
+def validate_serve(s: ServeConfig, model_max_len: int) -> None:
+    """serve.* ranges (the engine calls this too, for a ServeConfig built in code)."""
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    for name in ("page_size", "max_num_batched_tokens", "max_num_seqs", "min_token_bucket", "image_cache_size"):
+        need(getattr(s, name) >= 1, f"serve.{name} must be >= 1, got {getattr(s, name)}")
+    need(s.page_size & (s.page_size - 1) == 0, f"serve.page_size={s.page_size} must be a power of two")
+    need(s.num_pages >= 2, f"serve.num_pages={s.num_pages} must be >= 2 (page 0 is the reserved null page)")
+    need(s.max_model_len == 0 or s.max_model_len >= 2,
+         f"serve.max_model_len={s.max_model_len} must be 0 (= model.max_seq_len) or >= 2")
+    need(s.max_model_len <= model_max_len,
+         f"serve.max_model_len={s.max_model_len} exceeds model.max_seq_len={model_max_len}; lower it or use 0")
+    need(s.long_prefill_token_threshold >= 0, "serve.long_prefill_token_threshold must be >= 0 (0 = off)")
+    need(0 <= s.max_logprobs <= 20, f"serve.max_logprobs={s.max_logprobs} must be in [0, 20]")
+    need(s.max_num_seqs <= s.max_num_batched_tokens,
+         f"serve.max_num_seqs={s.max_num_seqs} must be <= serve.max_num_batched_tokens={s.max_num_batched_tokens} "
+         "(each running sequence takes at least one token of a step)")

@@ -36,6 +36,27 @@ class KVCache:
         return self.k.shape[2]
 
 
+@flax.struct.dataclass
+class PagedMeta:
+    """Where a serving step's flat tokens go and what they attend (the arrays of
+    `kernels.ragged_paged_attention`, S sequence slots, T tokens).
+
+    `slot_mapping` [T]: flat pool slot (page * page_size + offset) each token's k, v is written to (padding
+    tokens: the null page 0). `logits_indices` [S]: the token whose logits slot s samples from (its last
+    scheduled token). `q_block_ids` [T] / `kv_block_ids` [S, max_pages * page_size]: image block ids (0 = text),
+    or None for a text-only batch.
+    """
+
+    slot_mapping: jax.Array
+    page_table: jax.Array
+    query_start: jax.Array
+    query_len: jax.Array
+    context_len: jax.Array
+    logits_indices: jax.Array
+    q_block_ids: jax.Array | None = None
+    kv_block_ids: jax.Array | None = None
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
         t = cfg.text
@@ -103,6 +124,19 @@ class DecoderLayer(nnx.Module):
                                  kv_segment_ids=kv_seg, q_positions=positions, kv_positions=slots,
                                  causal=True, impl=self.attention_impl)
         return self.finish(x, attn), (k_cache, v_cache)
+
+    def paged(self, x, positions, k_pool, v_pool, meta: PagedMeta):
+        """Serving forward of a flat token batch (x [1,T,E], positions [1,T]) over a paged KV pool
+        ([KV, P, page_size, D]): writes this step's k, v at `meta.slot_mapping`, then ragged paged attention."""
+        q, k, v = self.qkv_proj(self.attn_norm(x), positions)
+        kvh, p, page, d = k_pool.shape
+        flat = lambda pool, new: pool.reshape(kvh, p * page, d).at[:, meta.slot_mapping].set(
+            new[0].transpose(1, 0, 2).astype(pool.dtype)).reshape(kvh, p, page, d)
+        k_pool, v_pool = flat(k_pool, k), flat(v_pool, v)
+        attn = kernels.ragged_paged_attention(
+            q[0], k_pool, v_pool, meta.page_table, meta.query_start, meta.query_len, meta.context_len,
+            kv_block_ids=meta.kv_block_ids, q_block_ids=meta.q_block_ids)
+        return self.finish(x, attn[None]), (k_pool, v_pool)
 
 
 class Decoder(nnx.Module):
@@ -188,3 +222,25 @@ class Decoder(nnx.Module):
 
         x, (k, v) = run_stack(self.layers, body, x, (cache.k, cache.v), scan=self.scan)
         return self.logits(x)[:, 0], KVCache(k=k, v=v, lengths=lengths + 1)
+
+    # -- paged KV pool (serving) ----------------------------------------------------------------
+
+    def init_pools(self, num_pages: int, page_size: int, dtype=None) -> tuple[jax.Array, jax.Array]:
+        """Zeroed per-layer key and value pools [L, KV, num_pages, page_size, D]."""
+        t = self.cfg.text
+        shape = (t.n_layers, t.n_kv_heads, num_pages, page_size, t.resolved_head_dim)
+        dtype = dtype or self.compute_dtype
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+    def forward_paged(self, x, positions, block_ids, kv: tuple[jax.Array, jax.Array], meta: PagedMeta):
+        """A serving step: flat tokens x [1,T,E] at `positions` [1,T] (image `block_ids` [1,T] or None)
+        through every layer over the paged pools `kv` = (k, v) [L,KV,P,page,D]. Returns logits [S,V]
+        float32 of the `meta.logits_indices` tokens and the updated pools."""
+        if block_ids is not None:
+            meta = meta.replace(q_block_ids=block_ids[0])
+
+        def body(layer, h, pools):
+            return layer.paged(h, positions, *pools, meta)
+
+        x, kv = run_stack(self.layers, body, constrain(x, RESIDUAL), kv, scan=self.scan)
+        return self.logits(x[:, meta.logits_indices])[0], kv

@@ -16,7 +16,7 @@ from flax import nnx
 
 from mmjax.config import ModelConfig
 from mmjax.errors import ConfigError, ModelError
-from mmjax.model.decoder import Decoder, KVCache
+from mmjax.model.decoder import Decoder, KVCache, PagedMeta
 from mmjax.model.layers import resolve_dtype
 from mmjax.model.projector import Projector
 from mmjax.model.vision import VisionEncoder
@@ -91,3 +91,23 @@ class MLLM(nnx.Module):
     def decode_step(self, tokens, cache: KVCache):
         """tokens [B] -> (logits [B,V] float32, cache advanced by one token per row)."""
         return self.decoder.decode_step(tokens, cache)
+
+    # -- serving over a paged KV pool ------------------------------------------------------------
+
+    def encode_images(self, images):
+        """images [N,H,W,C] (normalised) -> projected features [N, image_tokens, E], the rows that replace
+        each image's placeholder tokens. Computed once per image by the serving runner, not per step."""
+        if self.text_only:
+            raise ModelError("model.text_only=true builds no vision tower; this model cannot encode images")
+        feats = self.projector(self.vision(images[None].astype(self.compute_dtype)))
+        return feats[0]
+
+    def forward_paged(self, tokens, positions, kv, meta: PagedMeta, image_rows=None, image_mask=None,
+                      block_ids=None):
+        """A serving step over flat tokens [1,T]: where `image_mask` [1,T] is set the token's embedding is
+        replaced by `image_rows` [1,T,E] (from `encode_images`), `block_ids` [1,T] the image block ids
+        (None: text only). Returns (logits [S,V] float32, updated pools); see `Decoder.forward_paged`."""
+        x = self.decoder.embed(tokens)
+        if image_rows is not None:
+            x = jnp.where(image_mask[:, :, None], image_rows.astype(x.dtype), x)
+        return self.decoder.forward_paged(x, positions, block_ids, kv, meta)

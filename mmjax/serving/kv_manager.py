@@ -139,6 +139,10 @@ class KVCacheManager:
             if page is None:
                 break
             pages.append(page)
+        # Never end inside an extra-key range (an image is computed whole): cut back to a page before it.
+        for k in reversed(request.extra_keys):
+            if k.start < len(pages) * self.page_size < k.end:
+                pages = pages[:k.start // self.page_size]
         return pages, len(pages) * self.page_size
 
     def cache_pages(self, request: Request) -> None:

@@ -138,6 +138,12 @@ class Scheduler:
             raise RequestError(f"request {rid!r}: {n} prompt tokens + max_tokens={request.sampling_params.max_tokens}"
                                f" need up to {need} KV pages of {self.kv.page_size} tokens but the pool has "
                                f"{self.kv.num_usable_pages}; shorten the prompt, lower max_tokens or add pages")
+        for k in request.extra_keys:
+            if k.end - k.start > self.limits.max_num_batched_tokens:
+                raise RequestError(f"request {rid!r}: prompt range [{k.start}, {k.end}) (an image) has "
+                                   f"{k.end - k.start} tokens but max_num_batched_tokens="
+                                   f"{self.limits.max_num_batched_tokens}; it is computed in one step, so raise "
+                                   "the budget")
         self.requests[rid] = request
         self._order[rid] = (*_urgency(request), next(self._counter))
         self._insert(self.waiting, request)
@@ -179,11 +185,20 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------------------------------
 
-    def _chunk(self, n: int, budget: int) -> int:
-        """Tokens to compute now out of `n` pending: capped by the long-prefill threshold and the budget."""
+    def _chunk(self, request: Request, start: int, budget: int) -> int:
+        """Tokens to compute now from position `start`: capped by the long-prefill threshold and the budget,
+        and never ending inside an extra-key range (an image: its tokens attend each other both ways, so a
+        chunk must hold the rest of the image). May be 0: the image does not fit this step's budget."""
+        n = request.num_tokens - start
         if 0 < self.limits.long_prefill_token_threshold < n:
             n = self.limits.long_prefill_token_threshold
-        return min(n, budget)
+        end = start + min(n, budget)
+        for k in request.extra_keys:
+            if k.start < end < k.end:
+                # back to the image's start, or (a threshold shorter than the image) the whole image if it fits
+                end = k.start if k.start > start else k.end if k.end - start <= budget else start
+                break
+        return end - start
 
     def _entry(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -202,7 +217,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            n = self._chunk(request, request.num_computed_tokens, budget)
+            if n == 0:  # its next image does not fit what is left of the budget
+                i += 1
+                continue
             while self.kv.allocate_slots(request, n) is None:
                 victim = self.running[-1]  # least urgent; never one already scheduled (those are before i)
                 self._preempt(victim)
@@ -221,8 +239,8 @@ class Scheduler:
             n = request.num_tokens - num_cached
             if not self.limits.enable_chunked_prefill and n > budget:
                 break
-            n = self._chunk(n, budget)
-            if self.kv.allocate_slots(request, n, pages, num_cached) is None:
+            n = self._chunk(request, num_cached, budget)
+            if n == 0 or self.kv.allocate_slots(request, n, pages, num_cached) is None:
                 break
             self.waiting.pop(0)
             if request.status is RequestStatus.PREEMPTED:

@@ -1,0 +1,320 @@
+"""The serving engine: requests in, incremental outputs out, one scheduler + model-runner step at a time.
+
+`Engine.add_request` validates and tokenizes a request (prompt text or ids, images, sampling parameters);
+`step()` schedules, runs the model once and returns each request's new tokens and text; `LLM.generate` runs
+the loop to completion for offline use. A bad request raises `RequestError` for that request only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from mmjax.config import Config, validate_serve
+from mmjax.data.image import decode_image, preprocess
+from mmjax.errors import DataError
+from mmjax.serving.detokenize import IncrementalDetokenizer
+from mmjax.serving.kv_manager import KVCacheManager
+from mmjax.serving.request import ExtraKey, Request, RequestError, RequestStatus, SamplingParams
+from mmjax.serving.runner import ImageInput, ModelRunner, SampledToken, image_hash
+from mmjax.serving.scheduler import Scheduler
+
+FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                  RequestStatus.FINISHED_ABORTED: "abort"}
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Per-request timings (seconds) and counts; times are None until the event happened."""
+
+    queue_s: float | None = None  # arrival -> first scheduled
+    time_to_first_token_s: float | None = None  # arrival -> first token
+    prefill_s: float | None = None  # first scheduled -> first token
+    decode_s: float | None = None  # first token -> last token (or now)
+    detokenize_s: float = 0.0
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one `step()` produced for a request: the new tokens/text and, once finished, why."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]  # every output token so far
+    text: str  # output text released so far
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", "abort"
+    stop_reason: int | str | None  # the stop token id or stop string
+    logprobs: list[SampledToken]  # of new_token_ids (top lists hold `sampling_params.logprobs` entries)
+    metrics: RequestMetrics
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """A finished request (`LLM.generate`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[SampledToken]
+    metrics: RequestMetrics
+
+
+@dataclasses.dataclass
+class _Live:
+    request: Request
+    detok: IncrementalDetokenizer
+    text: str = ""
+    detokenize_s: float = 0.0
+    stop_str: str | None = None  # a stop string ended it (the scheduler saw an abort)
+
+
+class Engine:
+    """Continuous-batching engine over a `ModelRunner`, configured by `cfg.serve` (see docs/serving.md)."""
+
+    def __init__(self, cfg: Config, model: Any, tokenizer: Any, *, mesh: Any = None, warmup: bool = False) -> None:
+        serve = cfg.serve
+        self.tokenizer = tokenizer
+        graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
+        model_cfg = nnx.merge(graphdef, state).cfg
+        validate_serve(serve, model_cfg.max_seq_len)
+        self.serve = serve
+        self.model_cfg = model_cfg
+        self.max_model_len = serve.max_model_len or model_cfg.max_seq_len
+        self.kv = KVCacheManager(serve.num_pages, serve.page_size, enable_prefix_caching=serve.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, max_num_batched_tokens=serve.max_num_batched_tokens,
+                                   max_num_seqs=serve.max_num_seqs, max_model_len=self.max_model_len,
+                                   enable_chunked_prefill=serve.enable_chunked_prefill,
+                                   long_prefill_token_threshold=serve.long_prefill_token_threshold)
+        self.runner = ModelRunner((graphdef, state), serve, max_model_len=self.max_model_len, mesh=mesh)
+        self.image_token_id = self.runner.image_token_id
+        self._live: dict[str, _Live] = {}
+        self._aborted: list[str] = []
+        self._ids = itertools.count()
+        if warmup:
+            self.runner.warmup()
+
+    # -- requests -----------------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | Sequence[int], images: Sequence[Any] | None = None,
+                    sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queue a request; returns its id. Raises `RequestError` (nothing queued) when it cannot be served."""
+        rid = f"req-{next(self._ids)}" if request_id is None else str(request_id)
+        if rid in self._live:
+            raise RequestError(f"request {rid!r}: id already in use by a live request; ids must be unique")
+        params = self._sampling_params(rid, sampling_params)
+        token_ids = self._tokens(rid, prompt)
+        pixels = [self._image(rid, i, im) for i, im in enumerate(images or ())]
+        ranges = self._image_ranges(rid, token_ids, len(pixels))
+        mm = None
+        if pixels:
+            hashes = tuple(image_hash(p) for p in pixels)
+            mm = ImageInput(tuple(pixels), tuple(ranges), hashes)
+        keys = [ExtraKey(a, b, h) for (a, b), h in zip(ranges, mm.hashes)] if mm else []
+        request = Request(rid, token_ids, params, eos_token_id=getattr(self.tokenizer, "eos_id", None),
+                          priority=priority, extra_keys=keys, mm_data=mm)
+        self.scheduler.add_request(request)
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output)
+        self._live[rid] = _Live(request, detok)
+        return rid
+
+    def _sampling_params(self, rid: str, params: Any) -> SamplingParams:
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, Mapping):
+            params = SamplingParams.from_dict(params)
+        elif not isinstance(params, SamplingParams):
+            raise RequestError(f"request {rid!r}: sampling_params must be a SamplingParams or a mapping, got "
+                               f"{type(params).__name__}")
+        if (params.logprobs or 0) > self.serve.max_logprobs:
+            raise RequestError(f"request {rid!r}: logprobs={params.logprobs} exceeds serve.max_logprobs="
+                               f"{self.serve.max_logprobs}; ask for fewer or raise serve.max_logprobs")
+        return params
+
+    def _tokens(self, rid: str, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            marker = getattr(self.tokenizer, "image_marker", None)
+            if not marker or self.model_cfg.text_only:
+                return list(self.tokenizer.encode(prompt))
+            ids: list[int] = []
+            for k, piece in enumerate(prompt.split(marker)):  # each marker -> one image's placeholder tokens
+                if k:
+                    ids.extend([self.image_token_id] * self.model_cfg.image_tokens)
+                ids.extend(self.tokenizer.encode(piece))
+            return ids
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise RequestError(f"request {rid!r}: prompt must be a string or a list of token ids") from None
+        vocab = self.model_cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"request {rid!r}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _image(self, rid: str, index: int, image: Any) -> np.ndarray:
+        """bytes (PNG/JPEG...), uint8 [H, W, C] pixels, or an already normalised float [size, size, C]."""
+        if self.model_cfg.text_only:
+            raise RequestError(f"request {rid!r}: the model is text-only (model.text_only=true) but the request "
+                               "has images")
+        v = self.model_cfg.vision
+        try:
+            if isinstance(image, (bytes, bytearray)):
+                image = decode_image(bytes(image), f"{rid} image {index}")
+            image = np.asarray(image)
+            if image.dtype == np.uint8:
+                return preprocess(image, v.image_size, v.mean, v.std, f"{rid} image {index}")
+        except DataError as e:
+            raise RequestError(f"request {rid!r}: image {index}: {e}") from None
+        if image.shape != (v.image_size, v.image_size, v.channels) or not np.issubdtype(image.dtype, np.floating):
+            raise RequestError(f"request {rid!r}: image {index} has shape {image.shape} dtype {image.dtype}; give "
+                               f"encoded bytes, uint8 [H, W, {v.channels}] pixels or a normalised float "
+                               f"[{v.image_size}, {v.image_size}, {v.channels}] array")
+        return np.asarray(image, np.float32)
+
+    def _image_ranges(self, rid: str, ids: Sequence[int], num_images: int) -> list[tuple[int, int]]:
+        """Each image's placeholder range: runs of the image token, `image_tokens` per image, in order."""
+        if self.model_cfg.text_only:
+            return []
+        t = self.model_cfg.image_tokens
+        ranges: list[tuple[int, int]] = []
+        i = 0
+        while i < len(ids):
+            if ids[i] != self.image_token_id:
+                i += 1
+                continue
+            j = i
+            while j < len(ids) and ids[j] == self.image_token_id:
+                j += 1
+            if (j - i) % t:
+                raise RequestError(f"request {rid!r}: a run of {j - i} image placeholder tokens at position {i} "
+                                   f"is not a whole number of images ({t} tokens each)")
+            ranges.extend((a, a + t) for a in range(i, j, t))
+            i = j
+        if len(ranges) != num_images:
+            raise RequestError(f"request {rid!r}: the prompt has placeholders for {len(ranges)} images but "
+                               f"{num_images} were given; put one image marker per image")
+        return ranges
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a live request; its final output (finish_reason "abort") comes with the next `step()`."""
+        if request_id not in self._live or not self.scheduler.abort_request(request_id):
+            return False
+        self._aborted.append(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    # -- one step -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and report every request that produced tokens or finished."""
+        outputs = [self._output(self._live.pop(rid), [], []) for rid in self._aborted]
+        self._aborted = []
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute(out) if out.scheduled else {}
+        self.scheduler.update_from_output(out, {rid: s.token for rid, s in sampled.items()})
+        for rid, tok in sampled.items():
+            live = self._live[rid]
+            start = time.perf_counter()
+            text = live.detok.push(tok.token)
+            request = live.request
+            if live.detok.stopped and not request.status.is_finished:
+                live.stop_str = live.detok.stop_str
+                self.scheduler.abort_request(rid)
+            elif request.status.is_finished and not live.detok.stopped:
+                text += live.detok.flush()
+            live.detokenize_s += time.perf_counter() - start
+            top = (request.sampling_params.logprobs or 0)
+            lp = SampledToken(tok.token, tok.logprob, tok.top_ids[:top], tok.top_logprobs[:top])
+            outputs.append(self._output(live, [tok.token], [lp], text))
+            if request.status.is_finished:
+                del self._live[rid]
+        return outputs
+
+    def _output(self, live: _Live, new_ids: list[int], logprobs: list[SampledToken],
+                new_text: str = "") -> RequestOutput:
+        request = live.request
+        live.text += new_text
+        finished = request.status.is_finished
+        reason, stop = None, None
+        if finished:
+            reason = "stop" if live.stop_str is not None else FINISH_REASONS[request.status]
+            stop = live.stop_str if live.stop_str is not None else request.stop_reason
+        return RequestOutput(request.request_id, list(request.prompt_token_ids), new_ids, new_text,
+                             list(request.output_token_ids), live.text,
+                             finished, reason, stop, logprobs, self.metrics(live))
+
+    def metrics(self, live: _Live) -> RequestMetrics:
+        r = live.request
+        now = r.finished_time or time.monotonic()
+        diff = lambda a, b: None if a is None or b is None else b - a
+        return RequestMetrics(
+            queue_s=diff(r.arrival_time, r.first_scheduled_time),
+            time_to_first_token_s=diff(r.arrival_time, r.first_token_time),
+            prefill_s=diff(r.first_scheduled_time, r.first_token_time),
+            decode_s=diff(r.first_token_time, now if r.first_token_time is not None else None),
+            detokenize_s=live.detokenize_s, num_prompt_tokens=r.num_prompt_tokens,
+            num_cached_prompt_tokens=max(r.num_cached_tokens, 0), num_generated_tokens=len(r.output_token_ids),
+            num_preemptions=r.num_preemptions)
+
+    def stats(self) -> dict[str, float]:
+        """Scheduler gauges plus the runner's compile, step and image-cache counters."""
+        return {**self.scheduler.stats(), "num_compiles": self.runner.num_compiles,
+                "num_steps": self.runner.num_steps, "image_cache_hits": self.runner.image_cache.hits,
+                "image_cache_misses": self.runner.image_cache.misses}
+
+
+class LLM:
+    """Offline generation: `LLM(cfg, model, tokenizer).generate(prompts, sampling_params)`."""
+
+    def __init__(self, cfg: Config, model: Any, tokenizer: Any, **engine_kw: Any) -> None:
+        self.engine = Engine(cfg, model, tokenizer, **engine_kw)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 images: Sequence[Sequence[Any] | None] | None = None) -> list[CompletionOutput]:
+        """Every prompt to completion, outputs in prompt order. A bad request raises its RequestError after
+        the requests queued before it are aborted."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        images = images or [None] * len(prompts)
+        engine = self.engine
+        ids: list[str] = []
+        try:
+            for prompt, sp, ims in zip(prompts, params, images, strict=True):
+                ids.append(engine.add_request(prompt, ims, sp))
+        except Exception:
+            for rid in ids:
+                engine.abort(rid)
+            engine.step()
+            raise
+        results: dict[str, CompletionOutput] = {}
+        logprobs: dict[str, list[SampledToken]] = {rid: [] for rid in ids}
+        while engine.has_unfinished():
+            for o in engine.step():
+                logprobs[o.request_id].extend(o.logprobs)
+                if o.finished:
+                    results[o.request_id] = CompletionOutput(
+                        o.request_id, o.prompt_token_ids, o.token_ids, o.text, o.finish_reason,
+                        o.stop_reason, logprobs[o.request_id], o.metrics)
+        return [results[rid] for rid in ids]
+

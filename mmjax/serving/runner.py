@@ -1,0 +1,298 @@
+"""Model runner: turns a `SchedulerOutput` into one jitted forward + sample over the paged KV pool.
+
+The host builds flat numpy arrays (tokens, positions, KV slots, page tables, image rows) padded to a fixed
+(token, slot) bucket, so a small set of shapes compiles once (`warmup`) and serving never recompiles. The
+KV pools are donated to the step, so XLA updates them in place. Images are encoded once (ViT + projector) and
+kept in an LRU keyed by content hash; each step gathers the rows its image placeholder tokens need.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mmjax.config import ServeConfig
+from mmjax.model.decoder import PagedMeta
+from mmjax.model.layers import resolve_dtype
+from mmjax.serving.kv_manager import NULL_PAGE
+from mmjax.serving.request import Request
+from mmjax.serving.sampling import SamplingTensors, sample
+from mmjax.serving.scheduler import SchedulerOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageInput:
+    """A request's images (normalised float32 [H, W, C] each), the prompt range [start, end) of each image's
+    placeholder tokens, and each image's content hash (the encoder cache key). The engine builds it as
+    `Request.mm_data`."""
+
+    images: tuple[np.ndarray, ...]
+    ranges: tuple[tuple[int, int], ...]
+    hashes: tuple[str, ...]
+
+
+def image_hash(image: np.ndarray) -> str:
+    """Content hash of a preprocessed image (shape, dtype and bytes)."""
+    image = np.ascontiguousarray(image)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{image.shape}{image.dtype}".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledToken:
+    """One sampled token with its logprob and the top-k alternatives (empty when none were asked for)."""
+
+    token: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+def buckets(low: int, high: int) -> tuple[int, ...]:
+    """Powers of two from `low` (capped at `high`) below `high`, then `high` itself."""
+    out, b = [], max(1, min(low, high))
+    while b < high:
+        out.append(b)
+        b *= 2
+    return (*out, high)
+
+
+def pick_bucket(sizes: Sequence[int], n: int) -> int:
+    for size in sizes:
+        if size >= n:
+            return size
+    raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+
+
+class ImageCache:
+    """LRU of encoded images [image_tokens, E] (host numpy) keyed by content hash."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._data: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: str, encode: Callable[[], np.ndarray]) -> np.ndarray:
+        rows = self._data.get(key)
+        if rows is not None:
+            self.hits += 1
+            self._data.move_to_end(key)
+            return rows
+        self.misses += 1
+        rows = self._data[key] = encode()
+        if len(self._data) > self.capacity:
+            self._data.popitem(last=False)
+        return rows
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+@dataclasses.dataclass
+class _RequestState:
+    request: Request
+    images: ImageInput | None
+    block_ids: np.ndarray  # [prompt] image block id of each prompt position (0 = text)
+    embeds: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # image index -> rows, while live
+
+
+class ModelRunner:
+    """Owns the parameters and the KV pools and runs one step per `execute`.
+
+    `model` is an `MLLM` (or a (graphdef, state) pair of one). The step samples with `sampling.sample`,
+    returning `serve.max_logprobs` top logprobs per token. The sampler's token history (for penalties) is
+    either empty or `max_model_len` long, so each (token, slot) bucket has two shapes, both compiled by
+    `warmup()`. `num_compiles` counts traces of the step and of the image encoder: it stays put after warm-up.
+    """
+
+    def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int,
+                 mesh: jax.sharding.Mesh | None = None) -> None:
+        self.graphdef, self.state = model if isinstance(model, tuple) else nnx.split(model)
+        abstract = nnx.merge(self.graphdef, self.state)
+        self.model_cfg = abstract.cfg
+        self.image_token_id = abstract.image_token_id
+        self.text_only = abstract.text_only
+        self.use_blocks = not self.text_only and self.model_cfg.image_attention == "bidirectional"
+        self.serve = serve
+        self.page_size = serve.page_size
+        self.max_pages = -(-max_model_len // serve.page_size)
+        self.token_buckets = buckets(serve.min_token_bucket, serve.max_num_batched_tokens)
+        self.slot_buckets = buckets(1, serve.max_num_seqs)
+        self.max_model_len = max_model_len
+        self.num_logprobs = serve.max_logprobs
+        self._seed_rng = np.random.default_rng(serve.seed)
+        self.seeds: dict[str, int] = {}  # drawn once per unseeded random-sampling request
+        kv_dtype = abstract.compute_dtype if serve.kv_cache_dtype == "auto" else resolve_dtype(serve.kv_cache_dtype)
+        self.embed_dim = self.model_cfg.text.dim
+        self.embed_dtype = abstract.compute_dtype
+        pools = abstract.decoder.init_pools(serve.num_pages, serve.page_size, kv_dtype)
+        if mesh is not None:  # next to parameters placed on a mesh: the pools replicated over it
+            pools = jax.device_put(pools, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        self.pools = pools
+        self.image_cache = ImageCache(serve.image_cache_size)
+        self.num_compiles = 0
+        self.num_steps = 0
+        self._requests: dict[str, _RequestState] = {}
+        self._zero_rows: dict[int, jax.Array] = {}
+        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+        self._encode = jax.jit(self._encode_fn)
+
+    # -- traced functions ---------------------------------------------------------------------------------
+
+    def _step_fn(self, state, pools, batch, sampling):
+        self.num_compiles += 1  # runs only while tracing
+        model = nnx.merge(self.graphdef, state)
+        meta = PagedMeta(batch["slot_mapping"], batch["page_table"], batch["query_start"], batch["query_len"],
+                         batch["context_len"], batch["logits_indices"], kv_block_ids=batch.get("kv_block_ids"))
+        rows, mask, blocks = batch.get("image_rows"), batch.get("image_mask"), batch.get("q_block_ids")
+        logits, pools = model.forward_paged(
+            batch["tokens"][None], batch["positions"][None], pools, meta,
+            None if rows is None else rows[None], None if mask is None else mask[None],
+            None if blocks is None else blocks[None])
+        r = sample(logits, sampling, self.num_logprobs)
+        return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs), pools
+
+    def _encode_fn(self, state, image):
+        self.num_compiles += 1
+        return nnx.merge(self.graphdef, state).encode_images(image[None])[0]
+
+    # -- requests -----------------------------------------------------------------------------------------
+
+    def _register(self, request: Request) -> None:
+        images = request.mm_data if isinstance(request.mm_data, ImageInput) else None
+        block_ids = np.zeros(request.num_prompt_tokens, np.int32)
+        if images is not None and self.use_blocks:
+            for rank, (start, end) in enumerate(images.ranges):
+                block_ids[start:end] = rank + 1
+        self._requests[request.request_id] = _RequestState(request, images, block_ids)
+        sp = request.sampling_params
+        if sp.seed is None and not sp.greedy and request.request_id not in self.seeds:
+            self.seeds[request.request_id] = int(self._seed_rng.integers(0, 2**32))
+
+    def _sampling(self, requests: Sequence[Request | None], num_slots: int) -> SamplingTensors:
+        """Per-slot sampler inputs; the history is empty unless a request uses a penalty (two shapes)."""
+        penalised = any(r is not None and r.sampling_params.uses_penalties for r in requests)
+        return SamplingTensors.from_requests(requests, num_slots, self.max_model_len if penalised else 0,
+                                             seeds=self.seeds)
+
+    def _image_rows(self, state: _RequestState, index: int) -> np.ndarray:
+        rows = state.embeds.get(index)
+        if rows is None:
+            image = state.images.images[index]
+            rows = state.embeds[index] = self.image_cache.get(
+                state.images.hashes[index], lambda: np.asarray(self._encode(self.state, jnp.asarray(image))))
+        return rows
+
+    # -- one step -----------------------------------------------------------------------------------------
+
+    def _empty_batch(self, t: int, s: int) -> dict[str, np.ndarray]:
+        i32 = np.int32
+        batch = dict(tokens=np.zeros(t, i32), positions=np.zeros(t, i32),
+                     slot_mapping=(NULL_PAGE * self.page_size + np.arange(t, dtype=i32) % self.page_size),
+                     page_table=np.full((s, self.max_pages), NULL_PAGE, i32), query_start=np.zeros(s, i32),
+                     query_len=np.zeros(s, i32), context_len=np.zeros(s, i32), logits_indices=np.zeros(s, i32))
+        if self.use_blocks:
+            batch["q_block_ids"] = np.zeros(t, i32)
+            batch["kv_block_ids"] = np.zeros((s, self.max_pages * self.page_size), i32)
+        if not self.text_only:
+            batch["image_mask"] = np.zeros(t, bool)
+        return batch
+
+    def _zeros(self, t: int) -> jax.Array:
+        """Device-resident zero image rows for steps without image tokens (no host transfer)."""
+        if t not in self._zero_rows:
+            self._zero_rows[t] = jnp.zeros((t, self.embed_dim), self.embed_dtype)
+        return self._zero_rows[t]
+
+    def _run(self, batch: dict[str, Any], sampling: Any):
+        (tokens, logprobs, top_ids, top_lp), self.pools = self._step(self.state, self.pools, batch, sampling)
+        self.num_steps += 1
+        return np.asarray(tokens), np.asarray(logprobs), np.asarray(top_ids), np.asarray(top_lp)
+
+    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request] | None = None) -> dict[str, SampledToken]:
+        """Run one scheduler step; returns the sampled token of every entry with `samples=True`."""
+        for rid in out.finished_request_ids:
+            self._requests.pop(rid, None)
+            self.seeds.pop(rid, None)
+        for request in out.new_requests:
+            self._register(request)
+        for entry in out.scheduled:  # requests handed in directly (e.g. tests that skip new_requests)
+            if entry.request_id not in self._requests:
+                self._register(requests[entry.request_id])
+        if not out.scheduled:
+            return {}
+        n_tokens = out.num_scheduled_tokens
+        t = pick_bucket(self.token_buckets, n_tokens)
+        s = pick_bucket(self.slot_buckets, len(out.scheduled))
+        batch = self._empty_batch(t, s)
+        rows = None
+        ps = self.page_size
+        off = 0
+        for i, entry in enumerate(out.scheduled):
+            st = self._requests[entry.request_id]
+            n, start = entry.num_tokens, entry.start
+            end = start + n
+            pos = np.arange(start, end, dtype=np.int32)
+            pages = np.asarray(entry.page_ids, np.int32)
+            batch["tokens"][off:off + n] = entry.token_ids
+            batch["positions"][off:off + n] = pos
+            batch["slot_mapping"][off:off + n] = pages[pos // ps] * ps + pos % ps
+            batch["page_table"][i, :len(pages)] = pages
+            batch["query_start"][i], batch["query_len"][i], batch["context_len"][i] = off, n, end
+            batch["logits_indices"][i] = off + n - 1
+            if self.use_blocks:
+                prompt = len(st.block_ids)
+                batch["kv_block_ids"][i, :min(end, prompt)] = st.block_ids[:end]
+                if start < prompt:
+                    batch["q_block_ids"][off:off + min(end, prompt) - start] = st.block_ids[start:end]
+            if st.images is not None:
+                for k, (a, b) in enumerate(st.images.ranges):
+                    lo, hi = max(a, start), min(b, end)
+                    if lo >= hi:
+                        continue
+                    if rows is None:
+                        rows = np.zeros((t, self.embed_dim), np.float32)
+                    rows[off + lo - start:off + hi - start] = self._image_rows(st, k)[lo - a:hi - a]
+                    batch["image_mask"][off + lo - start:off + hi - start] = True
+            off += n
+        if not self.text_only:
+            batch["image_rows"] = self._zeros(t) if rows is None else rows.astype(self.embed_dtype)
+        slot_requests = [self._requests[e.request_id].request for e in out.scheduled]
+        sampling = self._sampling(slot_requests, s)
+        tokens, logprobs, top_ids, top_lp = self._run(batch, sampling)
+        result = {}
+        for i, entry in enumerate(out.scheduled):
+            if entry.samples:
+                result[entry.request_id] = SampledToken(int(tokens[i]), float(logprobs[i]),
+                                                        tuple(int(x) for x in top_ids[i]),
+                                                        tuple(float(x) for x in top_lp[i]))
+        return result
+
+    def warmup(self) -> int:
+        """Compile every (token, slot) bucket (and the image encoder) with all-padding inputs; returns the
+        number of compiles. Padding writes only to the null page, so the pools' real pages are untouched."""
+        before = self.num_compiles
+        for t in self.token_buckets:
+            for s in self.slot_buckets:
+                if s > t:
+                    continue
+                batch = self._empty_batch(t, s)
+                if not self.text_only:
+                    batch["image_rows"] = self._zeros(t)
+                for history in (0, self.max_model_len):
+                    self._run(batch, SamplingTensors.from_requests([], s, history))
+        if not self.text_only:
+            v = self.model_cfg.vision
+            self._encode(self.state, jnp.zeros((v.image_size, v.image_size, v.channels), jnp.float32))
+        return self.num_compiles - before

@@ -1,0 +1,166 @@
+"""The engine end to end on a tiny MLLM: a stream of requests (chunked prefill, arrivals while others decode,
+images, shared prefixes, preemption) gives every request exactly its greedy output run alone through the plain
+forward; pages all return; no compile after warm-up; bad requests fail alone; seeded sampling is batch-free."""
+
+import dataclasses
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmjax.config import Config
+from mmjax.serving.engine import LLM, Engine
+from mmjax.serving.request import RequestError, SamplingParams
+
+EOS = 2
+
+
+class CharTokenizer:
+    """One character per token: ids 4..63 are 'A'..; 3 is the image placeholder, 2 EOS."""
+
+    eos_id = EOS
+    image_marker = "<image>"
+
+    def encode(self, text):
+        return [4 + (ord(c) - 65) % 60 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + i - 4) for i in ids if i >= 4)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny):
+    model_cfg = tiny["config"]()
+    model = tiny["model"](model_cfg, seed=5)
+    serve = tiny["serve"](page_size=4, num_pages=22, max_num_batched_tokens=32, max_num_seqs=4, min_token_bucket=8,
+                          max_model_len=40, image_cache_size=8)
+    cfg = dataclasses.replace(Config(), model=model_cfg, serve=serve)
+    engine = Engine(cfg, model, CharTokenizer(), warmup=True)
+    return dict(engine=engine, ref=tiny["reference"](model, size=40), cfg=cfg, model=model, tiny=tiny)
+
+
+def _png(image_u8):
+    buf = io.BytesIO()
+    Image.fromarray(image_u8).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_stream_equals_each_request_alone(setup):
+    engine, ref = setup["engine"], setup["ref"]
+    compiles = engine.runner.num_compiles
+    rng = np.random.default_rng(0)
+    img_tok = setup["tiny"]["image_token"]
+    shared = rng.integers(4, 64, 13).tolist()
+    pictures = [rng.standard_normal((8, 8, 3)).astype(np.float32) for _ in range(3)]
+    jobs = []  # (prompt ids, images, max_tokens)
+    for i in range(32):
+        n = int(rng.integers(3, 26))
+        prompt = rng.integers(4, 64, n).tolist()
+        if i % 3 == 0:
+            prompt = shared + prompt[:8]
+        images = []
+        if i % 4 == 1 and n >= 8:
+            at = int(rng.integers(0, n - 4))
+            prompt[at:at + 4] = [img_tok] * 4
+            images = [pictures[i % 3]]
+        jobs.append((prompt, images, int(rng.integers(2, 9))))
+    bad = [(dict(prompt=[]), "empty"), (dict(prompt=list(range(4, 44))), "max_model_len"),
+           (dict(prompt=[img_tok] * 4 + [5], images=[b"not a png"]), "cannot be decoded"),
+           (dict(prompt=[img_tok] * 4 + [5], images=[pictures[0], pictures[1]]), "placeholders for 1 images"),
+           (dict(prompt=[img_tok] * 3 + [5], images=[pictures[0]]), "not a whole number"),
+           (dict(prompt=[5, 6], sampling_params={"max_tokens": 0}), "max_tokens"),
+           (dict(prompt=[5, 6], sampling_params={"temprature": 0.5}), "unknown sampling parameter")]
+
+    want = {}
+    got: dict[str, list[int]] = {}
+    finished = {}
+    pending = list(enumerate(jobs))
+    while pending or engine.has_unfinished():
+        for _ in range(int(rng.integers(0, 4))):  # arrivals while others run
+            if pending:
+                i, (prompt, images, max_tokens) = pending.pop(0)
+                params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[img_tok])
+                rid = engine.add_request(prompt, images, params, request_id=f"r{i}")
+                want[rid] = ref.greedy(prompt, max_tokens, images, eos=EOS)
+                got[rid] = []
+                if bad and i % 4 == 2:
+                    kwargs, message = bad.pop()
+                    with pytest.raises(RequestError, match=message):
+                        engine.add_request(**kwargs)
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+            assert len(out.logprobs) == len(out.new_token_ids)
+            if out.finished:
+                finished[out.request_id] = out
+    assert not bad
+    assert got == want
+    for rid, out in finished.items():
+        assert out.token_ids == want[rid]
+        assert out.finish_reason == ("stop" if want[rid][-1] in (EOS, img_tok) else "length")
+        assert out.text == CharTokenizer().decode(want[rid])
+        m = out.metrics
+        assert m.num_generated_tokens == len(want[rid]) and m.time_to_first_token_s >= m.queue_s >= 0
+    kv = engine.kv
+    kv.check_consistency()
+    assert kv.num_free_pages == kv.num_usable_pages  # every page is back
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert engine.runner.image_cache.misses == 3 and engine.runner.image_cache.hits > 0
+    assert engine.runner.num_compiles == compiles  # nothing compiled after warm-up
+
+
+def test_seeded_sampling_alone_equals_in_batch_and_abort(setup):
+    engine = setup["engine"]
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(4, 64, 9).tolist()
+    params = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True, logprobs=2)
+    alone = LLM.__new__(LLM)
+    alone.engine = engine
+    [solo] = alone.generate([prompt], params)
+    others = [rng.integers(4, 64, int(n)).tolist() for n in rng.integers(3, 20, 5)]
+    outs = alone.generate([*others[:2], prompt, *others[2:]],
+                          [SamplingParams(max_tokens=5, temperature=0.8, seed=int(s)) for s in range(2)] + [params]
+                          + [SamplingParams(max_tokens=4, repetition_penalty=1.3)] * 3)
+    assert outs[2].token_ids == solo.token_ids and len(solo.token_ids) == 6
+    assert all(len(lp.top_ids) == 2 for lp in solo.logprobs)
+    np.testing.assert_allclose([lp.logprob for lp in outs[2].logprobs], [lp.logprob for lp in solo.logprobs],
+                               atol=1e-5)
+    # abort: the final output says so and the pages return
+    rid = engine.add_request(prompt, sampling_params=SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    assert engine.abort(rid)
+    [out] = engine.step()
+    assert out.finished and out.finish_reason == "abort" and not engine.has_unfinished()
+    assert engine.kv.num_free_pages == engine.kv.num_usable_pages
+
+
+def test_text_prompt_images_as_bytes_and_stop_string(setup):
+    engine, ref = setup["engine"], setup["ref"]
+    pixels = np.random.default_rng(2).integers(0, 255, (8, 8, 3)).astype(np.uint8)
+    llm = LLM.__new__(LLM)
+    llm.engine = engine
+    [out] = llm.generate(["AB<image>CDE"], SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=[3]),
+                         images=[[_png(pixels)]])
+    from mmjax.data.image import preprocess
+    v = setup["cfg"].model.vision
+    prompt = [4, 5] + [3] * 4 + [6, 7, 8]
+    want = ref.greedy(prompt, 5, [preprocess(pixels, v.image_size, v.mean, v.std)])
+    assert out.prompt_token_ids == prompt and out.token_ids == want
+    text = CharTokenizer().decode(want)
+    if len(text) >= 2:  # a stop string cuts the text before it and ends the request
+        [cut] = llm.generate(["AB<image>CDE"], SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=[3],
+                                                                 stop=[text[1:3]]),
+                             images=[[pixels]])
+        assert cut.finish_reason == "stop" and cut.stop_reason == text[1:3] and cut.text == text[:1]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("serve.page_size=12", "power of two"), ("serve.num_pages=1", "null page"),
+    ("serve.max_num_seqs=512", "max_num_batched_tokens"), ("serve.max_model_len=100000", "model.max_seq_len"),
+    ("serve.kv_cache_dtype=int8", "not one of"), ("serve.max_logprobs=21", "max_logprobs")])
+def test_serve_config_is_validated(override, message):
+    from mmjax.config import load_config
+    from mmjax.errors import ConfigError
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])

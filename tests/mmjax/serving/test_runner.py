@@ -1,0 +1,115 @@
+"""The paged forward and the model runner: chunked paged prefill equals the plain forward; buckets compile once."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mmjax.model.decoder import PagedMeta
+from mmjax.serving.kv_manager import KVCacheManager
+from mmjax.serving.request import Request, SamplingParams
+from mmjax.serving.runner import ImageInput, ModelRunner, buckets, image_hash
+from mmjax.serving.scheduler import Scheduler
+
+
+def _paged_chunks(model, tokens, images, chunks, page_size=4, num_pages=16):
+    """Run `tokens` through forward_paged chunk by chunk (pages in a shuffled order); logits of every token."""
+    cfg = model.cfg
+    t_img = cfg.image_tokens
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, pools, tok, pos, rows, mask, blocks, meta):
+        return nnx.merge(graphdef, state).forward_paged(tok[None], pos[None], pools, meta, rows[None], mask[None],
+                                                        blocks[None])
+
+    encoded = [np.asarray(nnx.merge(graphdef, state).encode_images(jnp.asarray(im)[None])[0]) for im in images]
+    n = len(tokens)
+    is_img = np.asarray(tokens) == model.image_token_id
+    rank = np.cumsum(is_img) - 1
+    block = np.where(is_img, rank // t_img + 1, 0).astype(np.int32)
+    rows = np.zeros((n, cfg.text.dim), np.float32)
+    for i in np.flatnonzero(is_img):
+        rows[i] = encoded[rank[i] // t_img][rank[i] % t_img]
+    pages = np.random.default_rng(0).permutation(np.arange(1, num_pages))[: -(-n // page_size)].astype(np.int32)
+    max_pages = 8
+    pools = model.decoder.init_pools(num_pages, page_size)
+    out = []
+    for start, end in chunks:
+        t = 16  # one bucket: padding tokens after the chunk
+        m = end - start
+        pos = np.arange(start, end)
+        slot = np.arange(t) % page_size  # padding: the null page
+        slot[:m] = pages[pos // page_size] * page_size + pos % page_size
+        table = np.zeros((t, max_pages), np.int32)
+        table[0, :len(pages)] = pages
+        kv_blocks = np.zeros((t, max_pages * page_size), np.int32)
+        kv_blocks[0, :n] = block
+        z = np.zeros(t, np.int32)
+        meta = PagedMeta(slot_mapping=slot.astype(np.int32), page_table=table, query_start=z,
+                         query_len=np.r_[m, z[1:]].astype(np.int32), context_len=np.r_[end, z[1:]].astype(np.int32),
+                         logits_indices=np.arange(t, dtype=np.int32), kv_block_ids=kv_blocks)
+        pad = lambda a, fill=0: np.concatenate([a, np.full((t - m, *a.shape[1:]), fill, a.dtype)])
+        logits, pools = step(state, pools, pad(np.asarray(tokens[start:end], np.int32)), pad(pos.astype(np.int32)),
+                             pad(rows[start:end]), pad(is_img[start:end]), pad(block[start:end]), meta)
+        out.append(np.asarray(logits)[:m])
+    return np.concatenate(out)
+
+
+def test_paged_forward_in_chunks_equals_plain_forward(tiny):
+    for text_only in (False, True):
+        cfg = tiny["config"](text_only=text_only)
+        model = tiny["model"](cfg, seed=1)
+        ref = tiny["reference"](model, size=32)
+        rng = np.random.default_rng(2)
+        tokens = rng.integers(4, cfg.vocab_size, 22).tolist()
+        images = []
+        if not text_only:  # two images of 4 tokens at 3..7 and 12..16
+            tokens[3:7] = tokens[12:16] = [tiny["image_token"]] * 4
+            images = [rng.standard_normal((8, 8, 3)).astype(np.float32) for _ in range(2)]
+        want = ref.logits(tokens, images)
+        got = _paged_chunks(model, tokens, images, [(0, 3), (3, 9), (9, 16), (16, 17), (17, 22)])
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_buckets():
+    assert buckets(16, 64) == (16, 32, 64)
+    assert buckets(16, 48) == (16, 32, 48)
+    assert buckets(16, 8) == (8,)
+    assert buckets(1, 6) == (1, 2, 4, 6)
+
+
+def test_runner_greedy_stream_no_recompiles_and_image_cache(tiny):
+    """Scheduler + runner over several requests (chunked prefill, shared image) equal each request alone."""
+    cfg = tiny["config"]()
+    model = tiny["model"](cfg, seed=3)
+    serve = tiny["serve"](page_size=4, num_pages=40, max_num_batched_tokens=16, max_num_seqs=4, min_token_bucket=8)
+    runner = ModelRunner(model, serve, max_model_len=32)
+    assert runner.warmup() == 2 * len([1 for t in runner.token_buckets for s in runner.slot_buckets if s <= t]) + 1
+    compiles = runner.num_compiles
+    sched = Scheduler(KVCacheManager(serve.num_pages, serve.page_size), max_num_batched_tokens=16, max_num_seqs=4,
+                      max_model_len=32)
+    rng = np.random.default_rng(4)
+    image = rng.standard_normal((8, 8, 3)).astype(np.float32)
+    ref = tiny["reference"](model, size=32)
+    want = {}
+    for i, n in enumerate([5, 13, 9, 20]):
+        prompt = rng.integers(4, cfg.vocab_size, n).tolist()
+        mm = None
+        if i % 2:
+            prompt[2:6] = [tiny["image_token"]] * 4
+            mm = ImageInput((image,), ((2, 6),), (image_hash(image),))
+        params = SamplingParams(max_tokens=6, stop_token_ids=[tiny["image_token"]])
+        sched.add_request(Request(f"r{i}", prompt, params, mm_data=mm))
+        want[f"r{i}"] = ref.greedy(prompt, 6, [image] if mm else [])
+    got = {rid: [] for rid in want}
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        sampled = runner.execute(out)
+        for rid, tok in sampled.items():
+            got[rid].append(tok.token)
+            assert tok.logprob <= 0
+        sched.update_from_output(out, {rid: tok.token for rid, tok in sampled.items()})
+    assert got == want
+    assert runner.num_compiles == compiles
+    assert runner.image_cache.misses == 1 and runner.image_cache.hits == 1
