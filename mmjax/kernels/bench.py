@@ -363,19 +363,26 @@ def _fmt(v) -> str:
     return "n/a" if v is None else f"{v:.0f}"
 
 
-def write_readme_section(readme, record: dict, command: str,
-                         title: str = "Kernels (`python -m mmjax.tools.bench_kernels`)"):
-    """Replace (or append) this benchmark's section of docs/perf/README.md, leaving other sections alone."""
+def replace_readme_section(readme, title: str, body: str) -> None:
+    """Replace (or append) the section marked `<!-- {title} start/end -->` of a markdown file (e.g.
+    docs/perf/README.md) with `## {title}` and `body`, leaving other sections alone."""
     from pathlib import Path
     path = Path(readme)
     text = path.read_text() if path.exists() else "# Performance\n\nMeasured numbers; raw JSON in `results/`.\n"
     start, end = f"<!-- {title} start -->", f"<!-- {title} end -->"
-    body = (f"{start}\n## {title}\n\n{record['device']}, {record['date']}, versions {record['versions']}.\n"
-            f"Ceilings: {PEAK_TFLOPS:.0f} TFLOP/s bf16 matmul, {PEAK_GBPS:.0f} GB/s copy "
-            f"(x + 1 measured in this run: {_fmt(record['ceilings'].get('copy_gbps_measured_now'))} GB/s).\n"
-            f"Command: `{command}`\n\n{table(record)}\n{end}")
+    body = f"{start}\n## {title}\n\n{body}\n{end}"
     if start in text and end in text:
         text = text[:text.index(start)] + body + text[text.index(end) + len(end):]
     else:
         text = text.rstrip() + "\n\n" + body + "\n"
     path.write_text(text)
+
+
+def write_readme_section(readme, record: dict, command: str,
+                         title: str = "Kernels (`python -m mmjax.tools.bench_kernels`)"):
+    """Replace (or append) this benchmark's section of docs/perf/README.md, leaving other sections alone."""
+    replace_readme_section(readme, title, (
+        f"{record['device']}, {record['date']}, versions {record['versions']}.\n"
+        f"Ceilings: {PEAK_TFLOPS:.0f} TFLOP/s bf16 matmul, {PEAK_GBPS:.0f} GB/s copy "
+        f"(x + 1 measured in this run: {_fmt(record['ceilings'].get('copy_gbps_measured_now'))} GB/s).\n"
+        f"Command: `{command}`\n\n{table(record)}"))
