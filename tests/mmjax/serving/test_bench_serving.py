@@ -94,3 +94,19 @@ def test_record(record, tmp_path):
     text = readme.read_text()
     assert text.count(f"<!-- {bench.README_TITLE} start -->") == 1 and "keep" in text
     assert "| 4 |" in text and "HF peer skipped" in text and "Mixed: 10 requests" in text
+
+
+def test_hf_peer_in_its_own_process():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from mmjax.engine.convert.hf import text_config_to_hf
+    m = tiny_cfg().model
+    hf = text_config_to_hf(m.text, m.vocab_size, m.max_seq_len, "llama", "float32")
+    spec = bench.BenchSpec(batches=(1, 3), prompt_len=8, new_tokens=5)
+    r = bench.hf_peer(hf, spec, dtype="float32", allow_cpu=True)
+    assert [row["batch"] for row in r["rows"]] == [1, 3], r
+    for row in r["rows"]:
+        assert row["e2e_tok_s"] > 0 and row["prefill_s"] > 0 and row["e2e_s"] > row["prefill_s"]
+    import torch
+    if not torch.cuda.is_available():  # without --hf-on-cpu a CPU-only torch is a skip with the reason
+        assert "no CUDA" in bench.hf_peer(hf, spec, dtype="float32")["skipped"]

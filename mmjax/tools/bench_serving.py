@@ -1,0 +1,81 @@
+"""Offline serving benchmark: decode tok/s against the HBM roofline, TTFT, a mixed workload, the HF `generate` peer.
+
+    python -m mmjax.tools.bench_serving --readme                 # H200: llama_1b decoder, bf16, random weights
+    python -m mmjax.tools.bench_serving --batches 1 8 --num-requests 50 serve.max_num_batched_tokens=4096
+
+The model is `--config` with `model.text_only=true` and bf16 weights and compute; trailing `key=value` arguments
+override any config key. Prints the tables, writes docs/perf/results/serving-<date>.json (or `--out`) and, with
+`--readme`, replaces the serving section of docs/perf/README.md. See docs/serving.md, "Benchmark".
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+from mmjax.config import load_config
+from mmjax.engine.convert import load_params
+from mmjax.engine.convert.hf import text_config_to_hf
+from mmjax.serving import bench
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = bench.BenchSpec()
+    p.add_argument("--config", default="models/llama_1b.yaml")
+    p.add_argument("--checkpoint", default="", help="mmjax checkpoint whose parameters to serve (default: random)")
+    p.add_argument("--batches", type=int, nargs="+", default=list(d.batches), help="decode batch sizes")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    p.add_argument("--new-tokens", type=int, default=d.new_tokens)
+    p.add_argument("--ttft-prompts", type=int, nargs="*", default=list(d.ttft_prompts))
+    p.add_argument("--ttft-repeats", type=int, default=d.ttft_repeats)
+    p.add_argument("--num-requests", type=int, default=d.num_requests, help="mixed workload size (0 = skip)")
+    p.add_argument("--hbm-gbps", type=float, default=d.hbm_gbps, help="roofline bandwidth (measured H200 copy)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate peer")
+    p.add_argument("--hf-on-cpu", action="store_true", help="run the HF peer on the CPU (tiny models only)")
+    p.add_argument("--out", default="", help="JSON path (default docs/perf/results/serving-<date>.json)")
+    p.add_argument("--readme", nargs="?", const="docs/perf/README.md", default=None,
+                   help="replace the serving section of this markdown file (default docs/perf/README.md)")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. serve.page_size=32")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = ["model.text_only=true", "model.compute_dtype=bfloat16", "model.param_dtype=bfloat16",
+                 "serve.max_num_batched_tokens=2048", *args.overrides]
+    cfg = load_config(args.config, overrides)
+    spec = bench.BenchSpec(batches=tuple(args.batches), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                           ttft_prompts=tuple(args.ttft_prompts), ttft_repeats=args.ttft_repeats,
+                           num_requests=args.num_requests, hbm_gbps=args.hbm_gbps, seed=args.seed)
+    params = None
+    if args.checkpoint:
+        params, _, _ = load_params(args.checkpoint)
+        params = {k: v for k, v in params.items() if k == "decoder"} if cfg.model.text_only else params
+    hf_config = None if args.no_hf else text_config_to_hf(cfg.model.text, cfg.model.vocab_size,
+                                                         bench.serving_config(cfg, spec).model.max_seq_len,
+                                                         "llama", cfg.model.param_dtype)
+    out = Path(args.out or f"docs/perf/results/serving-{datetime.date.today().isoformat()}.json")
+    command = "python -m mmjax.tools.bench_serving " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+
+    def save(record: dict) -> None:
+        record["command"] = command
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=1))
+
+    record = bench.run_serving_bench(cfg, spec, params=params, hf_config=hf_config, hf_on_cpu=args.hf_on_cpu,
+                                     save=save)
+    save(record)
+    if args.readme:
+        bench.write_readme(args.readme, record, command)
+    print(bench.table(record))
+    print(f"wrote {out}" + (f" and the serving section of {args.readme}" if args.readme else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
