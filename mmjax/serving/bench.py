@@ -292,9 +292,15 @@ def run_serving_bench(cfg: Config, spec: BenchSpec = BenchSpec(), *, params: dic
                       save: Callable[[dict], None] | None = None) -> dict:
     """Every measurement of `spec` on one engine over `serving_config(cfg, spec)`; returns the record.
 
-    `hf_config`: the Hugging Face config dict of the same decoder (None: the peer is skipped). `save(record)`
-    runs after each phase, so a run cut short still leaves its numbers."""
+    `hf_config`: the Hugging Face config dict of the same decoder (None: the peer is skipped); the peer runs
+    first, before this process's JAX preallocates the GPU's memory. `save(record)` runs after each phase, so
+    a run cut short still leaves its numbers."""
     cfg = serving_config(cfg, spec)
+    hf = {"skipped": "no Hugging Face config given"}
+    if hf_config is not None:  # first, before JAX takes the GPU's memory
+        t0 = time.perf_counter()
+        hf = hf_peer(hf_config, spec, dtype=cfg.model.param_dtype, allow_cpu=hf_on_cpu)
+        log.info("hf peer done in %.1f s", time.perf_counter() - t0)
     model = build_model(cfg, params)
     weight_bytes = param_bytes(model)
     engine = Engine(cfg, model, IdTokenizer())
@@ -312,7 +318,7 @@ def run_serving_bench(cfg: Config, spec: BenchSpec = BenchSpec(), *, params: dic
                   "attention_impl": m.attention_impl, "random_weights": params is None},
         "serve": dataclasses.asdict(s), "spec": {**dataclasses.asdict(spec), "batches": list(spec.batches),
                                                  "ttft_prompts": list(spec.ttft_prompts)},
-        "decode": [], "ttft": [], "mixed": None, "hf": None,
+        "decode": [], "ttft": [], "mixed": None, "hf": hf,
     }
 
     def phase(name: str, fn: Callable[[], Any]) -> None:
@@ -330,11 +336,6 @@ def run_serving_bench(cfg: Config, spec: BenchSpec = BenchSpec(), *, params: dic
     if spec.num_requests:
         phase("mixed", lambda: record.update(mixed=bench_mixed(engine, spec, rng)))
     record["engine_stats"] = engine.stats()
-    del engine, model
-    hf = {"skipped": "no Hugging Face config given"}
-    if hf_config is not None:
-        hf = hf_peer(hf_config, spec, dtype=m.param_dtype, allow_cpu=hf_on_cpu)
-    phase("hf peer", lambda: record.update(hf=hf))
     return record
 
 

@@ -110,3 +110,14 @@ def test_hf_peer_in_its_own_process():
     import torch
     if not torch.cuda.is_available():  # without --hf-on-cpu a CPU-only torch is a skip with the reason
         assert "no CUDA" in bench.hf_peer(hf, spec, dtype="float32")["skipped"]
+
+
+def test_build_model_takes_params():
+    import jax
+    import numpy as np
+    from flax import nnx
+    first = bench.build_model(tiny_cfg())
+    doubled = jax.tree.map(lambda x: np.asarray(x) * 2, nnx.state(first, nnx.Param).to_pure_dict())
+    second = bench.build_model(tiny_cfg(), doubled)
+    for a, b in zip(jax.tree.leaves(nnx.state(first, nnx.Param)), jax.tree.leaves(nnx.state(second, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(b), 2 * np.asarray(a))
