@@ -118,7 +118,7 @@ def serving_config(cfg: Config, spec: BenchSpec) -> Config:
 
 def build_model(cfg: Config, params: dict | None = None, image_token_id: int | None = None) -> MLLM:
     """The model of `cfg.model`, randomly initialised on the device in one jitted call, or holding `params`
-    (a nested dict of arrays as `nnx.State.to_pure_dict` gives, e.g. a checkpoint's), cast to the model's
+    (a nested dict of arrays as `nnx.to_pure_dict` gives, e.g. a checkpoint's), cast to the model's
     parameter dtypes."""
     token = cfg.model.vocab_size - 1 if image_token_id is None else image_token_id
     make = lambda: MLLM(cfg.model, image_token_id=token, rngs=nnx.Rngs(params=cfg.train.seed))  # noqa: E731
@@ -127,7 +127,7 @@ def build_model(cfg: Config, params: dict | None = None, image_token_id: int | N
         nnx.update(model, jax.jit(lambda: nnx.state(make()))())
         return model
     state = nnx.state(model, nnx.Param)
-    state.replace_by_pure_dict(params)
+    nnx.replace_by_pure_dict(state, params)
     nnx.update(model, jax.tree.map(lambda a, like: jax.numpy.asarray(a, like.dtype), state,
                                    nnx.state(model, nnx.Param)))
     return model

@@ -117,7 +117,7 @@ def test_build_model_takes_params():
     import numpy as np
     from flax import nnx
     first = bench.build_model(tiny_cfg())
-    doubled = jax.tree.map(lambda x: np.asarray(x) * 2, nnx.state(first, nnx.Param).to_pure_dict())
+    doubled = jax.tree.map(lambda x: np.asarray(x) * 2, nnx.to_pure_dict(nnx.state(first, nnx.Param)))
     second = bench.build_model(tiny_cfg(), doubled)
     for a, b in zip(jax.tree.leaves(nnx.state(first, nnx.Param)), jax.tree.leaves(nnx.state(second, nnx.Param))):
         np.testing.assert_allclose(np.asarray(b), 2 * np.asarray(a))
