@@ -135,7 +135,7 @@ class ModelRunner:
         self.page_size = serve.page_size
         self.max_pages = -(-max_model_len // serve.page_size)
         self.token_buckets = buckets(serve.min_token_bucket, serve.max_num_batched_tokens)
-        self.slot_buckets = buckets(1, serve.max_num_seqs)
+        self.slot_buckets = buckets(serve.min_slot_bucket, serve.max_num_seqs)
         self.max_model_len = max_model_len
         self.num_logprobs = serve.max_logprobs
         self._seed_rng = np.random.default_rng(serve.seed)
