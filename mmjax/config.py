@@ -289,6 +289,7 @@ class ServeConfig:
     max_num_seqs: int = 16  # sequences running at once (the largest slot bucket)
     max_model_len: int = 0  # prompt + output tokens of one request; 0 = model.max_seq_len
     min_token_bucket: int = 16  # smallest token bucket; buckets double up to max_num_batched_tokens
+    min_slot_bucket: int = 1  # smallest sequence-slot bucket; buckets double up to max_num_seqs
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk per step; 0 = the budget alone
@@ -622,7 +623,8 @@ def validate_serve(s: ServeConfig, model_max_len: int) -> None:
         if not ok:
             raise ConfigError(msg)
 
-    for name in ("page_size", "max_num_batched_tokens", "max_num_seqs", "min_token_bucket", "image_cache_size"):
+    for name in ("page_size", "max_num_batched_tokens", "max_num_seqs", "min_token_bucket", "min_slot_bucket",
+                 "image_cache_size"):
         need(getattr(s, name) >= 1, f"serve.{name} must be >= 1, got {getattr(s, name)}")
     need(s.page_size & (s.page_size - 1) == 0, f"serve.page_size={s.page_size} must be a power of two")
     need(s.num_pages >= 2, f"serve.num_pages={s.num_pages} must be >= 2 (page 0 is the reserved null page)")

@@ -19,13 +19,13 @@ import numpy as np
 from mmjax.config import Config, to_yaml
 from mmjax.data.pipeline import load_eval_examples, make_train_dataset, open_dataset
 from mmjax.engine import checkpoint as ckpt
-from mmjax.engine.evaluate import Evaluator, make_generate_fn, write_predictions
+from mmjax.engine.evaluate import Evaluator, make_eval_engine, write_predictions
 from mmjax.engine.feed import DeviceFeed
 from mmjax.engine.init import create_train_state, model_setup
 from mmjax.engine.optimizer import learning_rate_schedule, make_optimizer
 from mmjax.engine.steps import jit_train_step
 from mmjax.observe.monitor import TrainMonitor
-from mmjax.parallel.mesh import data_parallel_size, make_mesh, resolve_mesh_shape
+from mmjax.parallel.mesh import make_mesh, resolve_mesh_shape
 from mmjax.parallel.sharding import context_from_config
 
 log = logging.getLogger(__name__)
@@ -76,10 +76,11 @@ class Trainer:
 
         self.monitor.phase("the evaluation set to load")
         eval_set = load_eval_examples(cfg, self.tokenizer, self.files)
-        generate = make_generate_fn(self.setup.graphdef, max_new_tokens=cfg.eval.max_new_tokens,
-                                    eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, sharding=self.sharding)
-        self.evaluator = None if eval_set is None else Evaluator(  # None: user data without data.eval_paths
-            eval_set, self.tokenizer, generate, self.mesh, cfg.eval.batch_size, data_parallel_size(self.mesh_sizes))
+        self.evaluator = None  # None: user data without data.eval_paths
+        if eval_set is not None:  # the serving engine, built once: evaluation compiles on the first eval only
+            engine = make_eval_engine(cfg, self.setup.graphdef, self.state.params, self.tokenizer, eval_set,
+                                      self.mesh, self.sharding)
+            self.evaluator = Evaluator(eval_set, self.tokenizer, engine, cfg.eval.batch_size, cfg.eval.max_new_tokens)
         n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params))
         log.info("model: %.2fM parameters; mesh %s (%d processes, ZeRO-%d%s)", n_params / 1e6, self.mesh_sizes,
                  jax.process_count(), cfg.parallel.zero_stage,

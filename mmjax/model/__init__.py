@@ -3,8 +3,7 @@
 Model files carry only logical axis names; `mmjax.parallel` maps them onto the mesh.
 """
 
-from mmjax.model.decoder import KVCache
 from mmjax.model.layers import logical_axes, resolve_dtype
 from mmjax.model.mllm import MLLM
 
-__all__ = ["MLLM", "KVCache", "logical_axes", "resolve_dtype"]
+__all__ = ["MLLM", "logical_axes", "resolve_dtype"]

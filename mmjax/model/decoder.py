@@ -1,8 +1,6 @@
-"""Llama-style decoder: fused-QKV GQA attention with RoPE, SwiGLU MLP, RMSNorm, optional KV cache."""
+"""Llama-style decoder: fused-QKV GQA attention with RoPE, SwiGLU MLP, RMSNorm; a paged-KV serving forward."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import flax.struct
 import jax
@@ -12,28 +10,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mmjax import kernels
 from mmjax.config import ModelConfig
-from mmjax.errors import ModelError
 from mmjax.model.layers import RMSNorm, dense, make_stack, normal, param, rope, run_stack, zeros
 from mmjax.parallel.sharding import attention, constrain, embed_lookup
 
 RESIDUAL = ("batch", "norm_length", "act_embed")  # logical names of the residual stream
-
-
-@flax.struct.dataclass
-class KVCache:
-    """Per-layer keys/values [layers, B, max_len, n_kv_heads, head_dim] and lengths [B].
-
-    `lengths[b]` is the number of tokens cached for row b, i.e. the next slot to write. Slot j holds the
-    token at position j (prompts are right-padded and start at position 0).
-    """
-
-    k: jax.Array
-    v: jax.Array
-    lengths: jax.Array
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
 
 
 @flax.struct.dataclass
@@ -103,27 +83,12 @@ class DecoderLayer(nnx.Module):
         return constrain(x + dense(h, self.down[...], "bsm,me->bse", self.compute_dtype), RESIDUAL)
 
     def __call__(self, x, positions, segment_ids, block_ids):
-        """Training / prefill forward over the sequence itself; also returns this layer's k, v."""
+        """Training forward over the sequence itself."""
         q, k, v = self.qkv_proj(self.attn_norm(x), positions)
         attn = attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                          q_positions=positions, kv_positions=positions, causal=True,
                          q_block_ids=block_ids, kv_block_ids=block_ids, impl=self.attention_impl)
-        return self.finish(x, attn), (k, v)
-
-    def decode(self, x, lengths, k_cache, v_cache):
-        """One new token per row (x [B,1,E]) at position/slot lengths[b]; returns x and updated caches."""
-        b = x.shape[0]
-        positions = lengths[:, None]
-        q, k, v = self.qkv_proj(self.attn_norm(x), positions)
-        rows = jnp.arange(b)
-        k_cache = k_cache.at[rows, lengths].set(k[:, 0].astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[rows, lengths].set(v[:, 0].astype(v_cache.dtype), mode="drop")
-        slots = jnp.broadcast_to(jnp.arange(k_cache.shape[1], dtype=jnp.int32), (b, k_cache.shape[1]))
-        kv_seg = (slots <= lengths[:, None]).astype(jnp.int32)
-        attn = kernels.attention(q, k_cache, v_cache, q_segment_ids=jnp.ones((b, 1), jnp.int32),
-                                 kv_segment_ids=kv_seg, q_positions=positions, kv_positions=slots,
-                                 causal=True, impl=self.attention_impl)
-        return self.finish(x, attn), (k_cache, v_cache)
+        return self.finish(x, attn)
 
     def paged(self, x, positions, k_pool, v_pool, meta: PagedMeta):
         """Serving forward of a flat token batch (x [1,T,E], positions [1,T]) over a paged KV pool
@@ -167,61 +132,27 @@ class Decoder(nnx.Module):
         logits = jnp.einsum(spec, x, w.astype(self.compute_dtype), preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "length", "vocab"))
 
-    def _layers(self, x, positions, segment_ids, block_ids, return_kv):
+    def _layers(self, x, positions, segment_ids, block_ids):
         if block_ids is None:
             block_ids = jnp.zeros_like(segment_ids)
         x = constrain(x, RESIDUAL)
 
         def body(layer, h, _):
-            h, kv = layer(h, positions, segment_ids, block_ids)
-            return h, (kv if return_kv else None)
+            return layer(h, positions, segment_ids, block_ids), None
 
-        return run_stack(self.layers, body, x, scan=self.scan, remat_policy=self.remat)
+        return run_stack(self.layers, body, x, scan=self.scan, remat_policy=self.remat)[0]
 
-    def __call__(self, x, positions, segment_ids, block_ids=None, *, return_kv: bool = False):
-        """x [B,S,E] embeddings -> logits [B,S,V] float32 (and per-layer (k, v) [L,B,S,KV,D] if asked)."""
-        x, kv = self._layers(x, positions, segment_ids, block_ids, return_kv)
-        logits = self.logits(x)
-        return (logits, kv) if return_kv else logits
+    def __call__(self, x, positions, segment_ids, block_ids=None):
+        """x [B,S,E] embeddings -> logits [B,S,V] float32."""
+        return self.logits(self._layers(x, positions, segment_ids, block_ids))
 
     def hidden(self, x, positions, segment_ids, block_ids=None):
         """x [B,S,E] embeddings -> final-normed hidden states [B,S,E] (compute dtype), for fused losses."""
-        return self.final_norm(self._layers(x, positions, segment_ids, block_ids, False)[0])
+        return self.final_norm(self._layers(x, positions, segment_ids, block_ids))
 
     def output_matrix(self):
         """(W, layout) with logits = hidden @ W: layout 'ev' ([E,V] lm_head) or 've' (tied embedding [V,E])."""
         return (self.embedding[...], "ve") if self.lm_head is None else (self.lm_head[...], "ev")
-
-    # -- KV cache -------------------------------------------------------------------------------
-
-    def init_cache(self, batch: int, max_len: int) -> KVCache:
-        t = self.cfg.text
-        shape = (t.n_layers, batch, max_len, t.n_kv_heads, t.resolved_head_dim)
-        return KVCache(k=jnp.zeros(shape, self.compute_dtype), v=jnp.zeros(shape, self.compute_dtype),
-                       lengths=jnp.zeros((batch,), jnp.int32))
-
-    def prefill(self, x, positions, segment_ids, block_ids, cache: KVCache) -> tuple[Any, KVCache]:
-        """Right-padded prompts (one segment per row from position 0): logits and the filled cache."""
-        s = x.shape[1]
-        if s > cache.max_len:
-            raise ModelError(f"prompt length {s} exceeds the KV cache length {cache.max_len}; make the cache longer")
-        logits, (k, v) = self(x, positions, segment_ids, block_ids, return_kv=True)
-        k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, 0, 0, 0, 0))
-        v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, 0, 0, 0, 0))
-        lengths = jnp.sum(segment_ids != 0, axis=1).astype(jnp.int32)
-        return logits, KVCache(k=k, v=v, lengths=lengths)
-
-    def decode_step(self, tokens, cache: KVCache) -> tuple[Any, KVCache]:
-        """tokens [B] at position cache.lengths -> logits [B,V] float32 and the cache with them added."""
-        x = self.embed(tokens[:, None])
-        lengths = cache.lengths
-
-        def body(layer, h, kv):
-            h, kv = layer.decode(h, lengths, *kv)
-            return h, kv
-
-        x, (k, v) = run_stack(self.layers, body, x, (cache.k, cache.v), scan=self.scan)
-        return self.logits(x)[:, 0], KVCache(k=k, v=v, lengths=lengths + 1)
 
     # -- paged KV pool (serving) ----------------------------------------------------------------
 

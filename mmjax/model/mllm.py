@@ -16,7 +16,7 @@ from flax import nnx
 
 from mmjax.config import ModelConfig
 from mmjax.errors import ConfigError, ModelError
-from mmjax.model.decoder import Decoder, KVCache, PagedMeta
+from mmjax.model.decoder import Decoder, PagedMeta
 from mmjax.model.layers import resolve_dtype
 from mmjax.model.projector import Projector
 from mmjax.model.vision import VisionEncoder
@@ -79,18 +79,6 @@ class MLLM(nnx.Module):
 
     def output_matrix(self):
         return self.decoder.output_matrix()
-
-    def init_cache(self, batch: int, max_len: int) -> KVCache:
-        return self.decoder.init_cache(batch, max_len)
-
-    def prefill(self, tokens, positions, segment_ids, images, image_valid, cache: KVCache):
-        """Right-padded prompts -> (logits [B,S,V] float32, cache with lengths = non-pad tokens per row)."""
-        x, block_ids = self.embed(tokens, images, image_valid)
-        return self.decoder.prefill(x, positions, segment_ids, block_ids, cache)
-
-    def decode_step(self, tokens, cache: KVCache):
-        """tokens [B] -> (logits [B,V] float32, cache advanced by one token per row)."""
-        return self.decoder.decode_step(tokens, cache)
 
     # -- serving over a paged KV pool ------------------------------------------------------------
 

@@ -1,3 +1,3 @@
-"""Serving: greedy generation over the KV cache (`generate`), and the host side of a paged serving engine:
-requests (`request`), the KV page pool with prefix caching (`kv_manager`) and the continuous-batching
-scheduler (`scheduler`). The host-side modules import no JAX."""
+"""Serving: a paged, continuous-batching engine (`engine`: `Engine`, `LLM`) over a model runner (`runner`); its
+host side, requests (`request`), the KV page pool with prefix caching (`kv_manager`) and the scheduler
+(`scheduler`), imports no JAX. Training-time evaluation generates through the same engine."""

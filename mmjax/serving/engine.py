@@ -87,7 +87,8 @@ class _Live:
 class Engine:
     """Continuous-batching engine over a `ModelRunner`, configured by `cfg.serve` (see docs/serving.md)."""
 
-    def __init__(self, cfg: Config, model: Any, tokenizer: Any, *, mesh: Any = None, warmup: bool = False) -> None:
+    def __init__(self, cfg: Config, model: Any, tokenizer: Any, *, mesh: Any = None, sharding: Any = None,
+                 warmup: bool = False) -> None:
         serve = cfg.serve
         self.tokenizer = tokenizer
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
@@ -101,7 +102,8 @@ class Engine:
                                    max_num_seqs=serve.max_num_seqs, max_model_len=self.max_model_len,
                                    enable_chunked_prefill=serve.enable_chunked_prefill,
                                    long_prefill_token_threshold=serve.long_prefill_token_threshold)
-        self.runner = ModelRunner((graphdef, state), serve, max_model_len=self.max_model_len, mesh=mesh)
+        self.runner = ModelRunner((graphdef, state), serve, max_model_len=self.max_model_len, mesh=mesh,
+                                  sharding=sharding)
         self.image_token_id = self.runner.image_token_id
         self._live: dict[str, _Live] = {}
         self._aborted: list[str] = []
@@ -221,6 +223,14 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
+
+    def update_weights(self, state: Any) -> None:
+        """Serve new parameters (same shapes, e.g. a training run's current ones) without recompiling; the
+        prefix and image caches, computed with the old ones, are dropped. Only between requests."""
+        if self._live:
+            raise RequestError(f"update_weights with {len(self._live)} live requests; finish or abort them first")
+        self.runner.update_weights(state)
+        self.kv.reset_prefix_cache()
 
     # -- one step -----------------------------------------------------------------------------------------
 

@@ -20,8 +20,10 @@ import numpy as np
 from flax import nnx
 
 from mmjax.config import ServeConfig
+from mmjax.kernels import MeshSharding
 from mmjax.model.decoder import PagedMeta
 from mmjax.model.layers import resolve_dtype
+from mmjax.parallel.sharding import in_sharding_context
 from mmjax.serving.kv_manager import NULL_PAGE
 from mmjax.serving.request import Request
 from mmjax.serving.sampling import SamplingTensors, sample
@@ -114,10 +116,15 @@ class ModelRunner:
     returning `serve.max_logprobs` top logprobs per token. The sampler's token history (for penalties) is
     either empty or `max_model_len` long, so each (token, slot) bucket has two shapes, both compiled by
     `warmup()`. `num_compiles` counts traces of the step and of the image encoder: it stays put after warm-up.
+
+    On a `mesh` the pools, the host inputs and the sampled outputs are replicated over it (every process of a
+    multi-process run feeds the same inputs and reads every token), and the step and encoder are traced inside
+    `sharding` (the run's sharding context, the train step's), so the model's layouts follow its rules.
+    `update_weights` swaps in new parameters of the same shapes without recompiling.
     """
 
     def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int,
-                 mesh: jax.sharding.Mesh | None = None) -> None:
+                 mesh: jax.sharding.Mesh | None = None, sharding: MeshSharding | None = None) -> None:
         self.graphdef, self.state = model if isinstance(model, tuple) else nnx.split(model)
         abstract = nnx.merge(self.graphdef, self.state)
         self.model_cfg = abstract.cfg
@@ -128,7 +135,7 @@ class ModelRunner:
         self.page_size = serve.page_size
         self.max_pages = -(-max_model_len // serve.page_size)
         self.token_buckets = buckets(serve.min_token_bucket, serve.max_num_batched_tokens)
-        self.slot_buckets = buckets(1, serve.max_num_seqs)
+        self.slot_buckets = buckets(serve.min_slot_bucket, serve.max_num_seqs)
         self.max_model_len = max_model_len
         self.num_logprobs = serve.max_logprobs
         self._seed_rng = np.random.default_rng(serve.seed)
@@ -137,16 +144,36 @@ class ModelRunner:
         self.embed_dim = self.model_cfg.text.dim
         self.embed_dtype = abstract.compute_dtype
         pools = abstract.decoder.init_pools(serve.num_pages, serve.page_size, kv_dtype)
-        if mesh is not None:  # next to parameters placed on a mesh: the pools replicated over it
-            pools = jax.device_put(pools, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        if mesh is None and sharding is not None:
+            mesh = sharding.mesh
+        # next to parameters placed on a mesh: pools, inputs and outputs replicated over it
+        self._replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        if self._replicated is not None:
+            pools = jax.device_put(pools, self._replicated)
         self.pools = pools
         self.image_cache = ImageCache(serve.image_cache_size)
         self.num_compiles = 0
         self.num_steps = 0
         self._requests: dict[str, _RequestState] = {}
         self._zero_rows: dict[int, jax.Array] = {}
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
-        self._encode = jax.jit(self._encode_fn)
+        rep = self._replicated
+        self._step = jax.jit(in_sharding_context(self._step_fn, sharding), donate_argnums=(1,),
+                             out_shardings=None if rep is None else ((rep,) * 4, rep))
+        self._encode = jax.jit(in_sharding_context(self._encode_fn, sharding), out_shardings=rep)
+
+    def update_weights(self, state: Any) -> None:
+        """Serve `state` from now on (e.g. the trainer's current parameters): same tree, shapes and dtypes, so
+        nothing recompiles. Encoded images of the old weights are dropped; the caller resets the prefix cache."""
+        old = jax.tree.map(lambda x: (x.shape, x.dtype), self.state)
+        new = jax.tree.map(lambda x: (x.shape, x.dtype), state)
+        if jax.tree.structure(old) != jax.tree.structure(new) or jax.tree.leaves(old) != jax.tree.leaves(new):
+            raise ValueError("update_weights needs the parameters' tree, shapes and dtypes unchanged")
+        self.state = state
+        self.image_cache = ImageCache(self.serve.image_cache_size)
+
+    def _put(self, tree: Any) -> Any:
+        """Host inputs replicated over the mesh (the same value on every process), else as they are."""
+        return tree if self._replicated is None else jax.device_put(tree, self._replicated)
 
     # -- traced functions ---------------------------------------------------------------------------------
 
@@ -191,7 +218,7 @@ class ModelRunner:
         if rows is None:
             image = state.images.images[index]
             rows = state.embeds[index] = self.image_cache.get(
-                state.images.hashes[index], lambda: np.asarray(self._encode(self.state, jnp.asarray(image))))
+                state.images.hashes[index], lambda: np.asarray(self._encode(self.state, self._put(image))))
         return rows
 
     # -- one step -----------------------------------------------------------------------------------------
@@ -212,10 +239,11 @@ class ModelRunner:
     def _zeros(self, t: int) -> jax.Array:
         """Device-resident zero image rows for steps without image tokens (no host transfer)."""
         if t not in self._zero_rows:
-            self._zero_rows[t] = jnp.zeros((t, self.embed_dim), self.embed_dtype)
+            self._zero_rows[t] = self._put(jnp.zeros((t, self.embed_dim), self.embed_dtype))
         return self._zero_rows[t]
 
     def _run(self, batch: dict[str, Any], sampling: Any):
+        batch, sampling = self._put((batch, sampling))
         (tokens, logprobs, top_ids, top_lp), self.pools = self._step(self.state, self.pools, batch, sampling)
         self.num_steps += 1
         return np.asarray(tokens), np.asarray(logprobs), np.asarray(top_ids), np.asarray(top_lp)
@@ -294,5 +322,5 @@ class ModelRunner:
                     self._run(batch, SamplingTensors.from_requests([], s, history))
         if not self.text_only:
             v = self.model_cfg.vision
-            self._encode(self.state, jnp.zeros((v.image_size, v.image_size, v.channels), jnp.float32))
+            self._encode(self.state, self._put(np.zeros((v.image_size, v.image_size, v.channels), np.float32)))
         return self.num_compiles - before

@@ -67,3 +67,9 @@ def test_two_processes_match_one_process(tmp_path):
     # the losses are global values; only the main process writes metrics
     np.testing.assert_allclose(losses(tmp_path / "p0"), want, rtol=1e-5)
     assert not (tmp_path / "p1" / "metrics.jsonl").exists()
+    # the final evaluation ran through the serving engine on both processes in lockstep; process 0 wrote
+    # the answers, those of the one-process run
+    answers = lambda run: [json.loads(line)["prediction"] for line in
+                           (run / "eval" / "step_0000005.jsonl").read_text().splitlines()]
+    assert len(answers(tmp_path / "single")) == 16
+    assert answers(tmp_path / "p0") == answers(tmp_path / "single")
