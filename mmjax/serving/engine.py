@@ -298,6 +298,16 @@ class LLM:
     def __init__(self, cfg: Config, model: Any, tokenizer: Any, **engine_kw: Any) -> None:
         self.engine = Engine(cfg, model, tokenizer, **engine_kw)
 
+    @classmethod
+    def from_checkpoint(cls, ckpt: str | Any, tokenizer: Any = None, *, step: int | None = None,
+                        overrides: Sequence[str] = (), dtype: str | None = None, **engine_kw: Any) -> LLM:
+        """Serve a checkpoint (a run's checkpoints folder, a step folder, an imported one); `tokenizer`: an
+        mmjax Tokenizer, a tokenizer.json path, or None for the checkpoint's own (see `serving.load`)."""
+        from mmjax.serving.load import load_for_serving
+
+        cfg, model, tok = load_for_serving(ckpt, tokenizer, step=step, overrides=overrides, dtype=dtype)
+        return cls(cfg, model, tok, **engine_kw)
+
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  images: Sequence[Sequence[Any] | None] | None = None) -> list[CompletionOutput]:
