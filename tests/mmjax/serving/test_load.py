@@ -76,13 +76,13 @@ def test_step_dtype_and_towers(run):
     ckpt = run["root"] / "checkpoints"
     cfg, model = load_model(ckpt / "5", dtype="bfloat16", tokenizer=run["tok_path"])
     assert cfg.model.param_dtype == "bfloat16" and model.image_token_id == 3
-    assert nnx.state(model, nnx.Param)["decoder"]["embedding"].value.dtype == "bfloat16"
+    assert nnx.state(model, nnx.Param)["decoder"]["embedding"][...].dtype == "bfloat16"
     with pytest.raises(CheckpointError, match=r"lacks the towers \['vision', 'projector'\].*model.text_only=true"):
         load_model(ckpt, step=2)
     cfg, model = load_model(ckpt, step=2, overrides=["model.text_only=true"])
     assert model.text_only and cfg.model.text_only
-    want = run["model"].decoder.embedding.value
-    assert np.array_equal(np.asarray(model.decoder.embedding.value), np.asarray(want))
+    want = run["model"].decoder.embedding[...]
+    assert np.array_equal(np.asarray(model.decoder.embedding[...]), np.asarray(want))
 
 
 def test_bad_paths_fail_in_one_line(run, tmp_path):
