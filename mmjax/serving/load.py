@@ -45,7 +45,10 @@ def read_checkpoint(ckpt: str | os.PathLike, *, step: int | None = None, overrid
     config = meta.get("config")
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise CheckpointError(f"checkpoint {step_dir}: its meta has no model config (meta['config']['model'])")
-    tree: dict[str, Any] = {"model": config["model"], "data": _known_keys(DataConfig, config.get("data"))}
+    tree: dict[str, Any] = {"model": dict(config["model"]), "data": _known_keys(DataConfig, config.get("data"))}
+    if set(params) == {"decoder"} and not tree["model"].get("text_only"):
+        log.info("checkpoint %s holds only the decoder (e.g. an imported Llama): serving it text-only", step_dir)
+        tree["model"]["text_only"] = True
     for override in [*overrides, *([f"model.param_dtype={dtype}"] if dtype else [])]:
         apply_override(tree, override)
     try:
@@ -55,8 +58,8 @@ def read_checkpoint(ckpt: str | os.PathLike, *, step: int | None = None, overrid
         raise ConfigError(f"checkpoint {step_dir}: {e}") from None
     missing = [t for t in TOWERS if t not in params and not (cfg.model.text_only and t != "decoder")]
     if missing:
-        fix = ("it holds only the decoder (e.g. an imported Llama): serve it as text-only with the override "
-               "model.text_only=true" if "decoder" in params else "it is not a checkpoint of this model")
+        fix = ("it holds only the decoder, so it cannot serve model.text_only=false" if "decoder" in params
+               else "it is not a checkpoint of this model")
         raise CheckpointError(f"checkpoint {step_dir} lacks the towers {missing} the model config needs; {fix}")
     if cfg.model.text_only:
         params = {"decoder": params["decoder"]}

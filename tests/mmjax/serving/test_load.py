@@ -77,10 +77,10 @@ def test_step_dtype_and_towers(run):
     cfg, model = load_model(ckpt / "5", dtype="bfloat16", tokenizer=run["tok_path"])
     assert cfg.model.param_dtype == "bfloat16" and model.image_token_id == 3
     assert nnx.state(model, nnx.Param)["decoder"]["embedding"][...].dtype == "bfloat16"
-    with pytest.raises(CheckpointError, match=r"lacks the towers \['vision', 'projector'\].*model.text_only=true"):
-        load_model(ckpt, step=2)
-    cfg, model = load_model(ckpt, step=2, overrides=["model.text_only=true"])
+    cfg, model = load_model(ckpt, step=2)  # a decoder-only checkpoint serves text-only by itself
     assert model.text_only and cfg.model.text_only
+    with pytest.raises(CheckpointError, match=r"lacks the towers \['vision', 'projector'\].*only the decoder"):
+        load_model(ckpt, step=2, overrides=["model.text_only=false"])
     want = run["model"].decoder.embedding[...]
     assert np.array_equal(np.asarray(model.decoder.embedding[...]), np.asarray(want))
 
@@ -106,10 +106,7 @@ def test_imported_llama_serves_text_only(tmp_path):
     hf.eval().save_pretrained(tmp_path / "hf")
     write_tokenizer(tmp_path / "hf", 64)
     import_hf(tmp_path / "hf", tmp_path / "mm")
-    with pytest.raises(CheckpointError, match="model.text_only=true"):
-        LLM.from_checkpoint(tmp_path / "mm", None, overrides=SERVE)
-    llm = LLM.from_checkpoint(tmp_path / "mm", None, overrides=[*SERVE, "model.text_only=true",
-                                                                  "model.compute_dtype=float32"])
+    llm = LLM.from_checkpoint(tmp_path / "mm", None, overrides=[*SERVE, "model.compute_dtype=float32"])
     assert llm.engine.model_cfg.text_only
     prompt = [1, 17, 40, 9, 22, 51]
     [out] = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
