@@ -114,9 +114,10 @@ class DataStateRestore(ocp.args.CheckpointArgs):
 # Metadata
 
 
-def package_versions() -> dict[str, str]:
+def package_versions(extra: tuple[str, ...] = ()) -> dict[str, str]:
+    """Installed versions of the packages a result depends on (`extra`: more, e.g. a benchmark's peers)."""
     out = {"python": platform.python_version()}
-    for name in _PACKAGES:
+    for name in (*_PACKAGES, *extra):
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

@@ -24,7 +24,6 @@ import dataclasses
 import datetime
 import json
 import logging
-import platform
 import subprocess
 import sys
 import time
@@ -37,9 +36,11 @@ import numpy as np
 from flax import nnx
 
 from mmjax.config import Config
+from mmjax.engine.checkpoint import package_versions
 from mmjax.kernels.bench import PEAK_GBPS, replace_readme_section
 from mmjax.model import MLLM
 from mmjax.serving.engine import Engine, RequestOutput
+from mmjax.serving.load import build_model
 from mmjax.serving.request import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -114,23 +115,6 @@ def serving_config(cfg: Config, spec: BenchSpec) -> Config:
                                 num_pages=max(s.num_pages, pages))
     model = dataclasses.replace(m, max_seq_len=max(m.max_seq_len, max_len))
     return dataclasses.replace(cfg, model=model, serve=serve)
-
-
-def build_model(cfg: Config, params: dict | None = None, image_token_id: int | None = None) -> MLLM:
-    """The model of `cfg.model`, randomly initialised on the device in one jitted call, or holding `params`
-    (a nested dict of arrays as `nnx.to_pure_dict` gives, e.g. a checkpoint's), cast to the model's
-    parameter dtypes."""
-    token = cfg.model.vocab_size - 1 if image_token_id is None else image_token_id
-    make = lambda: MLLM(cfg.model, image_token_id=token, rngs=nnx.Rngs(params=cfg.train.seed))  # noqa: E731
-    model = nnx.eval_shape(make)
-    if params is None:
-        nnx.update(model, jax.jit(lambda: nnx.state(make()))())
-        return model
-    state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, params)
-    nnx.update(model, jax.tree.map(lambda a, like: jax.numpy.asarray(a, like.dtype), state,
-                                   nnx.state(model, nnx.Param)))
-    return model
 
 
 class IdTokenizer:
@@ -277,16 +261,6 @@ def hf_peer(hf_config: dict, spec: BenchSpec, *, dtype: str = "bfloat16", allow_
 # One run, one record
 
 
-def _versions() -> dict[str, str]:
-    versions = {"jax": jax.__version__, "python": platform.python_version()}
-    for mod in ("jaxlib", "flax", "torch", "transformers"):
-        try:
-            versions[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - optional packages
-            pass
-    return versions
-
-
 def run_serving_bench(cfg: Config, spec: BenchSpec = BenchSpec(), *, params: dict | None = None,
                       hf_config: dict | None = None, hf_on_cpu: bool = False,
                       save: Callable[[dict], None] | None = None) -> dict:
@@ -309,7 +283,8 @@ def run_serving_bench(cfg: Config, spec: BenchSpec = BenchSpec(), *, params: dic
     m, s = cfg.model, cfg.serve
     record: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform, "versions": _versions(),
+        "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
+        "versions": package_versions(extra=("torch", "transformers")),
         "model": {"params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))),
                   "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token(engine),
                   "layers": m.text.n_layers, "dim": m.text.dim, "heads": m.text.n_heads,

@@ -79,6 +79,7 @@ class CompletionOutput:
 class _Live:
     request: Request
     detok: IncrementalDetokenizer
+    prompt_token_ids: list[int]  # built once: every step's outputs share it (read-only for callers)
     text: str = ""
     detokenize_s: float = 0.0
     stop_str: str | None = None  # a stop string ended it (the scheduler saw an abort)
@@ -133,7 +134,7 @@ class Engine:
                           priority=priority, extra_keys=keys, mm_data=mm)
         self.scheduler.add_request(request)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output)
-        self._live[rid] = _Live(request, detok)
+        self._live[rid] = _Live(request, detok, list(token_ids))
         return rid
 
     def _sampling_params(self, rid: str, params: Any) -> SamplingParams:
@@ -268,7 +269,7 @@ class Engine:
         if finished:
             reason = "stop" if live.stop_str is not None else FINISH_REASONS[request.status]
             stop = live.stop_str if live.stop_str is not None else request.stop_reason
-        return RequestOutput(request.request_id, list(request.prompt_token_ids), new_ids, new_text,
+        return RequestOutput(request.request_id, live.prompt_token_ids, new_ids, new_text,
                              list(request.output_token_ids), live.text,
                              finished, reason, stop, logprobs, self.metrics(live))
 

@@ -15,8 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+from flax import nnx
+
 from mmjax.config import Config, DataConfig, apply_override, from_tree, validate
 from mmjax.errors import CheckpointError, ConfigError, MmjaxError
+from mmjax.model import MLLM
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +116,25 @@ def image_token_id(meta: dict, cfg: Config, tokenizer: Any = None) -> int:
     return int(token)
 
 
+def build_model(cfg: Config, params: dict | None = None, image_token_id: int | None = None) -> MLLM:
+    """The model of `cfg.model`, randomly initialised on the device in one jitted call, or holding `params`
+    (a nested dict of arrays as `nnx.to_pure_dict` gives, e.g. a checkpoint's), cast to the model's
+    parameter dtypes."""
+    token = cfg.model.vocab_size - 1 if image_token_id is None else image_token_id
+    make = lambda: MLLM(cfg.model, image_token_id=token, rngs=nnx.Rngs(params=cfg.train.seed))  # noqa: E731
+    model = nnx.eval_shape(make)
+    if params is None:
+        nnx.update(model, jax.jit(lambda: nnx.state(make()))())
+        return model
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(model, jax.tree.map(lambda a, like: jax.numpy.asarray(a, like.dtype), state,
+                                   nnx.state(model, nnx.Param)))
+    return model
+
+
 def build(checkpoint: Checkpoint, image_token: int) -> Any:
     """The MLLM of the checkpoint's config holding its params, cast to the model's param dtype."""
-    from mmjax.serving.bench import build_model
 
     try:
         return build_model(checkpoint.cfg, checkpoint.params, image_token_id=image_token)
