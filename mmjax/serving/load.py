@@ -104,7 +104,7 @@ def open_tokenizer(tokenizer: Any, cfg: Config, step_dir: Path, meta: dict | Non
 def image_token_id(meta: dict, cfg: Config, tokenizer: Any = None) -> int:
     """The image placeholder id the weights were trained with: an import records Hugging Face's, a run
     used its tokenizer's; a text-only model has none (any in-vocabulary id)."""
-    recorded = (meta.get("hf") or {}).get("image_token_id", meta.get("image_token_id"))
+    recorded = (meta.get("hf") or {}).get("image_token_id")
     if recorded is not None:
         return int(recorded)
     if cfg.model.text_only:
@@ -135,7 +135,6 @@ def build_model(cfg: Config, params: dict | None = None, image_token_id: int | N
 
 def build(checkpoint: Checkpoint, image_token: int) -> Any:
     """The MLLM of the checkpoint's config holding its params, cast to the model's param dtype."""
-
     try:
         return build_model(checkpoint.cfg, checkpoint.params, image_token_id=image_token)
     except MmjaxError:
@@ -151,9 +150,8 @@ def load_model(ckpt: str | os.PathLike, *, step: int | None = None, overrides: S
     `tokenizer` (or the run's, found as in `open_tokenizer`)."""
     checkpoint = read_checkpoint(ckpt, step=step, overrides=overrides, dtype=dtype)
     meta, cfg = checkpoint.meta, checkpoint.cfg
-    needs_tokenizer = not cfg.model.text_only and (meta.get("hf") or {}).get("image_token_id") is None
-    if needs_tokenizer and meta.get("image_token_id") is None:
-        tokenizer = open_tokenizer(tokenizer, cfg, checkpoint.step_dir, meta)
+    if not cfg.model.text_only and (meta.get("hf") or {}).get("image_token_id") is None:
+        tokenizer = open_tokenizer(tokenizer, cfg, checkpoint.step_dir, meta)  # a run's: its tokenizer's id
     return cfg, build(checkpoint, image_token_id(meta, cfg, tokenizer))
 
 
