@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -248,16 +248,13 @@ class ModelRunner:
         self.num_steps += 1
         return np.asarray(tokens), np.asarray(logprobs), np.asarray(top_ids), np.asarray(top_lp)
 
-    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request] | None = None) -> dict[str, SampledToken]:
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Run one scheduler step; returns the sampled token of every entry with `samples=True`."""
         for rid in out.finished_request_ids:
             self._requests.pop(rid, None)
             self.seeds.pop(rid, None)
         for request in out.new_requests:
             self._register(request)
-        for entry in out.scheduled:  # requests handed in directly (e.g. tests that skip new_requests)
-            if entry.request_id not in self._requests:
-                self._register(requests[entry.request_id])
         if not out.scheduled:
             return {}
         n_tokens = out.num_scheduled_tokens
