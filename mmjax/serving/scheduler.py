@@ -66,10 +66,6 @@ class SchedulerOutput:
     def num_scheduled_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 def _urgency(request: Request) -> tuple[int, float]:
     return request.priority, request.arrival_time
