@@ -129,7 +129,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_l
     """Attention of a ragged batch of query tokens over a paged KV cache; see the module docstring."""
     check_inputs(q, k_pages, v_pages, page_table, query_start, query_len, context_len, kv_block_ids, q_block_ids)
     ctx = _dispatch.make_ctx(q.dtype, explicit=impl != "auto", head_dim=q.shape[-1], page_size=k_pages.shape[2],
-                             kv_dtype=str(k_pages.dtype))
+                             kv_dtype=str(k_pages.dtype), has_blocks=kv_block_ids is not None)
     i32 = lambda x: None if x is None else x.astype(jnp.int32)
     return OP.select(impl, ctx).fn(q, k_pages, v_pages, i32(page_table), i32(query_start), i32(query_len),
                                    i32(context_len), i32(kv_block_ids), i32(q_block_ids),
