@@ -173,6 +173,12 @@ def format_result(r: dict[str, Any]) -> str:
                      f"idle {100 * p['idle_share']:.1f}%, NCCL overlap {overlap}")
         for k in p["top_kernels"][:8]:
             lines.append(f"  {100 * k['share']:5.1f}%  {k['count']:5d}x  {k['name'][:90]}")
+    for peer in r.get("peers", []):
+        if "tokens_per_s" in peer:
+            lines.append(f"peer {peer['peer']:<16} {peer['tokens_per_s']:,.0f} tokens/s ({1e3 * peer['step_s']:.1f} ms)"
+                         f", mmjax / peer = {peer['mmjax_ratio']:.2f}x")
+        else:
+            lines.append(f"peer {peer['peer']:<16} skipped: {peer['skipped']}")
     return "\n".join(lines)
 
 

@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import logging
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,6 +34,7 @@ from flax import nnx
 
 from mmjax.config import Config
 from mmjax.engine.checkpoint import package_versions
+from mmjax.engine.peer_process import run_peer_process
 from mmjax.kernels.bench import PEAK_GBPS, replace_readme_section
 from mmjax.model import MLLM
 from mmjax.serving.engine import Engine, RequestOutput
@@ -246,15 +244,7 @@ def hf_peer(hf_config: dict, spec: BenchSpec, *, dtype: str = "bfloat16", allow_
     """`python -m mmjax.serving.hf_peer` with the same shapes; its result dict, or {"skipped": why}."""
     args = {"config": hf_config, "batches": list(spec.batches), "prompt_len": spec.prompt_len,
             "new_tokens": spec.new_tokens, "dtype": dtype, "allow_cpu": allow_cpu, "seed": spec.seed}
-    try:
-        proc = subprocess.run([sys.executable, "-m", "mmjax.serving.hf_peer", json.dumps(args)],
-                              capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"skipped": f"timed out after {timeout_s:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(HF_RESULT_PREFIX):
-            return json.loads(line[len(HF_RESULT_PREFIX):])
-    return {"skipped": f"failed (exit {proc.returncode}): {proc.stderr.strip()[-600:]}"}
+    return run_peer_process("mmjax.serving.hf_peer", args, HF_RESULT_PREFIX, timeout_s)
 
 
 # ----------------------------------------------------------------------------------------------

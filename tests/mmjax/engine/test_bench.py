@@ -45,3 +45,24 @@ def test_train_step_rows_for_the_kernels_table():
     assert "MFU" in ok.note and "of 1 TFLOP/s" in ok.note  # observe.peak_flops_per_device=1e12
     assert broken.ms is None and broken.note.startswith("failed: ValueError") and "nope" in broken.note
     assert kernel_bench.table({"rows": [r.as_dict() for r in rows]}).count("\n") == 3
+
+
+def test_bench_train_cli_runs_the_torch_peer_on_the_same_shape(tmp_path, capsys):
+    """`--peer`: the same decoder in transformers + torch, own process; same parameter count, ratio reported."""
+    from mmjax.tools import bench_train
+
+    rc = bench_train.main(["--config", "tiny_shapes.yaml", "--steps", "1", "--warmup", "1", "--profile-steps", "0",
+                           "--out", str(tmp_path), "--name", "r", "--peer", "hf-torch-eager", "--peer-on-cpu",
+                           *TINY_TEXT])
+    assert rc == 0
+    import json
+
+    r = json.loads((tmp_path / "r.json").read_text())
+    (peer,) = r["peers"]
+    assert peer["peer"] == "hf-torch-eager" and (peer["batch"], peer["seq"]) == (8, 32), peer
+    assert peer["params"] == r["model"]["params"]  # the same architecture, counted by torch
+    assert abs(peer["loss_first_step"] - np.log(128)) < 0.5  # random init on a 128-token vocabulary
+    assert peer["mmjax_ratio"] == r["tokens_per_sec"] / peer["tokens_per_s"]
+    assert "peer hf-torch-eager" in capsys.readouterr().out
+    with __import__("pytest").raises(SystemExit):
+        bench_train.main(["--peer", "hf-torch-nope"])

@@ -1,0 +1,24 @@
+"""Run a peer benchmark (torch, Hugging Face) in its own process and read back its one-line JSON result.
+
+A separate process because JAX preallocates most of the GPU's memory in the process that first touches it; the
+peer runs first and exits, so both sides get the whole device.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def run_peer_process(module: str, args: dict, result_prefix: str, timeout_s: float = 1800) -> dict:
+    """`python -m <module> '<args as JSON>'`; the JSON after `result_prefix` on its stdout, or {"skipped": why}."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, json.dumps(args)], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"timed out after {timeout_s:.0f} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(result_prefix):
+            return json.loads(line[len(result_prefix):])
+    return {"skipped": f"failed (exit {proc.returncode}): {proc.stderr.strip()[-600:]}"}
