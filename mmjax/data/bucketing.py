@@ -170,7 +170,8 @@ class BucketingIterator(PackingIterator):
             if full is not None:  # a queue filled up (at most one per pulled example)
                 take = [ex for ex in self._held if self._key(ex) == full][:rows]
                 break
-            if self._held and self._next - int(self._held[0]["position"]) > self.max_wait:
+            forced = bool(self._held) and self._next - int(self._held[0]["position"]) > self.max_wait
+            if forced and len(self._held) >= rows:
                 take = self._held[:rows]  # the oldest example waited too long: close a mixed batch
                 break
             ex = self._pull()
@@ -181,7 +182,7 @@ class BucketingIterator(PackingIterator):
         key = (max(self.buckets.key(len(ex["tokens"]), 0)[0] for ex in take),
                max(self.buckets.key(0, len(ex["images"]))[1] for ex in take))
         spec = dataclasses.replace(self.spec, seq_len=key[0], max_images=key[1])
-        batch = assemble([[ex] for ex in take] + [[] for _ in range(rows - len(take))], spec)
+        batch = assemble([[ex] for ex in take], spec)
         real = sum(len(ex["tokens"]) for ex in take)
         self.stats.add(samples=len(take), rows=rows, tokens=real, slots=rows * key[0],
                        images=int(batch["image_valid"].sum()),
