@@ -69,6 +69,7 @@ def test_bucketed_epoch_same_examples_bucket_shapes_less_padding(scfg, tokenizer
         assert {k: v.shape[1] for k, v in batch.items() if k not in ("images", "image_valid")} == dict.fromkeys(
             ("tokens", "targets", "loss_mask", "segment_ids", "positions"), batch["tokens"].shape[1])
         got += _rows(batch)
+        assert len(got) % 8 == 0  # no empty rows: a batch closed early waits for enough examples
     state = it.get_state()
     seen = state["next_position"]
     held = [ref[p] for p in state["held_positions"]]
@@ -98,6 +99,7 @@ def test_bucketed_resume_is_exact_across_worker_counts(scfg, tokenizer):
     state1 = ref_it.get_state()
     ref += _take(ref_it, j)
     assert state0["held_positions"] and state0["buckets"] == [list(LENGTHS), list(IMAGES)]
+    assert all((b["segment_ids"] > 0).any(axis=1).all() for b in ref)  # mixed batches too: no empty rows
     it = iter(make_train_dataset(replace(bcfg, "data", num_workers=2), tokenizer))
     try:
         it.set_state(state0)  # 0 -> 2 workers
