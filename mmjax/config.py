@@ -641,6 +641,10 @@ def validate_buckets(cfg: Config) -> None:
         if b % d.bucket_align and b != s:
             raise ConfigError(f"data.buckets entry {b} is not a multiple of data.bucket_align={d.bucket_align}; "
                               f"use {-(-b // d.bucket_align) * d.bucket_align} or set data.bucket_align")
+    sp = cfg.mesh.sequence
+    if sp > 1 and d.bucket_align % sp:
+        raise ConfigError(f"data.bucket_align={d.bucket_align} is not divisible by mesh.sequence={sp} (each "
+                          f"bucket's rows are split over it); use a multiple of {sp}")
     if d.buckets == "auto" and d.num_auto_buckets < 1:
         raise ConfigError(f"data.num_auto_buckets={d.num_auto_buckets} must be >= 1")
     for n in d.image_buckets:

@@ -143,6 +143,7 @@ def test_choose_lengths_minimises_padding():
     ("data.buckets=often", "must be a list of row lengths"),
     ("data.image_buckets=[3]", "entry 3 must be within 1..data.max_images=2"),
     ("data.bucket_align=12", "multiple of data.pad_to_multiple=8"),
+    ("mesh.sequence=32", "data.bucket_align=16 is not divisible by mesh.sequence=32"),
 ])
 def test_bucket_config_errors(override, match):
     base = ["model.max_seq_len=64", "data.max_images=2", "data.bucket_align=16", "data.pad_to_multiple=8",
