@@ -202,6 +202,12 @@ class DataConfig:
     image_mode: Literal["pad", "crop"] = "pad"  # pad: letterbox, aspect kept; crop: resize shorter side, centre crop
     image_tiles: int = 0  # g >= 2: an image = a thumbnail + g x g tiles of it at g x image_size (1 + g^2 slots)
     pad_to_multiple: int = 1  # packed sequences start at multiples of this (8/16/128: kernel block alignment)
+    # -- bucketing (mmjax/data/bucketing.py): batches take the smallest bucket shape that holds their rows --
+    buckets: tuple[int, ...] | str = ()  # row lengths; () = off (rows of model.max_seq_len); auto = from the data
+    bucket_align: int = 128  # every row-length bucket is a multiple of this (model.max_seq_len is always one)
+    num_auto_buckets: int = 4  # data.buckets=auto: row-length buckets chosen, model.max_seq_len included
+    image_buckets: tuple[int, ...] = ()  # image slots per row; data.max_images is always one
+    bucket_max_wait: int = 16  # batches' worth of examples a queued example waits before its batch is closed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -591,6 +597,7 @@ def validate(cfg: Config) -> None:
     need(d.remote_cache_shards >= 1, "data.remote_cache_shards must be >= 1")
     need(d.pad_to_multiple >= 1 and m.max_seq_len % d.pad_to_multiple == 0,
          f"data.pad_to_multiple={d.pad_to_multiple} must be >= 1 and divide model.max_seq_len={m.max_seq_len}")
+    validate_buckets(cfg)
     need(d.image_tiles == 0 or (d.image_tiles >= 2 and d.max_images >= 1 + d.image_tiles**2),
          f"data.image_tiles={d.image_tiles} must be 0 (off) or >= 2 with data.max_images >= "
          f"{1 + max(d.image_tiles, 2) ** 2} (a thumbnail + g x g tile slots per image)")
@@ -615,6 +622,39 @@ def validate(cfg: Config) -> None:
     need(list(sizes.values()).count(-1) <= 1,
          f"at most one mesh axis may be -1 (the rest of the devices), got {sizes}")
     need(all(s == -1 or s > 0 for s in sizes.values()), f"mesh sizes must be positive or -1, got {sizes}")
+
+
+def validate_buckets(cfg: Config) -> None:
+    """data.buckets / data.image_buckets: shapes the model can take, aligned, and a supported combination."""
+    d, s = cfg.data, cfg.model.max_seq_len
+    if d.buckets == () and d.image_buckets == ():
+        return
+    if isinstance(d.buckets, str) and d.buckets != "auto":
+        raise ConfigError(f"data.buckets={d.buckets!r} must be a list of row lengths, e.g. [512, 1024], or auto")
+    if d.bucket_align < 1 or d.bucket_align % d.pad_to_multiple:
+        raise ConfigError(f"data.bucket_align={d.bucket_align} must be a positive multiple of "
+                          f"data.pad_to_multiple={d.pad_to_multiple}")
+    for b in () if isinstance(d.buckets, str) else d.buckets:
+        if not 0 < b <= s:
+            raise ConfigError(f"data.buckets entry {b} must be within 1..model.max_seq_len={s}; drop it (the "
+                              "longest bucket is always model.max_seq_len)")
+        if b % d.bucket_align and b != s:
+            raise ConfigError(f"data.buckets entry {b} is not a multiple of data.bucket_align={d.bucket_align}; "
+                              f"use {-(-b // d.bucket_align) * d.bucket_align} or set data.bucket_align")
+    sp = cfg.mesh.sequence
+    if sp > 1 and d.bucket_align % sp:
+        raise ConfigError(f"data.bucket_align={d.bucket_align} is not divisible by mesh.sequence={sp} (each "
+                          f"bucket's rows are split over it); use a multiple of {sp}")
+    if d.buckets == "auto" and d.num_auto_buckets < 1:
+        raise ConfigError(f"data.num_auto_buckets={d.num_auto_buckets} must be >= 1")
+    for n in d.image_buckets:
+        if not 1 <= n <= d.max_images:
+            raise ConfigError(f"data.image_buckets entry {n} must be within 1..data.max_images={d.max_images} "
+                              "(a batch always has at least one image slot)")
+    if d.bucket_max_wait < 1:
+        raise ConfigError(f"data.bucket_max_wait={d.bucket_max_wait} must be >= 1 (batches)")
+    if cfg.model.text_only and d.image_buckets:
+        raise ConfigError("data.image_buckets needs a vision tower; model.text_only=true takes no images")
 
 
 def validate_serve(s: ServeConfig, model_max_len: int) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from mmjax.config import Config
+from mmjax.data.bucketing import bucketed_dataset
 from mmjax.data.builtin.shapes import ShapesFiles, ensure_shapes_dataset
 from mmjax.data.image import decode_image, preprocess, tiles
 from mmjax.data.loader import LoadAndEncode, PackedDataset, PackSpec, assemble, record_order
@@ -181,9 +182,11 @@ def make_train_dataset(cfg: Config, tokenizer: Tokenizer, *, process_index: int 
     spec = encoder.pack_spec(gbs // process_count, packing=d.packing, best_fit=d.pack_strategy == "best_fit",
                              lookahead=d.pack_lookahead, align=d.pad_to_multiple)
     encoded = order[process_index::process_count].map_with_index(LoadAndEncode(source, encoder.sequence, spec))
-    return PackedDataset(encoded, spec, num_workers=d.num_workers, prefetch=d.prefetch,
-                         max_skip_fraction=d.max_skip_fraction, process_index=process_index,
-                         process_count=process_count, seed=cfg.train.seed)
+    kw = dict(num_workers=d.num_workers, prefetch=d.prefetch, max_skip_fraction=d.max_skip_fraction,
+              process_index=process_index, process_count=process_count, seed=cfg.train.seed)
+    if d.buckets or d.image_buckets:  # batches of one (row length, image slots) bucket
+        return bucketed_dataset(cfg, encoded, spec, **kw)
+    return PackedDataset(encoded, spec, **kw)
 
 
 def train_source(cfg: Config, files: ShapesFiles | DatasetFiles | None = None) -> RecordSource:

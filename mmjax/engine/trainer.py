@@ -19,6 +19,7 @@ import numpy as np
 from mmjax.config import Config, to_yaml
 from mmjax.data.pipeline import load_eval_examples, make_train_dataset, open_dataset
 from mmjax.engine import checkpoint as ckpt
+from mmjax.engine.compiled import CompiledSteps
 from mmjax.engine.evaluate import Evaluator, make_eval_engine, write_predictions
 from mmjax.engine.feed import DeviceFeed
 from mmjax.engine.init import create_train_state, model_setup
@@ -112,8 +113,9 @@ class Trainer:
         try:
             with monitor.waiting_for("the first batch from the data loader"):
                 batch = next(feed)
-            with monitor.waiting_for("XLA to compile the train step"):
-                train_step = self._train_step.lower(self.state, batch).compile()
+            with monitor.waiting_for("XLA to compile the train step (every batch shape the loader announces)"):
+                train_step = CompiledSteps(self._train_step)  # one executable per bucket shape
+                train_step.warm_up(self.state, batch, getattr(loader, "batch_shapes", list)())
             monitor.write(0, {})  # time/compile/train_step
             monitor.training()
             for step in range(start + 1, cfg.train.steps + 1):
@@ -127,7 +129,8 @@ class Trainer:
                 if step % cfg.observe.log_every == 0 or step == cfg.train.steps or stop:
                     # the only host sync of the interval; the loader adds its rate, padding and skips
                     stats = getattr(loader, "stats", None)  # a plain iterator (tests, custom loaders) has none
-                    monitor.log(step, self.state, extra=stats.interval_metrics() if stats else None)
+                    extra = {**(stats.interval_metrics() if stats else {}), "train/compiles": train_step.count}
+                    monitor.log(step, self.state, extra=extra)
                 if self.checkpointer is not None and (stop or step == cfg.train.steps or self.checkpointer.due(step)):
                     with monitor.excluded("a checkpoint save"):  # its stall shows in this metric, not time/step
                         blocked = self._save(step, feed.loader_state)
