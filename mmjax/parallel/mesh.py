@@ -1,7 +1,8 @@
 """Build the device mesh from `cfg.mesh` and check that the model and batch fit it.
 
 Axis order is (data, fsdp, pipeline, sequence, tensor): tensor is innermost, so on GPUs the
-tensor-parallel group is made of neighbouring devices (same NVLink island). All axes are `Auto`
+tensor-parallel group is made of neighbouring devices (same NVLink island); on TPUs the grid follows the
+physical torus (`mesh_tpu.py`). All axes are `Auto`
 so GSPMD propagates shardings from the annotations; the mode is set explicitly because
 `jax.make_mesh` defaults to Explicit axes on jax 0.10.
 """
@@ -17,6 +18,7 @@ from jax.sharding import AxisType, Mesh
 
 from mmjax.config import Config, MeshConfig
 from mmjax.errors import ConfigError
+from mmjax.parallel.mesh_tpu import is_tpu, tpu_grid
 
 AXES = ("data", "fsdp", "pipeline", "sequence", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -45,8 +47,8 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
     check_fits(cfg, sizes)
     shape = tuple(sizes[a] for a in AXES)
     dcn = {a: getattr(cfg.mesh, f"dcn_{a}", 1) for a in AXES}
-    if math.prod(dcn.values()) == 1:
-        grid = np.asarray(devices).reshape(shape)
+    if math.prod(dcn.values()) == 1:  # on TPUs ordered by the torus, elsewhere in jax.devices() order
+        grid = tpu_grid(shape, devices) if is_tpu(devices) else np.asarray(devices).reshape(shape)
     else:
         grid = hybrid_grid(sizes, dcn, devices)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
