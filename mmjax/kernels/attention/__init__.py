@@ -10,8 +10,8 @@ masked rows.
 | `mgpu_bwd`  | GPU sm90 exactly, bf16/fp16, D 64/128 | Mosaic GPU (wgmma + TMA, warp-specialised) forward and the one-kernel Mosaic GPU backward of `flash_mgpu_bwd`, full mask semantic, GQA. `auto` takes it first (the fastest fwd+bwd on the H200: docs/perf/README.md) |
 | `mgpu`      | as `mgpu_bwd`            | the same Mosaic GPU forward with `pallas`'s backward kernels |
 | `pallas`    | GPU sm80+ (CPU: interpret, explicit only) | flash fwd+bwd, full mask semantic, GQA, any S/D  |
-| `tpu`       | TPU (CPU: interpret, explicit only), f32/bf16 | jax's Pallas TPU flash attention (`flash_tpu.py`) when the batch is self-attention in index order without image blocks (checked at run time; otherwise `chunked` runs) |
 | `cudnn`     | GPU sm80+, bf16/fp16, D<=128 | `jax.nn.dot_product_attention(implementation='cudnn')` when the batch is one right-padded sequence per row (checked at run time; otherwise the next implementation runs) |
+| `tpu`       | TPU (CPU: interpret, explicit only), f32/bf16 | jax's Pallas TPU flash attention (`flash_tpu.py`) when the batch is self-attention in index order without image blocks (checked at run time; otherwise `chunked` runs) |
 | `xla`       | anywhere, S x S fits     | `jax.nn.dot_product_attention` with an explicit mask             |
 | `chunked`   | anywhere                 | blockwise jnp with a FlashAttention-2 backward: O(S) memory       |
 | `reference` | anywhere                 | pure jnp, the definition                                          |
@@ -240,7 +240,7 @@ OP.register("reference", _reference, _dispatch.any_float, priority=0)
 OP.register("chunked", _chunked, _dispatch.any_float, priority=5)
 OP.register("xla", _xla, _xla_guard, priority=10)
 OP.register("cudnn", _cudnn, _cudnn_guard, priority=20)
-OP.register("tpu", flash_attention_tpu, _tpu_guard, priority=25)  # called through attention() with its fallback
+OP.register("tpu", flash_attention_tpu, _tpu_guard, priority=15)  # called through attention() with its fallback
 OP.register("pallas", _pallas, _pallas_guard, priority=30)
 OP.register("mgpu", _mgpu, _mgpu_guard, priority=40)
 OP.register("mgpu_bwd", _mgpu_bwd, _mgpu_guard, priority=45)
