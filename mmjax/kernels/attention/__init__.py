@@ -11,7 +11,7 @@ masked rows.
 | `mgpu`      | as `mgpu_bwd`            | the same Mosaic GPU forward with `pallas`'s backward kernels |
 | `pallas`    | GPU sm80+ (CPU: interpret, explicit only) | flash fwd+bwd, full mask semantic, GQA, any S/D  |
 | `cudnn`     | GPU sm80+, bf16/fp16, D<=128 | `jax.nn.dot_product_attention(implementation='cudnn')` when the batch is one right-padded sequence per row (checked at run time; otherwise the next implementation runs) |
-| `tpu`       | TPU (CPU: interpret, explicit only), f32/bf16 | jax's Pallas TPU flash attention (`flash_tpu.py`) when the batch is self-attention in index order without image blocks (checked at run time; otherwise `chunked` runs) |
+| `tpu`       | TPU (CPU: interpret, explicit only), f32/bf16 | jax's Pallas TPU flash attention (`flash_tpu.py`) when the batch is self-attention in index order without non-zero image block ids (checked at run time; otherwise `chunked` runs) |
 | `xla`       | anywhere, S x S fits     | `jax.nn.dot_product_attention` with an explicit mask             |
 | `chunked`   | anywhere                 | blockwise jnp with a FlashAttention-2 backward: O(S) memory       |
 | `reference` | anywhere                 | pure jnp, the definition                                          |
@@ -231,8 +231,8 @@ def _tpu_guard(ctx: Ctx) -> str | None:
         return f"{ctx.get('sq')} query rows (decode) run faster in XLA than in 128-row tiles"
     if ctx.get("sq") is not None and ctx.get("sq") != ctx.get("sk"):
         return "query and key lengths differ (the kernel's causal mask is by index, for self-attention)"
-    if ctx.get("has_blocks"):
-        return "bidirectional image blocks cannot be expressed with the kernel's segment/index-causal mask"
+    # Image block ids are accepted: the decoder passes all-zero ones for text, checked at run time like the
+    # layout; a batch with image blocks runs the blockwise path.
     return None
 
 

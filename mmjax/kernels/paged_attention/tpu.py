@@ -8,9 +8,10 @@ compute block (we clamp the table into the pool, so such entries read a real pag
 
 `kernels.ragged_paged_attention` on a TPU reuses the same kernel with every query token as its own decode row:
 token i of slot s attends the slot's first `context_len[s] - query_len[s] + i + 1` keys (its causal prefix)
-through the slot's page table. Exact for text; image blocks (bidirectional keys after the query) cannot be
-expressed, so the guard refuses them. A prefill chunk of n tokens reads its pages n times, so this is a decode
-kernel: jax also ships a ragged TPU kernel, but with a combined K/V pool layout ([P, page_size, 2 KV, D]) that
+through the slot's page table. Exact for text; a query inside an image block also sees the block's later keys,
+which a prefix cannot express, so a step with such queries runs the reference instead (checked at run time,
+since block ids may be passed and all zero). A prefill chunk of n tokens reads its pages n times, so this is a
+decode kernel: jax also ships a ragged TPU kernel, but with a combined K/V pool layout ([P, page_size, 2 KV, D]) that
 mmjax's pool would have to be copied into on every call.
 
 Both register on their op's dispatcher when this module is imported (`mmjax.kernels` does).
@@ -21,12 +22,13 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+from jax import lax
 
 from mmjax.kernels import _tpu
 from mmjax.kernels._dispatch import Ctx
 from mmjax.kernels.paged_attention import OP as PAGED_OP
 from mmjax.kernels.ragged_paged_attention import OP as RAGGED_OP
-from mmjax.kernels.ragged_paged_attention import token_owner
+from mmjax.kernels.ragged_paged_attention import ragged_paged_attention_reference, token_owner
 
 MAX_BLOCK_TOKENS = 512  # keys per compute block (pages_per_compute_block * page_size) at most
 
@@ -57,12 +59,16 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, page_table, query_start, que
                                kv_block_ids=None, q_block_ids=None, *, max_query_len=None):
     """`kernels.ragged_paged_attention` as one decode row per query token (text only; see the docstring)."""
     del max_query_len  # a tiling hint of the GPU kernel
-    if kv_block_ids is not None or q_block_ids is not None:
-        raise ValueError("the TPU ragged path cannot express image blocks; use impl='xla'")
     owner, owned = token_owner(q.shape[0], query_start, query_len)
     position = context_len[owner] - query_len[owner] + jnp.arange(q.shape[0], dtype=jnp.int32) - query_start[owner]
     lengths = jnp.where(owned, position + 1, 0).astype(jnp.int32)
-    return paged_attention_tpu(q, k_pages, v_pages, page_table[owner], lengths)
+    per_token = lambda: paged_attention_tpu(q, k_pages, v_pages, page_table[owner], lengths)  # noqa: E731
+    if q_block_ids is None:
+        return per_token()
+    # A query inside an image also sees the image's later keys: not a prefix. Such steps run the reference.
+    reference = lambda: ragged_paged_attention_reference(q, k_pages, v_pages, page_table, query_start,  # noqa: E731
+                                                         query_len, context_len, kv_block_ids, q_block_ids)
+    return lax.cond(jnp.all(jnp.where(owned, q_block_ids == 0, True)), per_token, reference)
 
 
 def _pool_guard(ctx: Ctx) -> str | None:
@@ -78,11 +84,5 @@ def _pool_guard(ctx: Ctx) -> str | None:
     return None
 
 
-def _ragged_guard(ctx: Ctx) -> str | None:
-    if ctx.get("has_blocks"):
-        return "image blocks (bidirectional keys after a query) are not expressible as per-token decode rows"
-    return _pool_guard(ctx)
-
-
 PAGED_OP.register("tpu", paged_attention_tpu, _pool_guard, priority=20)
-RAGGED_OP.register("tpu", ragged_paged_attention_tpu, _ragged_guard, priority=20)
+RAGGED_OP.register("tpu", ragged_paged_attention_tpu, _pool_guard, priority=20)

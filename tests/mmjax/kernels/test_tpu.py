@@ -34,6 +34,8 @@ def test_auto_on_tpu_picks_tpu_kernels_and_logs_why_others_were_skipped(caplog, 
     pool = dict(head_dim=128, page_size=16, kv_dtype="bfloat16")
     with caplog.at_level(logging.INFO, logger="mmjax.kernels"):
         assert select("attention", jnp.bfloat16, **attn, has_blocks=False) == "tpu"
+        # block ids (the decoder always passes them; zeros for text) are checked at run time, not refused
+        assert select("attention", jnp.bfloat16, **attn, has_blocks=True) == "tpu"
         assert select("paged_attention", jnp.bfloat16, **pool) == "tpu"
         assert select("ragged_paged_attention", jnp.bfloat16, **pool, has_blocks=False) == "tpu"
     assert "attention impl=auto chose 'tpu' on tpu" in caplog.text  # the paged ops' tpu impl is their first
@@ -50,16 +52,14 @@ def test_auto_on_tpu_picks_tpu_kernels_and_logs_why_others_were_skipped(caplog, 
 
 def test_tpu_guards_refuse_with_a_logged_reason(caplog, fresh_logs):
     with caplog.at_level(logging.INFO, logger="mmjax.kernels"):
-        assert select("attention", jnp.bfloat16, batch=2, sq=64, sk=64, heads=4, kv_heads=4, head_dim=64,
-                      has_blocks=True) == "xla"
+        assert select("attention", jnp.bfloat16, batch=2, sq=64, sk=48, heads=4, kv_heads=4, head_dim=64,
+                      has_blocks=False) == "xla"
         assert select("attention", jnp.bfloat16, batch=2, sq=1, sk=64, heads=4, kv_heads=4, head_dim=64,
                       has_blocks=False) == "xla"
         assert select("paged_attention", jnp.bfloat16, head_dim=64, page_size=16, kv_dtype="bfloat16") == "xla"
         assert select("paged_attention", jnp.bfloat16, head_dim=128, page_size=16, kv_dtype="float32") == "xla"
-        assert select("ragged_paged_attention", jnp.bfloat16, head_dim=128, page_size=16, kv_dtype="bfloat16",
-                      has_blocks=True) == "xla"
-    for why in ("tpu (bidirectional image blocks", "tpu (1 query rows (decode)", "tpu (head_dim 64 is not a multiple",
-                "tpu (cache pool dtype float32 differs", "tpu (image blocks (bidirectional keys"):
+    for why in ("tpu (query and key lengths differ", "tpu (1 query rows (decode)", "tpu (head_dim 64 is not a multiple",
+                "tpu (cache pool dtype float32 differs"):
         assert why in caplog.text, why
     assert select("attention", jnp.float16, batch=1, sq=64, sk=64, heads=1, kv_heads=1, head_dim=64,
                   has_blocks=False) == "xla"  # fp16: not a TPU dtype
@@ -164,3 +164,11 @@ def test_tpu_ragged_paged_attention_interpret_matches_reference():
     np.testing.assert_allclose(np.asarray(got), np.asarray(ragged_paged_attention_reference(q, k, v, *args)),
                                atol=PAGED_ATOL)
     assert not np.any(np.asarray(got)[7:])  # tokens of no slot
+    # an image in slot 0's chunk (positions 15..17): its queries see its later keys, so the step runs the reference
+    kv_blocks = np.zeros((3, 32), np.int32)
+    kv_blocks[0, 15:18] = 1
+    q_blocks = jnp.asarray([0, 0, 1, 1, 1, 0, 0, 0, 0], jnp.int32)
+    blocks = dict(kv_block_ids=jnp.asarray(kv_blocks), q_block_ids=q_blocks)
+    got = kernels.ragged_paged_attention(q, k, v, *args, **blocks, impl="tpu")
+    want = ragged_paged_attention_reference(q, k, v, *args, **blocks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
