@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from mmjax import kernels
+from mmjax.config import load_config
 from mmjax.kernels import OPS, _dispatch
 from mmjax.kernels.attention import OP as ATTENTION
 from mmjax.kernels.attention import attention_reference, make_mask
@@ -74,6 +75,7 @@ def test_tpu_impls_elsewhere_and_config_validation():
         assert ATTENTION.unsupported_here("tpu") is None
         assert "CUDA" in ATTENTION.unsupported_here("pallas")
         assert OPS["norm"].unsupported_here("xla") is None
+    load_config(None, ["model.attention_impl=tpu"])  # on this CPU: allowed, it runs in interpret mode
 
 
 def test_index_causal_layout():
