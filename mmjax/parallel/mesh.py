@@ -9,6 +9,7 @@ so GSPMD propagates shardings from the annotations; the mode is set explicitly b
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -19,6 +20,8 @@ from jax.sharding import AxisType, Mesh
 from mmjax.config import Config, MeshConfig
 from mmjax.errors import ConfigError
 from mmjax.parallel.mesh_tpu import is_tpu, tpu_grid
+
+log = logging.getLogger(__name__)
 
 AXES = ("data", "fsdp", "pipeline", "sequence", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -67,7 +70,15 @@ def hybrid_grid(sizes: dict[str, int], dcn: dict[str, int], devices: list) -> np
             f"mesh.dcn_* = {[dcn[a] for a in AXES if dcn[a] > 1]} multiply to {math.prod(dcn.values())} but the run "
             f"has {granules} {'processes' if by_process else 'slices'}; make them equal (or set mesh.dcn_*=1)")
     ici = [sizes[a] // dcn[a] for a in AXES]
-    return mesh_utils.create_hybrid_device_mesh(ici, [dcn[a] for a in AXES], devices, process_is_granule=by_process)
+    kw = dict(process_is_granule=by_process)
+    try:
+        return mesh_utils.create_hybrid_device_mesh(ici, [dcn[a] for a in AXES], devices, **kw)
+    except (ValueError, NotImplementedError, AssertionError) as e:
+        if not is_tpu(devices):
+            raise
+        log.warning("per-slice mesh %s does not map onto whole physical TPU axes (%s); splitting them", ici, e)
+        return mesh_utils.create_hybrid_device_mesh(ici, [dcn[a] for a in AXES], devices,
+                                                    allow_split_physical_axes=True, **kw)
 
 
 def data_parallel_size(sizes: dict[str, int]) -> int:

@@ -55,3 +55,10 @@ def test_two_slices_split_the_data_axis_over_dcn():
     assert [{d.slice_index for d in grid[i].flat} for i in range(2)] == [{0}, {1}]  # one slice per data index
     for group in grid.reshape(4, 4):
         assert len({d.coords[2] for d in group}) == 1
+
+
+def test_axes_that_need_split_physical_axes_still_get_a_grid(caplog):
+    devices = [TpuDevice(i, (x, y, z)) for i, (z, y, x) in enumerate(np.ndindex(4, 4, 4))]  # a 4x4x4 v4 slice
+    grid = tpu_grid((8, 1, 1, 1, 8), devices)  # tensor=8 is no whole physical axis of 4
+    assert grid.shape == (8, 1, 1, 1, 8) and sorted(d.id for d in grid.flat) == list(range(64))
+    assert "splitting physical axes" in caplog.text
