@@ -78,9 +78,14 @@ def _pool_guard(ctx: Ctx) -> str | None:
     kv_dtype = ctx.get("kv_dtype")
     if kv_dtype is not None and kv_dtype != str(ctx.dtype):
         return f"cache pool dtype {kv_dtype} differs from q's {ctx.dtype} (the kernel reads the pool in q's dtype)"
-    d = ctx.get("head_dim")
-    if d is not None and d % 128 and not ctx.explicit:
+    if ctx.explicit:
+        return None
+    # Under `auto` only the shapes jax's own kernel tests cover (head_dim 128/256, page_size 16-64, TPU v4+).
+    d, page_size = ctx.get("head_dim"), ctx.get("page_size")
+    if d is not None and d % 128:
         return f"head_dim {d} is not a multiple of 128 (the lane width; the shapes jax's kernel is tested at)"
+    if page_size is not None and page_size < 16:
+        return f"page_size {page_size} < 16 (jax's kernel is tested at page sizes 16 to 64)"
     return None
 
 

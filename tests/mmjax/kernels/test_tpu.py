@@ -59,8 +59,9 @@ def test_tpu_guards_refuse_with_a_logged_reason(caplog, fresh_logs):
                       has_blocks=False) == "xla"
         assert select("paged_attention", jnp.bfloat16, head_dim=64, page_size=16, kv_dtype="bfloat16") == "xla"
         assert select("paged_attention", jnp.bfloat16, head_dim=128, page_size=16, kv_dtype="float32") == "xla"
+        assert select("paged_attention", jnp.bfloat16, head_dim=128, page_size=8, kv_dtype="bfloat16") == "xla"
     for why in ("tpu (query and key lengths differ", "tpu (1 query rows (decode)", "tpu (head_dim 64 is not a multiple",
-                "tpu (cache pool dtype float32 differs"):
+                "tpu (cache pool dtype float32 differs", "tpu (page_size 8 < 16"):
         assert why in caplog.text, why
     assert select("attention", jnp.float16, batch=1, sq=64, sk=64, heads=1, kv_heads=1, head_dim=64,
                   has_blocks=False) == "xla"  # fp16: not a TPU dtype
