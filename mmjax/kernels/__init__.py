@@ -17,6 +17,7 @@ from mmjax.kernels.norms import OP as _NORM
 from mmjax.kernels.norms import layer_norm, rms_norm
 from mmjax.kernels.paged_attention import OP as _PAGED_ATTENTION
 from mmjax.kernels.paged_attention import paged_attention
+from mmjax.kernels.paged_attention import tpu as _paged_tpu  # noqa: F401 - registers the TPU paged impls
 from mmjax.kernels.ragged_paged_attention import OP as _RAGGED_PAGED_ATTENTION
 from mmjax.kernels.ragged_paged_attention import ragged_paged_attention
 from mmjax.kernels.swiglu import OP as _SWIGLU

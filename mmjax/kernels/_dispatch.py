@@ -10,13 +10,15 @@ compute capability, the dtype, whether the caller named the implementation, and 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
 import logging
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -55,10 +57,30 @@ def _device_info(backend: str) -> tuple[str, tuple[int, int] | None]:
     return dev.platform, None
 
 
+_ASSUMED: contextvars.ContextVar[tuple[str, tuple[int, int] | None] | None] = contextvars.ContextVar(
+    "mmjax_kernels_platform", default=None)
+
+
+@contextlib.contextmanager
+def assume_platform(platform: str, capability: tuple[int, int] | None = None) -> Iterator[None]:
+    """Dispatch as if computing on `platform` ('cpu', 'gpu', 'tpu'): the guards see it instead of the backend's.
+
+    Why: selection on another platform (e.g. which TPU kernels `auto` picks) is testable on a CPU; a chosen
+    Pallas TPU kernel then runs in its interpret mode there. Only the dispatcher's view changes, not where
+    XLA compiles."""
+    token = _ASSUMED.set((platform, capability))
+    try:
+        yield
+    finally:
+        _ASSUMED.reset(token)
+
+
 def platform_here() -> tuple[str, tuple[int, int] | None] | None:
     """(platform, capability) this process computes on, found without starting a backend (which must wait for
     XLA flags and jax.distributed); None while that cannot be told: an accelerator plugin is installed but no
     backend runs yet (a GPU's capability is only known from the device)."""
+    if _ASSUMED.get() is not None:
+        return _ASSUMED.get()
     from jax._src import xla_bridge  # private; getattr: the check is an optimisation, not a contract
     if getattr(xla_bridge, "backends_are_initialized", lambda: False)():
         return _device_info(jax.default_backend())
@@ -80,8 +102,9 @@ def _accelerator_plugins() -> bool:
 
 
 def make_ctx(dtype, *, explicit: bool = False, **facts) -> Ctx:
-    """Ctx for the backend the current computation is compiled for (under jit: the default backend)."""
-    platform, cap = _device_info(jax.default_backend())
+    """Ctx for the backend the current computation is compiled for (under jit: the default backend), or for
+    the platform `assume_platform` set."""
+    platform, cap = _ASSUMED.get() or _device_info(jax.default_backend())
     return Ctx(platform=platform, dtype=jnp.dtype(dtype), capability=cap, explicit=explicit,
                facts=tuple(sorted(facts.items())))
 

@@ -1,13 +1,15 @@
 """Build the device mesh from `cfg.mesh` and check that the model and batch fit it.
 
 Axis order is (data, fsdp, pipeline, sequence, tensor): tensor is innermost, so on GPUs the
-tensor-parallel group is made of neighbouring devices (same NVLink island). All axes are `Auto`
+tensor-parallel group is made of neighbouring devices (same NVLink island); on TPUs the grid follows the
+physical torus (`mesh_tpu.py`). All axes are `Auto`
 so GSPMD propagates shardings from the annotations; the mode is set explicitly because
 `jax.make_mesh` defaults to Explicit axes on jax 0.10.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -17,6 +19,9 @@ from jax.sharding import AxisType, Mesh
 
 from mmjax.config import Config, MeshConfig
 from mmjax.errors import ConfigError
+from mmjax.parallel.mesh_tpu import is_tpu, tpu_grid
+
+log = logging.getLogger(__name__)
 
 AXES = ("data", "fsdp", "pipeline", "sequence", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -45,8 +50,8 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
     check_fits(cfg, sizes)
     shape = tuple(sizes[a] for a in AXES)
     dcn = {a: getattr(cfg.mesh, f"dcn_{a}", 1) for a in AXES}
-    if math.prod(dcn.values()) == 1:
-        grid = np.asarray(devices).reshape(shape)
+    if math.prod(dcn.values()) == 1:  # on TPUs ordered by the torus, elsewhere in jax.devices() order
+        grid = tpu_grid(shape, devices) if is_tpu(devices) else np.asarray(devices).reshape(shape)
     else:
         grid = hybrid_grid(sizes, dcn, devices)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
@@ -65,7 +70,15 @@ def hybrid_grid(sizes: dict[str, int], dcn: dict[str, int], devices: list) -> np
             f"mesh.dcn_* = {[dcn[a] for a in AXES if dcn[a] > 1]} multiply to {math.prod(dcn.values())} but the run "
             f"has {granules} {'processes' if by_process else 'slices'}; make them equal (or set mesh.dcn_*=1)")
     ici = [sizes[a] // dcn[a] for a in AXES]
-    return mesh_utils.create_hybrid_device_mesh(ici, [dcn[a] for a in AXES], devices, process_is_granule=by_process)
+    kw = dict(process_is_granule=by_process)
+    try:
+        return mesh_utils.create_hybrid_device_mesh(ici, [dcn[a] for a in AXES], devices, **kw)
+    except (ValueError, NotImplementedError, AssertionError) as e:
+        if not is_tpu(devices):
+            raise
+        log.warning("per-slice mesh %s does not map onto whole physical TPU axes (%s); splitting them", ici, e)
+        return mesh_utils.create_hybrid_device_mesh(ici, [dcn[a] for a in AXES], devices,
+                                                    allow_split_physical_axes=True, **kw)
 
 
 def data_parallel_size(sizes: dict[str, int]) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from mmjax.config import Config, DataConfig, apply_override, from_tree, validate
+from mmjax.config import Config, DataConfig, EvalConfig, apply_override, from_tree, validate
 from mmjax.errors import CheckpointError, ConfigError, MmjaxError
 from mmjax.model import MLLM
 
@@ -49,7 +49,8 @@ def read_checkpoint(ckpt: str | os.PathLike, *, step: int | None = None, overrid
     config = meta.get("config")
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise CheckpointError(f"checkpoint {step_dir}: its meta has no model config (meta['config']['model'])")
-    tree: dict[str, Any] = {"model": dict(config["model"]), "data": _known_keys(DataConfig, config.get("data"))}
+    tree: dict[str, Any] = {"model": dict(config["model"]), "data": _known_keys(DataConfig, config.get("data")),
+                            "eval": _known_keys(EvalConfig, config.get("eval"))}  # validated against data
     if set(params) == {"decoder"} and not tree["model"].get("text_only"):
         log.info("checkpoint %s holds only the decoder (e.g. an imported Llama): serving it text-only", step_dir)
         tree["model"]["text_only"] = True

@@ -11,6 +11,7 @@ masked rows.
 | `mgpu`      | as `mgpu_bwd`            | the same Mosaic GPU forward with `pallas`'s backward kernels |
 | `pallas`    | GPU sm80+ (CPU: interpret, explicit only) | flash fwd+bwd, full mask semantic, GQA, any S/D  |
 | `cudnn`     | GPU sm80+, bf16/fp16, D<=128 | `jax.nn.dot_product_attention(implementation='cudnn')` when the batch is one right-padded sequence per row (checked at run time; otherwise the next implementation runs) |
+| `tpu`       | TPU (CPU: interpret, explicit only), f32/bf16 | jax's Pallas TPU flash attention (`flash_tpu.py`) when the batch is self-attention in index order without non-zero image block ids (checked at run time; otherwise `chunked` runs) |
 | `xla`       | anywhere, S x S fits     | `jax.nn.dot_product_attention` with an explicit mask             |
 | `chunked`   | anywhere                 | blockwise jnp with a FlashAttention-2 backward: O(S) memory       |
 | `reference` | anywhere                 | pure jnp, the definition                                          |
@@ -24,12 +25,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mmjax.kernels import _dispatch
+from mmjax.kernels import _dispatch, _tpu
 from mmjax.kernels._dispatch import Ctx
 from mmjax.kernels._sharding import shard_attention
 from mmjax.kernels.attention.chunked import chunked_attention
 from mmjax.kernels.attention.flash_mgpu import MgpuFlashConfig, flash_attention_mgpu, supports_mgpu
 from mmjax.kernels.attention.flash_pallas import FlashConfig, flash_attention
+from mmjax.kernels.attention.flash_tpu import flash_attention_tpu
 from mmjax.kernels.attention.reference import attention_reference, check_shapes, make_mask
 
 __all__ = ["attention", "supports", "available", "make_mask", "attention_reference", "OP", "FlashConfig",
@@ -76,6 +78,9 @@ def attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positio
     if chosen.name == "cudnn":
         fallback = _cudnn_fallback(ctx)
         return shard_attention(lambda q, k, v, **kw: _cudnn(q, k, v, fallback=fallback, **kw), q, k, v, **inputs)
+    if chosen.name == "tpu":
+        tpu = lambda q, k, v, **kw: flash_attention_tpu(q, k, v, fallback=OP["chunked"].fn, **kw)  # noqa: E731
+        return shard_attention(tpu, q, k, v, **inputs)
     if chosen.name in ("pallas", "mgpu", "mgpu_bwd"):  # custom calls: per shard under a sharding context
         return shard_attention(chosen.fn, q, k, v, **inputs)
     return chosen.fn(q, k, v, **inputs)
@@ -218,10 +223,24 @@ def _cudnn_guard(ctx: Ctx) -> str | None:
     return None
 
 
+def _tpu_guard(ctx: Ctx) -> str | None:
+    reason = _tpu.pallas_tpu(ctx, "flash_attention", "flash_attention", "SegmentIds")
+    if reason or ctx.explicit:
+        return reason
+    if ctx.get("sq") is not None and ctx.get("sq") < 16:
+        return f"{ctx.get('sq')} query rows (decode) run faster in XLA than in 128-row tiles"
+    if ctx.get("sq") is not None and ctx.get("sq") != ctx.get("sk"):
+        return "query and key lengths differ (the kernel's causal mask is by index, for self-attention)"
+    # Image block ids are accepted: the decoder passes all-zero ones for text, checked at run time like the
+    # layout; a batch with image blocks runs the blockwise path.
+    return None
+
+
 OP.register("reference", _reference, _dispatch.any_float, priority=0)
 OP.register("chunked", _chunked, _dispatch.any_float, priority=5)
 OP.register("xla", _xla, _xla_guard, priority=10)
 OP.register("cudnn", _cudnn, _cudnn_guard, priority=20)
+OP.register("tpu", flash_attention_tpu, _tpu_guard, priority=15)  # called through attention() with its fallback
 OP.register("pallas", _pallas, _pallas_guard, priority=30)
 OP.register("mgpu", _mgpu, _mgpu_guard, priority=40)
 OP.register("mgpu_bwd", _mgpu_bwd, _mgpu_guard, priority=45)
