@@ -242,10 +242,11 @@ def bench_mixed(engine: Engine, spec: BenchSpec, rng: np.random.Generator) -> di
 
 
 def hf_peer(hf_config: dict, spec: BenchSpec, *, dtype: str = "bfloat16", allow_cpu: bool = False,
-            timeout_s: float = 1800) -> dict:
+            timeout_s: float = 1800, num_beams: int = 1) -> dict:
     """`python -m mmjax.serving.hf_peer` with the same shapes; its result dict, or {"skipped": why}."""
     args = {"config": hf_config, "batches": list(spec.batches), "prompt_len": spec.prompt_len,
-            "new_tokens": spec.new_tokens, "dtype": dtype, "allow_cpu": allow_cpu, "seed": spec.seed}
+            "new_tokens": spec.new_tokens, "dtype": dtype, "allow_cpu": allow_cpu, "seed": spec.seed,
+            "num_beams": num_beams}
     try:
         proc = subprocess.run([sys.executable, "-m", "mmjax.serving.hf_peer", json.dumps(args)],
                               capture_output=True, text=True, timeout=timeout_s)
