@@ -203,8 +203,8 @@ class ModelRunner:
         return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs, *spec), pools
 
     def _copy_fn(self, pools, src, dst):
-        """Copy pages src -> dst in every layer's pools (a beam fork's shared last page; pads are 0 -> 0)."""
-        self.num_compiles += 1  # runs only while tracing
+        """Copy pages src -> dst in every layer's pools (a beam fork's shared last page; pads are 0 -> 0).
+        One small fixed shape, compiled by `warmup`; not counted in `num_compiles` (the step's and encoder's)."""
         return jax.tree.map(lambda p: p.at[:, :, dst].set(p[:, :, src]), pools)
 
     def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:

@@ -377,7 +377,7 @@ class Scheduler:
                     self._finish(request, status)
                     done.append(request)
                     break
-        for rid, root in beams.items():
+        for root in beams.values():
             if root.beam.step(self.kv, candidates or {}):
                 if root.first_token_time is None:
                     root.first_token_time = now

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="models/llama_1b.yaml")
     p.add_argument("--checkpoint", default="", help="mmjax checkpoint whose parameters to serve (default: random)")
     p.add_argument("--mode", choices=("serving", "speculative"), default="serving",
-                   help="speculative: speculation off / n-gram / draft and beam search vs HF (mmjax.serving.bench_spec)")
+                   help="speculative: speculation off, n-gram, draft; beam search vs HF (serving.bench_spec)")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes")
     p.add_argument("--spec-k", type=int, default=4, help="speculative mode: tokens proposed per step")
     p.add_argument("--draft-layers", type=int, default=2, help="speculative mode: the draft model's layers")

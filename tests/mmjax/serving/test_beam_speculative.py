@@ -15,7 +15,7 @@ from scipy import stats
 
 from mmjax.config import ServeConfig, SpeculativeConfig
 from mmjax.engine.convert import import_hf
-from mmjax.serving.engine import LLM, Engine
+from mmjax.serving.engine import LLM
 from mmjax.serving.load import load_model
 from mmjax.serving.request import RequestError, SamplingParams
 from mmjax.serving.speculative.proposers import NgramProposer
