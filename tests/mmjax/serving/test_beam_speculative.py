@@ -160,9 +160,21 @@ def test_speculative_greedy_equals_plain_greedy(hf, ngram_llm, method):
     prompts = [*REPETITIVE, [1, 9, 9]]
     params = [SamplingParams(max_tokens=12)] * len(REPETITIVE) + [
         SamplingParams(max_tokens=6, temperature=0.9, seed=3)]  # a sampled request in the same steps
-    outs = llm.generate(prompts, params)
+    eng = llm.engine
+    ids = [eng.add_request(p, sampling_params=sp) for p, sp in zip(prompts, params)]
+    events = dict.fromkeys(ids, 0)  # steps in which a request got tokens
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            events[o.request_id] += bool(o.new_token_ids)
+            assert len(o.logprobs) == len(o.new_token_ids)
+            if o.finished:
+                final[o.request_id] = o
+    outs = [final[rid] for rid in ids]
     assert [o.token_ids for o in outs[:-1]] == want
     assert len(outs[-1].token_ids) == 6
+    # every step that verified drafts emitted the accepted ones plus one token
+    assert all(len(o.token_ids) == events[o.request_id] + o.metrics.num_accepted_tokens for o in outs)
     st = {k: v - stats0[k] for k, v in llm.engine.stats().items() if k.startswith("spec_") and "rate" not in k}
     drafted = sum(o.metrics.num_draft_tokens for o in outs)
     accepted = sum(o.metrics.num_accepted_tokens for o in outs)
@@ -185,7 +197,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     """Many seeded rows at once: the first emitted token follows p_0, and after an accepted first draft the
     second follows p_1, for a draft distribution q far from p (chi-square, tiny vocabulary)."""
     rng = np.random.default_rng(0)
-    v, k, n = 5, 2, 40000
+    v, k, n = 5, 2, 20000
     p = rng.dirichlet(np.ones(v), size=k + 1).astype(np.float32)
     q = rng.dirichlet(np.ones(v) * 0.5, size=k).astype(np.float32)
     drafts = np.stack([rng.choice(v, n, p=q[i] / q[i].sum()) for i in range(k)], axis=1).astype(np.int32)
