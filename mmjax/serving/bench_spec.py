@@ -94,9 +94,11 @@ def bench_beam(engine: Engine, spec: SpecBenchSpec, rng: np.random.Generator) ->
             "tok_s": generated / seconds, "compiles_during_timing": compiles}
 
 
-def run_spec_bench(cfg: Config, spec: SpecBenchSpec = SpecBenchSpec(), *, hf_config: dict | None = None,
-                   hf_on_cpu: bool = False, methods: tuple[str, ...] = ("none", "ngram", "draft")) -> dict[str, Any]:
-    """Every measurement on engines over `cfg` (one per speculation method); returns the record."""
+def run_spec_bench(cfg: Config, spec: SpecBenchSpec = SpecBenchSpec(), *, params: dict | None = None,
+                   hf_config: dict | None = None, hf_on_cpu: bool = False,
+                   methods: tuple[str, ...] = ("none", "ngram", "draft")) -> dict[str, Any]:
+    """Every measurement on engines over `cfg` (one per speculation method, the target holding `params` when
+    given, the draft random); returns the record."""
     s, m = cfg.serve, cfg.model
     max_len = spec.prompt_len + spec.new_tokens
     seqs = max(s.max_num_seqs, *spec.batches, spec.beam_batch * spec.num_beams)
@@ -109,14 +111,14 @@ def run_spec_bench(cfg: Config, spec: SpecBenchSpec = SpecBenchSpec(), *, hf_con
         hf = hf_peer(hf_config, BenchSpec(batches=(spec.beam_batch,), prompt_len=spec.prompt_len,
                                           new_tokens=spec.new_tokens, seed=spec.seed),
                      dtype=cfg.model.param_dtype, allow_cpu=hf_on_cpu, num_beams=spec.num_beams)
-    model = build_model(cfg)
+    model = build_model(cfg, params)
     rng = np.random.default_rng(spec.seed)
     dev = jax.devices()[0]
     record: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
         "versions": package_versions(extra=("torch", "transformers")), "spec": dataclasses.asdict(spec),
-        "model": {"layers": m.text.n_layers, "dim": m.text.dim, "vocab": m.vocab_size, "random_weights": True,
+        "model": {"layers": m.text.n_layers, "dim": m.text.dim, "vocab": m.vocab_size, "random_weights": params is None,
                   "draft_layers": spec.draft_layers},
         "speculation": [], "beam": None, "hf_beam": hf}
     for method in methods:

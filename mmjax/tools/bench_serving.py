@@ -95,7 +95,11 @@ def _speculative(args: argparse.Namespace, cfg) -> int:
     hf_config = None if args.no_hf else text_config_to_hf(cfg.model.text, cfg.model.vocab_size,
                                                          max(cfg.model.max_seq_len, args.prompt_len + args.new_tokens),
                                                          "llama", cfg.model.param_dtype)
-    record = bench_spec.run_spec_bench(cfg, spec, hf_config=hf_config, hf_on_cpu=args.hf_on_cpu)
+    params = None
+    if args.checkpoint:
+        params, _, _ = load_params(args.checkpoint)
+        params = {k: v for k, v in params.items() if k == "decoder"}
+    record = bench_spec.run_spec_bench(cfg, spec, params=params, hf_config=hf_config, hf_on_cpu=args.hf_on_cpu)
     out = Path(args.out or f"docs/perf/results/serving-spec-{datetime.date.today().isoformat()}.json")
     record["command"] = "python -m mmjax.tools.bench_serving " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     out.parent.mkdir(parents=True, exist_ok=True)
