@@ -21,7 +21,21 @@ def candidates(tokens, k=8):
     return tuple(int(i) for i in ids), tuple(float(x) for x in lp[ids])
 
 
-def run(num_pages, jobs, max_seqs=8):
+def greedy(seq):
+    return candidates(seq)[0][0]
+
+
+def propose(request, rng, k=3):
+    """The fake model's own greedy continuation, each guess wrong with probability 1/3."""
+    seq, out = list(request.all_token_ids), []
+    for _ in range(k):
+        tok = greedy(seq) if rng.random() > 1 / 3 else int(rng.integers(8, V))
+        out.append(tok)
+        seq.append(tok)
+    return out
+
+
+def run(num_pages, jobs, max_seqs=8, speculate=False):
     kv = KVCacheManager(num_pages, PAGE)
     sched = Scheduler(kv, max_num_batched_tokens=16, max_num_seqs=max_seqs, max_model_len=40)
     requests = [Request(f"r{i}", prompt, sp, eos_token_id=7, arrival_time=float(i))
@@ -30,7 +44,13 @@ def run(num_pages, jobs, max_seqs=8):
         sched.add_request(r)
     pool: dict[int, list] = {}  # page -> the token written at each slot
     copies = 0
+    rng = np.random.default_rng(1)
     while sched.has_unfinished_requests():
+        if speculate:
+            from mmjax.serving.speculative.proposers import decoding
+            for r in sched.running:
+                if decoding(r):
+                    r.spec_token_ids = propose(r, rng)
         out = sched.schedule()
         for src, dst in out.page_copies:
             pool[dst] = list(pool.get(src, [None] * PAGE))
@@ -42,13 +62,21 @@ def run(num_pages, jobs, max_seqs=8):
                 row = next(r for r in root.beam.rows if r.request_id == e.request_id)
                 seq = row.all_token_ids
             else:
-                seq = sched.requests[e.request_id].all_token_ids
+                seq = sched.requests[e.request_id].all_token_ids + list(e.token_ids[e.num_tokens - e.num_draft:])
             for j, tok in enumerate(e.token_ids):  # write, then check what attention would read
                 p = e.start + j
                 pool.setdefault(e.page_ids[p // PAGE], [None] * PAGE)[p % PAGE] = tok
             end = e.start + e.num_tokens
             assert [pool[e.page_ids[p // PAGE]][p % PAGE] for p in range(end)] == seq[:end], e.request_id
-            if e.samples:
+            if e.num_draft:  # greedy verification: the longest agreeing prefix, then the model's token
+                base = len(seq) - e.num_draft
+                emitted = []
+                for i in range(e.num_draft + 1):
+                    emitted.append(greedy(seq[:base + i]))
+                    if i == e.num_draft or emitted[-1] != seq[base + i]:
+                        break
+                sampled[e.request_id] = emitted
+            elif e.samples:
                 cands[e.request_id] = candidates(seq)
                 sampled[e.request_id] = cands[e.request_id][0][0]
         sched.update_from_output(out, sampled, cands)
@@ -73,3 +101,8 @@ def test_beams_read_their_own_tokens_and_survive_preemption():
     tight, sched, _ = run(13, jobs)
     assert sched.num_preemptions > 0
     assert tight == roomy
+    # speculation (wrong guesses included) changes no greedy output, with or without preemption
+    for pages in (200, 13):
+        spec, sched, _ = run(pages, jobs, speculate=True)
+        assert spec == roomy
+        assert 0 < sched.num_accepted_tokens < sched.num_draft_tokens
