@@ -137,6 +137,7 @@ class DraftProposer:
         self.k = serve.speculative.num_tokens
         draft_serve = dataclasses.replace(serve, speculative=SpeculativeConfig(), max_beam_width=0, max_logprobs=0)
         self.runner = DraftRunner(model, draft_serve, max_model_len=max_model_len)
+        self.max_model_len = max_model_len
         self.kv = KVCacheManager(serve.num_pages, serve.page_size, enable_prefix_caching=False)
         self.budget = serve.max_num_batched_tokens
         self.seeds = seeds
@@ -153,9 +154,13 @@ class DraftProposer:
         """Set `spec_token_ids` of the decoding requests; returns their drafts' probabilities [k, V]."""
         self._release_stale()
         todo: list[Request] = []
+        ks: dict[str, int] = {}  # drafts per request: what the scheduler could still verify
         for r in requests:
-            if not decoding(r):
+            k = min(self.k, self.max_model_len - r.num_tokens - 1,
+                    r.sampling_params.max_tokens - len(r.output_token_ids) - 1)
+            if not decoding(r) or k < 1:
                 continue
+            ks[r.request_id] = k
             seq = self._seqs.get(r.request_id)
             if seq is None:
                 seq = self._seqs[r.request_id] = _Seq(r.request_id, 0, r.num_tokens)
@@ -163,7 +168,7 @@ class DraftProposer:
             # draft KV stays valid up to what the target accepted (the drafts it kept are the draft's own)
             seq.num_computed_tokens = min(seq.num_computed_tokens, r.num_computed_tokens)
             seq.num_tokens = r.num_tokens
-            need = r.num_tokens + self.k - 1 - seq.num_computed_tokens  # catch up, then k - 1 fed drafts
+            need = r.num_tokens + k - 1 - seq.num_computed_tokens  # catch up, then k - 1 fed drafts
             if self.kv.allocate_slots(seq, need) is None:
                 continue  # the draft pool is full: no proposal this step
             todo.append(r)
@@ -195,6 +200,8 @@ class DraftProposer:
         for j in range(1, self.k):  # feed draft j, draw draft j + 1
             entries = []
             for r in todo:
+                if j >= ks[r.request_id]:
+                    continue
                 seq = self._seqs[r.request_id]
                 entries.append((r, drafts[r.request_id][-1:], seq.num_computed_tokens,
                                 self.kv.block_table(r.request_id), j))
