@@ -286,6 +286,7 @@ class SpeculativeConfig:
 
     method: Literal["none", "ngram", "draft"] = "none"  # ngram: prompt lookup; draft: a smaller mmjax model
     num_tokens: int = 4  # k: tokens proposed per request and step
+    adaptive: bool = False  # per request: k + 1 after a step that accepted all, k - 1 after one under half (1..k)
     ngram_max: int = 4  # longest suffix n-gram looked up in the request's own tokens
     ngram_min: int = 1
     draft_checkpoint: str = ""  # draft: an mmjax checkpoint (same tokenizer), served text-only

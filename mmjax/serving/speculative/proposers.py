@@ -37,13 +37,45 @@ def decoding(request: Request) -> bool:
             and request.num_tokens - request.num_computed_tokens == 1)
 
 
+class DraftLength:
+    """Drafts per request and step: `num_tokens`, or with `adaptive` one more after a step that accepted every
+    draft and one less after a step that accepted under half of them, within [1, num_tokens]."""
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.max_k, self.adaptive = cfg.num_tokens, cfg.adaptive
+        self._k: dict[str, int] = {}
+        self._seen: dict[str, tuple[int, int]] = {}  # (drafted, accepted) when last asked
+
+    def __call__(self, request: Request) -> int:
+        if not self.adaptive:
+            return self.max_k
+        rid = request.request_id
+        k = self._k.get(rid, self.max_k)
+        drafted, accepted = request.num_draft_tokens, request.num_accepted_tokens
+        before = self._seen.get(rid, (drafted, accepted))
+        d, a = drafted - before[0], accepted - before[1]
+        if d and a == d:
+            k = min(self.max_k, k + 1)
+        elif d and 2 * a < d:
+            k = max(1, k - 1)
+        self._k[rid], self._seen[rid] = k, (drafted, accepted)
+        return k
+
+    def keep_only(self, request_ids: set[str]) -> None:
+        """Forget requests that are no longer running."""
+        for d in (self._k, self._seen):
+            for rid in set(d) - request_ids:
+                del d[rid]
+
+
 class NgramProposer:
     """Prompt lookup over the request's own tokens."""
 
     def __init__(self, cfg: SpeculativeConfig) -> None:
         self.k, self.n_min, self.n_max = cfg.num_tokens, cfg.ngram_min, cfg.ngram_max
+        self.length = DraftLength(cfg)
 
-    def lookup(self, tokens: Sequence[int]) -> list[int]:
+    def lookup(self, tokens: Sequence[int], k: int | None = None) -> list[int]:
         """Up to k tokens after the latest earlier match of the longest suffix n-gram that has one."""
         arr = np.asarray(tokens, np.int64)
         for n in range(min(self.n_max, len(arr) - 1), self.n_min - 1, -1):
@@ -51,13 +83,14 @@ class NgramProposer:
             hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return arr[start:start + self.k].tolist()
+                return arr[start:start + (k or self.k)].tolist()
         return []
 
     def propose(self, requests: Sequence[Request]) -> dict[str, np.ndarray]:
+        self.length.keep_only({r.request_id for r in requests})
         for r in requests:
             if decoding(r):
-                r.spec_token_ids = self.lookup(r.all_token_ids)
+                r.spec_token_ids = self.lookup(r.all_token_ids, self.length(r))
         return {}
 
 
@@ -135,6 +168,7 @@ class DraftProposer:
 
     def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int, seeds: Mapping[str, int]) -> None:
         self.k = serve.speculative.num_tokens
+        self.length = DraftLength(serve.speculative)
         draft_serve = dataclasses.replace(serve, speculative=SpeculativeConfig(), max_beam_width=0, max_logprobs=0)
         self.runner = DraftRunner(model, draft_serve, max_model_len=max_model_len)
         self.max_model_len = max_model_len
@@ -153,12 +187,15 @@ class DraftProposer:
     def propose(self, requests: Sequence[Request]) -> dict[str, np.ndarray]:
         """Set `spec_token_ids` of the decoding requests; returns their drafts' probabilities [k, V]."""
         self._release_stale()
+        self.length.keep_only({r.request_id for r in requests})
         todo: list[Request] = []
         ks: dict[str, int] = {}  # drafts per request: what the scheduler could still verify
         for r in requests:
-            k = min(self.k, self.max_model_len - r.num_tokens - 1,
+            if not decoding(r):
+                continue
+            k = min(self.length(r), self.max_model_len - r.num_tokens - 1,
                     r.sampling_params.max_tokens - len(r.output_token_ids) - 1)
-            if not decoding(r) or k < 1:
+            if k < 1:
                 continue
             ks[r.request_id] = k
             seq = self._seqs.get(r.request_id)

@@ -106,3 +106,17 @@ def test_beams_read_their_own_tokens_and_survive_preemption():
         spec, sched, _ = run(pages, jobs, speculate=True)
         assert spec == roomy
         assert 0 < sched.num_accepted_tokens < sched.num_draft_tokens
+
+
+def test_adaptive_draft_length():
+    from mmjax.config import SpeculativeConfig
+    from mmjax.serving.speculative.proposers import DraftLength
+    length = DraftLength(SpeculativeConfig(method="ngram", num_tokens=4, adaptive=True))
+    r = Request("a", [5, 6], SamplingParams())
+    ks = []
+    for drafted, accepted in [(0, 0), (4, 1), (7, 1), (9, 3), (12, 6), (12, 6)]:  # per step: 1/4, 0/3, 2/2, 3/3
+        r.num_draft_tokens, r.num_accepted_tokens = drafted, accepted
+        ks.append(length(r))
+    assert ks == [4, 3, 2, 3, 4, 4]
+    length.keep_only(set())
+    assert length(r) == 4 and DraftLength(SpeculativeConfig(num_tokens=3))(r) == 3

@@ -52,13 +52,14 @@ def hf(tmp_path_factory):
 
 def engine(hf, method, draft=None):
     cfg = dataclasses.replace(hf["cfg"], serve=ServeConfig(**SERVE, speculative=SpeculativeConfig(
-        method=method, num_tokens=3)))
+        method=method, num_tokens=3, adaptive=method == "ngram")))
     return LLM(cfg, hf["model"], IdTokenizer(), draft_model=draft)
 
 
 @pytest.fixture(scope="module")
 def ngram_llm(hf):
-    """One engine for beam search, greedy and sampled requests, with n-gram speculation on (one compile)."""
+    """One engine for beam search, greedy and sampled requests, with n-gram speculation on, adaptive k (one
+    compile)."""
     return engine(hf, "ngram")
 
 
