@@ -286,6 +286,20 @@ class ObserveConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding in the serving engine (`mmjax.serving.speculative`): a proposer guesses
+    `num_tokens` tokens per decoding request and the model verifies them in its one step."""
+
+    method: Literal["none", "ngram", "draft"] = "none"  # ngram: prompt lookup; draft: a smaller mmjax model
+    num_tokens: int = 4  # k: tokens proposed per request and step
+    adaptive: bool = False  # per request: k + 1 after a step that accepted all, k - 1 after one under half (1..k)
+    ngram_max: int = 4  # longest suffix n-gram looked up in the request's own tokens
+    ngram_min: int = 1
+    draft_checkpoint: str = ""  # draft: an mmjax checkpoint (same tokenizer), served text-only
+    draft_overrides: tuple[str, ...] = ()  # draft: dotted config overrides for loading it
+
+
+@dataclasses.dataclass(frozen=True)
 class ServeConfig:
     """The serving engine (`mmjax.serving.engine`): KV pool, step budget, shape buckets, caches."""
 
@@ -303,6 +317,8 @@ class ServeConfig:
     image_cache_size: int = 64  # encoded images kept (LRU by content hash) so a repeated image is encoded once
     max_logprobs: int = 5  # most top logprobs a request may ask for (every step computes this many)
     seed: int = 0  # draws the sampling seed of each request that gives none, so a run is reproducible
+    max_beam_width: int = 4  # most beams a beam-search request may ask for (the step returns 2x this many candidates)
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -674,6 +690,11 @@ def validate_serve(s: ServeConfig, model_max_len: int) -> None:
          f"serve.max_model_len={s.max_model_len} exceeds model.max_seq_len={model_max_len}; lower it or use 0")
     need(s.long_prefill_token_threshold >= 0, "serve.long_prefill_token_threshold must be >= 0 (0 = off)")
     need(0 <= s.max_logprobs <= 20, f"serve.max_logprobs={s.max_logprobs} must be in [0, 20]")
+    need(0 <= s.max_beam_width <= 16, f"serve.max_beam_width={s.max_beam_width} must be in [0, 16]")
+    sp = s.speculative
+    need(1 <= sp.num_tokens <= 16, f"serve.speculative.num_tokens={sp.num_tokens} must be in [1, 16]")
+    need(1 <= sp.ngram_min <= sp.ngram_max, f"serve.speculative.ngram_min={sp.ngram_min} / ngram_max="
+         f"{sp.ngram_max}: need 1 <= ngram_min <= ngram_max")
     need(s.max_num_seqs <= s.max_num_batched_tokens,
          f"serve.max_num_seqs={s.max_num_seqs} must be <= serve.max_num_batched_tokens={s.max_num_batched_tokens} "
          "(each running sequence takes at least one token of a step)")

@@ -240,10 +240,11 @@ def bench_mixed(engine: Engine, spec: BenchSpec, rng: np.random.Generator) -> di
 
 
 def hf_peer(hf_config: dict, spec: BenchSpec, *, dtype: str = "bfloat16", allow_cpu: bool = False,
-            timeout_s: float = 1800) -> dict:
+            timeout_s: float = 1800, num_beams: int = 1) -> dict:
     """`python -m mmjax.serving.hf_peer` with the same shapes; its result dict, or {"skipped": why}."""
     args = {"config": hf_config, "batches": list(spec.batches), "prompt_len": spec.prompt_len,
-            "new_tokens": spec.new_tokens, "dtype": dtype, "allow_cpu": allow_cpu, "seed": spec.seed}
+            "new_tokens": spec.new_tokens, "dtype": dtype, "allow_cpu": allow_cpu, "seed": spec.seed,
+            "num_beams": num_beams}
     return run_peer_process("mmjax.serving.hf_peer", args, HF_RESULT_PREFIX, timeout_s)
 
 

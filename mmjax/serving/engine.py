@@ -24,6 +24,7 @@ from mmjax.serving.kv_manager import KVCacheManager
 from mmjax.serving.request import ExtraKey, Request, RequestError, RequestStatus, SamplingParams
 from mmjax.serving.runner import ImageInput, ModelRunner, SampledToken, image_hash
 from mmjax.serving.scheduler import Scheduler
+from mmjax.serving.speculative.proposers import make_proposer
 
 FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
                   RequestStatus.FINISHED_ABORTED: "abort"}
@@ -42,6 +43,8 @@ class RequestMetrics:
     num_cached_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative tokens verified for the request
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclasses.dataclass
@@ -59,6 +62,7 @@ class RequestOutput:
     stop_reason: int | str | None  # the stop token id or stop string
     logprobs: list[SampledToken]  # of new_token_ids (top lists hold `sampling_params.logprobs` entries)
     metrics: RequestMetrics
+    beams: list[tuple[list[int], float]] = dataclasses.field(default_factory=list)  # beam search: n best, scored
 
 
 @dataclasses.dataclass
@@ -73,6 +77,7 @@ class CompletionOutput:
     stop_reason: int | str | None
     logprobs: list[SampledToken]
     metrics: RequestMetrics
+    beams: list[tuple[list[int], float]] = dataclasses.field(default_factory=list)  # beam search: n best, scored
 
 
 @dataclasses.dataclass
@@ -89,7 +94,7 @@ class Engine:
     """Continuous-batching engine over a `ModelRunner`, configured by `cfg.serve` (see docs/serving.md)."""
 
     def __init__(self, cfg: Config, model: Any, tokenizer: Any, *, mesh: Any = None, sharding: Any = None,
-                 warmup: bool = False) -> None:
+                 warmup: bool = False, draft_model: Any = None) -> None:
         serve = cfg.serve
         self.tokenizer = tokenizer
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
@@ -106,11 +111,16 @@ class Engine:
         self.runner = ModelRunner((graphdef, state), serve, max_model_len=self.max_model_len, mesh=mesh,
                                   sharding=sharding)
         self.image_token_id = self.runner.image_token_id
+        # speculative decoding (serve.speculative): draft_model is an MLLM for method=draft (else its checkpoint)
+        self.proposer = make_proposer(serve, max_model_len=self.max_model_len, seeds=self.runner.seeds,
+                                      draft_model=draft_model)
         self._live: dict[str, _Live] = {}
         self._aborted: list[str] = []
         self._ids = itertools.count()
         if warmup:
             self.runner.warmup()
+            if hasattr(self.proposer, "runner"):
+                self.proposer.runner.warmup()
 
     # -- requests -----------------------------------------------------------------------------------------
 
@@ -145,6 +155,9 @@ class Engine:
         elif not isinstance(params, SamplingParams):
             raise RequestError(f"request {rid!r}: sampling_params must be a SamplingParams or a mapping, got "
                                f"{type(params).__name__}")
+        if params.num_beams > self.serve.max_beam_width:
+            raise RequestError(f"request {rid!r}: {params.num_beams} beams exceed serve.max_beam_width="
+                               f"{self.serve.max_beam_width}; use fewer or raise serve.max_beam_width")
         if (params.logprobs or 0) > self.serve.max_logprobs:
             raise RequestError(f"request {rid!r}: logprobs={params.logprobs} exceeds serve.max_logprobs="
                                f"{self.serve.max_logprobs}; ask for fewer or raise serve.max_logprobs")
@@ -239,14 +252,26 @@ class Engine:
         """Schedule, run the model once, and report every request that produced tokens or finished."""
         outputs = [self._output(self._live.pop(rid), [], []) for rid in self._aborted]
         self._aborted = []
+        draft_probs = self.proposer.propose(self.scheduler.running) if self.proposer is not None else None
         out = self.scheduler.schedule()
-        sampled = self.runner.execute(out) if out.scheduled else {}
-        self.scheduler.update_from_output(out, {rid: s.token for rid, s in sampled.items()})
+        sampled = self.runner.execute(out, draft_probs) if out.scheduled else {}
+        before = {rid: len(self._live[rid].request.output_token_ids) for rid in sampled if rid in self._live}
+        done = self.scheduler.update_from_output(
+            out, {rid: list(s.tokens) if s.tokens else s.token for rid, s in sampled.items()},
+            candidates={rid: (s.top_ids, s.top_logprobs) for rid, s in sampled.items()})
+        for request in done:  # a beam search reports once, when it is done
+            if request.beam is not None and request.request_id in self._live:
+                outputs.append(self._beam_output(self._live.pop(request.request_id)))
         for rid, tok in sampled.items():
-            live = self._live[rid]
-            start = time.perf_counter()
-            text = live.detok.push(tok.token)
+            live = self._live.get(rid)
+            if live is None or live.request.beam is not None:  # a beam row, or a beam search still going
+                continue
             request = live.request
+            new = request.output_token_ids[before[rid]:]
+            if not new:
+                continue
+            start = time.perf_counter()
+            text = live.detok.push(new)
             if live.detok.stopped and not request.status.is_finished:
                 live.stop_str = live.detok.stop_str
                 self.scheduler.abort_request(rid)
@@ -254,11 +279,26 @@ class Engine:
                 text += live.detok.flush()
             live.detokenize_s += time.perf_counter() - start
             top = (request.sampling_params.logprobs or 0)
-            lp = SampledToken(tok.token, tok.logprob, tok.top_ids[:top], tok.top_logprobs[:top])
-            outputs.append(self._output(live, [tok.token], [lp], text))
+            if tok.tokens:  # speculative: several tokens, each with its logprob
+                lps = [SampledToken(t, lp) for t, lp in zip(new, tok.token_logprobs)]
+            else:
+                lps = [SampledToken(tok.token, tok.logprob, tok.top_ids[:top], tok.top_logprobs[:top])]
+            outputs.append(self._output(live, list(new), lps, text))
             if request.status.is_finished:
                 del self._live[rid]
         return outputs
+
+    def _beam_output(self, live: _Live) -> RequestOutput:
+        """The final output of a beam search: the best sequence as text, the n best with their scores."""
+        request = live.request
+        tokens = list(request.output_token_ids)
+        start = time.perf_counter()
+        text = live.detok.push(tokens) if tokens else ""
+        text += "" if live.detok.stopped else live.detok.flush()
+        live.detokenize_s += time.perf_counter() - start
+        out = self._output(live, tokens, [SampledToken(t, float("nan")) for t in tokens], text)
+        out.beams = [(list(t), score) for t, score in request.beam.results]
+        return out
 
     def _output(self, live: _Live, new_ids: list[int], logprobs: list[SampledToken],
                 new_text: str = "") -> RequestOutput:
@@ -284,7 +324,8 @@ class Engine:
             decode_s=diff(r.first_token_time, now if r.first_token_time is not None else None),
             detokenize_s=live.detokenize_s, num_prompt_tokens=r.num_prompt_tokens,
             num_cached_prompt_tokens=max(r.num_cached_tokens, 0), num_generated_tokens=len(r.output_token_ids),
-            num_preemptions=r.num_preemptions)
+            num_preemptions=r.num_preemptions, num_draft_tokens=r.num_draft_tokens,
+            num_accepted_tokens=r.num_accepted_tokens)
 
     def stats(self) -> dict[str, float]:
         """Scheduler gauges plus the runner's compile, step and image-cache counters."""
@@ -336,6 +377,6 @@ class LLM:
                 if o.finished:
                     results[o.request_id] = CompletionOutput(
                         o.request_id, o.prompt_token_ids, o.token_ids, o.text, o.finish_reason,
-                        o.stop_reason, logprobs[o.request_id], o.metrics)
+                        o.stop_reason, logprobs[o.request_id], o.metrics, o.beams)
         return [results[rid] for rid in ids]
 

@@ -20,7 +20,7 @@ PREFIX = "HF_PEER_RESULT "  # mmjax.serving.bench.HF_RESULT_PREFIX
 
 
 def run(config: dict, batches: list[int], prompt_len: int, new_tokens: int, dtype: str = "bfloat16",
-        allow_cpu: bool = False, seed: int = 0) -> dict[str, Any]:
+        allow_cpu: bool = False, seed: int = 0, num_beams: int = 1) -> dict[str, Any]:
     try:
         import torch
         import transformers
@@ -47,7 +47,7 @@ def run(config: dict, batches: list[int], prompt_len: int, new_tokens: int, dtyp
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                 min_new_tokens=n, do_sample=False, pad_token_id=0)
+                                 min_new_tokens=n, do_sample=False, pad_token_id=0, num_beams=num_beams)
         sync()
         if out.shape[1] != ids.shape[1] + n:
             raise RuntimeError(f"generate returned {out.shape[1] - ids.shape[1]} tokens, expected {n}")
@@ -62,7 +62,8 @@ def run(config: dict, batches: list[int], prompt_len: int, new_tokens: int, dtyp
                      "decode_tok_s": b * (new_tokens - 1) / (full - prefill) if full > prefill else None})
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": dtype,
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "attn_implementation": getattr(model.config, "_attn_implementation", None), "rows": rows}
+            "attn_implementation": getattr(model.config, "_attn_implementation", None), "num_beams": num_beams,
+            "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:

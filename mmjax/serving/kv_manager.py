@@ -83,6 +83,7 @@ class KVCacheManager:
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         self._tables: dict[str, list[int]] = {}
         self._num_hashed_pages: dict[str, int] = {}  # leading pages of the table that are in the cache
+        self._forked: set[int] = set()  # pages shared by `fork` (beam search) rather than the prefix cache
         self.queries = 0  # prompt(+output) tokens looked up on admission
         self.hits = 0  # of those, tokens found in the cache
         self.evictions = 0  # cached pages whose hash was dropped to reuse the page
@@ -222,6 +223,51 @@ class KVCacheManager:
         self.ref_counts[page] = 1
         return page
 
+    def fork(self, src_id: str, dst_id: str) -> None:
+        """Give `dst_id` the page table of `src_id`, every page shared by reference count (a beam search fork).
+        The first write to a shared page goes through `copy_on_write`."""
+        if dst_id in self._tables:
+            raise ValueError(f"fork: {dst_id!r} already has a page table")
+        table = self._tables[src_id]
+        for page in table:
+            self.ref_counts[page] += 1
+            if self.page_hash[page] is None:
+                self._forked.add(page)
+        self._tables[dst_id] = list(table)
+        self._num_hashed_pages[dst_id] = self._num_hashed_pages[src_id]
+
+    def copy_on_write(self, request_id: str, position: int) -> tuple[int, int] | None | bool:
+        """Before writing `position`: when its page is shared by a fork, give the request a private copy.
+        Returns (src page, new page) for the device to copy, True when nothing needs copying, None when no
+        page is free (nothing changed). Full prefix-cached pages are never written, so only forks copy."""
+        table = self._tables[request_id]
+        index = position // self.page_size
+        if index >= len(table) or self.ref_counts[table[index]] == 1:
+            return True
+        if self.num_free_pages < 1:
+            return None
+        src = table[index]
+        dst = self._take_page()
+        table[index] = dst
+        self._release(src)
+        return src, dst
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Release the pages past the first `num_tokens` positions (rejected speculative tokens' pages)."""
+        table = self._tables.get(request_id)
+        keep = self.pages_for(num_tokens)
+        while table is not None and len(table) > keep:
+            self._release(table.pop())
+
+    def _release(self, page: int) -> None:
+        self.ref_counts[page] -= 1
+        if self.ref_counts[page] == 0:
+            self._forked.discard(page)
+            if self.page_hash[page] is None:
+                self._free.append(page)
+            else:
+                self._evictable[page] = None
+
     def free(self, request_id: str) -> None:
         """Release the request's pages. Tail pages are released first, so a cached prefix's head outlives its
         tail in the LRU order (a head page is useful to more future prompts)."""
@@ -230,12 +276,7 @@ class KVCacheManager:
         if table is None:
             return
         for page in reversed(table):
-            self.ref_counts[page] -= 1
-            if self.ref_counts[page] == 0:
-                if self.page_hash[page] is None:
-                    self._free.append(page)
-                else:
-                    self._evictable[page] = None
+            self._release(page)
 
     # -- debugging --------------------------------------------------------------------------------------------
 
@@ -255,7 +296,8 @@ class KVCacheManager:
             if page in evictable:
                 assert self.page_hash[page] is not None, f"evictable page {page} has no hash"
             if count > 1:
-                assert self.page_hash[page] is not None, f"page {page} shared but not through the prefix cache"
+                assert self.page_hash[page] is not None or page in self._forked, \
+                    f"page {page} shared but not through the prefix cache or a fork"
             h = self.page_hash[page]
             if h is not None:
                 assert self._hash_to_page.get(h) == page, f"page {page}: hash map out of sync"

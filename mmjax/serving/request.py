@@ -72,6 +72,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings; the output ends before the first one found
     logprobs: int | None = None  # None: only the chosen token's logprob is computed, none returned
     include_stop_str_in_output: bool = False
+    # Beam search (Hugging Face `generate(num_beams=...)` semantics, see `beam.py`): `best_of` beams
+    # (None: `n`), the `n` best finished sequences returned; greedy only (temperature 0).
+    use_beam_search: bool = False
+    n: int = 1
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never", as in Hugging Face
 
     def __post_init__(self) -> None:
         def bad(field: str, allowed: str) -> RequestError:
@@ -104,9 +111,33 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop))
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be null or an int in [0, {MAX_LOGPROBS}]")
-        for field in ("ignore_eos", "include_stop_str_in_output"):
+        for field in ("ignore_eos", "include_stop_str_in_output", "use_beam_search"):
             if not isinstance(getattr(self, field), bool):
                 raise bad(field, "must be true or false")
+        self._check_beam(bad)
+
+    def _check_beam(self, bad) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an int >= 1")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise bad("best_of", f"must be null or an int >= n={self.n}")
+        if not _is_num(self.length_penalty):
+            raise bad("length_penalty", "must be a finite number")
+        if self.early_stopping not in (True, False, "never"):
+            raise bad("early_stopping", "must be true, false or \"never\"")
+        if not self.use_beam_search:
+            if self.n > 1 or (self.best_of or 1) > 1:
+                raise bad("n", "n > 1 / best_of > 1 need use_beam_search=true (parallel sampling is not supported)")
+            return
+        if not self.greedy:
+            raise bad("temperature", "beam search is deterministic: use temperature 0")
+        if self.stop_token_ids or self.uses_penalties:
+            raise bad("use_beam_search", "beam search stops on EOS only: drop stop_token_ids and penalties")
+
+    @property
+    def num_beams(self) -> int:
+        """Beams a beam search keeps (0 for other requests)."""
+        return (self.best_of or self.n) if self.use_beam_search else 0
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
@@ -169,6 +200,10 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | None = None  # the EOS/stop token id that ended generation
         self.page_hashes: list[bytes] = []
+        self.beam: Any = None  # a `beam.BeamGroup` for a beam-search request (set by the scheduler)
+        self.spec_token_ids: list[int] = []  # draft tokens a proposer put up for the next step
+        self.num_draft_tokens = 0  # draft tokens verified so far
+        self.num_accepted_tokens = 0  # of those, accepted
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None

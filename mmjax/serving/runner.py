@@ -28,6 +28,7 @@ from mmjax.serving.kv_manager import NULL_PAGE
 from mmjax.serving.request import Request
 from mmjax.serving.sampling import SamplingTensors, sample
 from mmjax.serving.scheduler import SchedulerOutput
+from mmjax.serving.speculative.verify import verify
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,9 @@ class SampledToken:
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    # a step that verified speculative tokens emits several: all of them (token is the first) and their logprobs
+    tokens: tuple[int, ...] = ()
+    token_logprobs: tuple[float, ...] = ()
 
 
 def buckets(low: int, high: int) -> tuple[int, ...]:
@@ -137,7 +141,9 @@ class ModelRunner:
         self.token_buckets = buckets(serve.min_token_bucket, serve.max_num_batched_tokens)
         self.slot_buckets = buckets(serve.min_slot_bucket, serve.max_num_seqs)
         self.max_model_len = max_model_len
-        self.num_logprobs = serve.max_logprobs
+        self.num_logprobs = max(serve.max_logprobs, 2 * serve.max_beam_width)  # beam search's candidates
+        self.spec_k = serve.speculative.num_tokens if serve.speculative.method != "none" else 0
+        self.spec_draft_probs = serve.speculative.method == "draft"  # else drafts are one-hot guesses
         self._seed_rng = np.random.default_rng(serve.seed)
         self.seeds: dict[str, int] = {}  # drawn once per unseeded random-sampling request
         kv_dtype = abstract.compute_dtype if serve.kv_cache_dtype == "auto" else resolve_dtype(serve.kv_cache_dtype)
@@ -157,8 +163,8 @@ class ModelRunner:
         self._requests: dict[str, _RequestState] = {}
         self._zero_rows: dict[int, jax.Array] = {}
         rep = self._replicated
-        self._step = jax.jit(in_sharding_context(self._step_fn, sharding), donate_argnums=(1,),
-                             out_shardings=None if rep is None else ((rep,) * 4, rep))
+        self._step = jax.jit(in_sharding_context(self._step_fn, sharding), donate_argnums=(1,), out_shardings=rep)
+        self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), out_shardings=rep)
         self._encode = jax.jit(in_sharding_context(self._encode_fn, sharding), out_shardings=rep)
 
     def update_weights(self, state: Any) -> None:
@@ -187,8 +193,27 @@ class ModelRunner:
             batch["tokens"][None], batch["positions"][None], pools, meta,
             None if rows is None else rows[None], None if mask is None else mask[None],
             None if blocks is None else blocks[None])
+        spec = ()
+        if self.spec_k:  # logits of every row's last known token and its drafts: [S * (k + 1), V]
+            s = batch["num_draft"].shape[0]
+            logits = logits.reshape(s, self.spec_k + 1, -1)
+            spec = verify(logits, sampling, batch["drafts"], batch["num_draft"], batch.get("draft_probs"))
+            logits = logits[jnp.arange(s), batch["num_draft"]]
         r = sample(logits, sampling, self.num_logprobs)
-        return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs), pools
+        return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs, *spec), pools
+
+    def _copy_fn(self, pools, src, dst):
+        """Copy pages src -> dst in every layer's pools (a beam fork's shared last page; pads are 0 -> 0).
+        One small fixed shape, compiled by `warmup`; not counted in `num_compiles` (the step's and encoder's)."""
+        return jax.tree.map(lambda p: p.at[:, :, dst].set(p[:, :, src]), pools)
+
+    def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Run the page copies of a step, in one fixed-shape call of `max_num_seqs` pairs at a time."""
+        n = self.serve.max_num_seqs
+        for i in range(0, len(copies), n):
+            pairs = np.zeros((n, 2), np.int32)
+            pairs[:len(copies[i:i + n])] = copies[i:i + n]
+            self.pools = self._copy(self.pools, *self._put((pairs[:, 0], pairs[:, 1])))
 
     def _encode_fn(self, state, image):
         self.num_compiles += 1
@@ -229,6 +254,11 @@ class ModelRunner:
                      slot_mapping=(NULL_PAGE * self.page_size + np.arange(t, dtype=i32) % self.page_size),
                      page_table=np.full((s, self.max_pages), NULL_PAGE, i32), query_start=np.zeros(s, i32),
                      query_len=np.zeros(s, i32), context_len=np.zeros(s, i32), logits_indices=np.zeros(s, i32))
+        if self.spec_k:
+            batch.update(logits_indices=np.zeros(s * (self.spec_k + 1), i32), drafts=np.zeros((s, self.spec_k), i32),
+                         num_draft=np.zeros(s, i32))
+            if self.spec_draft_probs:
+                batch["draft_probs"] = np.zeros((s, self.spec_k, self.model_cfg.vocab_size), np.float32)
         if self.use_blocks:
             batch["q_block_ids"] = np.zeros(t, i32)
             batch["kv_block_ids"] = np.zeros((s, self.max_pages * self.page_size), i32)
@@ -244,12 +274,16 @@ class ModelRunner:
 
     def _run(self, batch: dict[str, Any], sampling: Any):
         batch, sampling = self._put((batch, sampling))
-        (tokens, logprobs, top_ids, top_lp), self.pools = self._step(self.state, self.pools, batch, sampling)
+        outs, self.pools = self._step(self.state, self.pools, batch, sampling)
         self.num_steps += 1
-        return np.asarray(tokens), np.asarray(logprobs), np.asarray(top_ids), np.asarray(top_lp)
+        return tuple(np.asarray(x) for x in outs)
 
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        """Run one scheduler step; returns the sampled token of every entry with `samples=True`."""
+    def execute(self, out: SchedulerOutput, draft_probs: Any = None) -> dict[str, SampledToken]:
+        """Run one scheduler step; returns the sampled token of every entry with `samples=True` (several for
+        an entry with speculative tokens). `draft_probs` maps a request to its drafts' probabilities [k, V]
+        (a draft-model proposer; rows without one are one-hot)."""
+        if out.page_copies:
+            self.copy_pages(out.page_copies)
         for rid in out.finished_request_ids:
             self._requests.pop(rid, None)
             self.seeds.pop(rid, None)
@@ -265,7 +299,7 @@ class ModelRunner:
         ps = self.page_size
         off = 0
         for i, entry in enumerate(out.scheduled):
-            st = self._requests[entry.request_id]
+            st = self._requests[entry.owner or entry.request_id]
             n, start = entry.num_tokens, entry.start
             end = start + n
             pos = np.arange(start, end, dtype=np.int32)
@@ -275,7 +309,15 @@ class ModelRunner:
             batch["slot_mapping"][off:off + n] = pages[pos // ps] * ps + pos % ps
             batch["page_table"][i, :len(pages)] = pages
             batch["query_start"][i], batch["query_len"][i], batch["context_len"][i] = off, n, end
-            batch["logits_indices"][i] = off + n - 1
+            if self.spec_k:  # the last known token and each draft; unused entries repeat the last one
+                k1, d = self.spec_k + 1, entry.num_draft
+                batch["logits_indices"][i * k1:(i + 1) * k1] = off + n - 1 - d + np.minimum(np.arange(k1), d)
+                batch["num_draft"][i] = d
+                batch["drafts"][i, :d] = entry.token_ids[n - d:]
+                if d and self.spec_draft_probs:
+                    batch["draft_probs"][i, :d] = np.asarray(draft_probs[entry.request_id])[:d]
+            else:
+                batch["logits_indices"][i] = off + n - 1
             if self.use_blocks:
                 prompt = len(st.block_ids)
                 batch["kv_block_ids"][i, :min(end, prompt)] = st.block_ids[:end]
@@ -293,15 +335,22 @@ class ModelRunner:
             off += n
         if not self.text_only:
             batch["image_rows"] = self._zeros(t) if rows is None else rows.astype(self.embed_dtype)
-        slot_requests = [self._requests[e.request_id].request for e in out.scheduled]
+        slot_requests = [self._requests[e.owner or e.request_id].request for e in out.scheduled]
         sampling = self._sampling(slot_requests, s)
-        tokens, logprobs, top_ids, top_lp = self._run(batch, sampling)
+        tokens, logprobs, top_ids, top_lp, *spec = self._run(batch, sampling)
         result = {}
         for i, entry in enumerate(out.scheduled):
-            if entry.samples:
-                result[entry.request_id] = SampledToken(int(tokens[i]), float(logprobs[i]),
-                                                        tuple(int(x) for x in top_ids[i]),
-                                                        tuple(float(x) for x in top_lp[i]))
+            if not entry.samples:
+                continue
+            if entry.num_draft:
+                emitted, count, lps = spec[0][i], int(spec[1][i]), spec[2][i]
+                result[entry.request_id] = SampledToken(
+                    int(emitted[0]), float(lps[0]), tokens=tuple(int(x) for x in emitted[:count]),
+                    token_logprobs=tuple(float(x) for x in lps[:count]))
+                continue
+            result[entry.request_id] = SampledToken(int(tokens[i]), float(logprobs[i]),
+                                                    tuple(int(x) for x in top_ids[i]),
+                                                    tuple(float(x) for x in top_lp[i]))
         return result
 
     def warmup(self) -> int:
@@ -317,6 +366,9 @@ class ModelRunner:
                     batch["image_rows"] = self._zeros(t)
                 for history in (0, self.max_model_len):
                     self._run(batch, SamplingTensors.from_requests([], s, history))
+        if self.serve.max_beam_width > 1:  # the beam forks' page copy
+            zeros = np.zeros(self.serve.max_num_seqs, np.int32)
+            self.pools = self._copy(self.pools, *self._put((zeros, zeros)))
         if not self.text_only:
             v = self.model_cfg.vision
             self._encode(self.state, self._put(np.zeros((v.image_size, v.image_size, v.channels), np.float32)))

@@ -16,9 +16,10 @@ import bisect
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from mmjax.errors import ConfigError
+from mmjax.serving.beam import BeamGroup
 from mmjax.serving.kv_manager import KVCacheManager
 from mmjax.serving.request import Request, RequestError, RequestStatus
 
@@ -38,6 +39,8 @@ class ScheduledRequest:
     start: int
     page_ids: tuple[int, ...]
     samples: bool
+    owner: str = ""  # a beam-search row: the request it belongs to (the runner returns top candidates)
+    num_draft: int = 0  # the last num_draft of token_ids are speculative: verify them (see speculative/)
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +64,7 @@ class SchedulerOutput:
     resumed_request_ids: tuple[str, ...]
     preempted_request_ids: tuple[str, ...]
     finished_request_ids: tuple[str, ...]
+    page_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) pages to copy before the step (beam forks)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -113,6 +117,8 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._step = 0
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # speculative tokens verified, over every request
+        self.num_accepted_tokens = 0  # of those, accepted
 
     # -- requests ---------------------------------------------------------------------------------------------
 
@@ -134,6 +140,16 @@ class Scheduler:
             raise RequestError(f"request {rid!r}: {n} prompt tokens + max_tokens={request.sampling_params.max_tokens}"
                                f" need up to {need} KV pages of {self.kv.page_size} tokens but the pool has "
                                f"{self.kv.num_usable_pages}; shorten the prompt, lower max_tokens or add pages")
+        beams = request.sampling_params.num_beams
+        if beams:
+            shared = n // self.kv.page_size  # the prompt's full pages, shared by every beam
+            need = shared + beams * (need - shared)
+            if need > self.kv.num_usable_pages or beams > min(self.limits.max_num_seqs,
+                                                              self.limits.max_num_batched_tokens):
+                raise RequestError(f"request {rid!r}: {beams} beams need up to {need} KV pages (pool "
+                                   f"{self.kv.num_usable_pages}) and {beams} sequence slots (max_num_seqs="
+                                   f"{self.limits.max_num_seqs}); use fewer beams or tokens")
+            request.beam = BeamGroup(request, self.limits.max_model_len)
         for k in request.extra_keys:
             if k.end - k.start > self.limits.max_num_batched_tokens:
                 raise RequestError(f"request {rid!r}: prompt range [{k.start}, {k.end}) (an image) has "
@@ -165,6 +181,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         rid = request.request_id
         self.kv.free(rid)
+        if request.beam is not None:
+            request.beam.release(self.kv)
         request.status = status
         request.finished_time = self.clock()
         del self.requests[rid], self._order[rid]
@@ -173,6 +191,9 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request.request_id)
+        if request.beam is not None:
+            request.beam.release(self.kv)  # the search restarts from the prompt
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -196,10 +217,23 @@ class Scheduler:
                 break
         return end - start
 
-    def _entry(self, request: Request, n: int) -> ScheduledRequest:
+    def _entry(self, request: Request, n: int, owner: str = "", num_draft: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
-        return ScheduledRequest(request.request_id, request.token_ids(start, start + n), start,
-                                tuple(self.kv.block_table(request.request_id)), start + n == request.num_tokens)
+        tokens = request.token_ids(start, start + n - num_draft) + tuple(request.spec_token_ids[:num_draft])
+        return ScheduledRequest(request.request_id, tokens, start, tuple(self.kv.block_table(request.request_id)),
+                                start + n - num_draft == request.num_tokens, owner, num_draft)
+
+    def _num_drafts(self, request: Request, n: int, budget: int) -> int:
+        """Speculative tokens to verify with a decode step: what the proposer gave, within the budget, the
+        model length and the request's remaining outputs."""
+        if n != 1 or not request.spec_token_ids or request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        left = min(budget - 1, self.limits.max_model_len - request.num_tokens - 1,
+                   request.sampling_params.max_tokens - len(request.output_token_ids) - 1)
+        return max(0, min(len(request.spec_token_ids), left))
+
+    def _seq_cost(self, request: Request) -> int:
+        return request.beam.seq_cost if request.beam is not None else 1
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens; the caller must run them and call `update_from_output` before the next."""
@@ -210,10 +244,30 @@ class Scheduler:
         resumed: list[str] = []
         now = self.clock()
 
+        copies: list[tuple[int, int]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.beam is not None and request.beam.rows:  # a beam search: all its rows or none
+                group = request.beam
+                if len(group.rows) > budget:
+                    i += 1
+                    continue
+                while not group.allocate(self.kv):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is request:
+                        break
+                else:
+                    scheduled.extend(self._entry(row, 1, owner=request.request_id) for row in group.rows)
+                    copies.extend(group.take_copies())
+                    budget -= len(group.rows)
+                    i += 1
+                continue
             n = self._chunk(request, request.num_computed_tokens, budget)
+            drafts = self._num_drafts(request, n, budget)
+            n += drafts
             if n == 0:  # its next image does not fit what is left of the budget
                 i += 1
                 continue
@@ -224,13 +278,16 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(self._entry(request, n))
+                scheduled.append(self._entry(request, n, num_draft=drafts))
                 budget -= n
                 i += 1
 
         # Admit waiting requests only when nothing was preempted: a page shortage would just bounce them back.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        num_seqs = sum(self._seq_cost(r) for r in self.running)
+        while not preempted and self.waiting and budget > 0:
             request = self.waiting[0]
+            if num_seqs + self._seq_cost(request) > self.limits.max_num_seqs:
+                break
             pages, num_cached = self.kv.get_computed_pages(request)
             n = request.num_tokens - num_cached
             if not self.limits.enable_chunked_prefill and n > budget:
@@ -252,22 +309,37 @@ class Scheduler:
             self._insert(self.running, request)
             scheduled.append(self._entry(request, n))
             budget -= n
+            num_seqs += self._seq_cost(request)
 
         finished, self._finished_ids = self._finished_ids, []
         self._step += 1
+        for request in self.running:
+            request.spec_token_ids = []  # proposals are made afresh for every step
         return SchedulerOutput(self._step, tuple(scheduled), tuple(new), tuple(resumed), tuple(preempted),
-                               tuple(finished))
+                               tuple(finished), tuple(copies))
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int | Sequence[int]],
+                           candidates: Mapping[str, tuple[Sequence[int], Sequence[float]]] | None = None
+                           ) -> list[Request]:
         """Record a finished model step: advance computed tokens, cache full pages, append the sampled tokens,
         stop requests that hit EOS / a stop token / max_tokens / max_model_len. Returns the requests finished now.
 
-        `sampled_token_ids` maps the id of every scheduled request with `samples=True` to its new token.
-        Requests aborted between `schedule` and this call are skipped.
+        `sampled_token_ids` maps the id of every scheduled request with `samples=True` to its new token, or,
+        for an entry with speculative tokens, to the accepted ones plus the one drawn after them.
+        `candidates` maps each beam-search row (and a beam request's own id when its prompt completes) to its
+        top (token ids, log-softmax logprobs). Requests aborted between `schedule` and this call are skipped.
         """
         done: list[Request] = []
         now = self.clock()
+        beams: dict[str, Request] = {}
         for entry in output.scheduled:
+            if entry.owner:  # a beam row: the search advances once all its rows are in
+                root = self.requests.get(entry.owner)
+                if root is not None and root.status is RequestStatus.RUNNING:
+                    row = next(r for r in root.beam.rows if r.request_id == entry.request_id)
+                    row.num_computed_tokens += 1
+                    beams[entry.owner] = root
+                continue
             request = self.requests.get(entry.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
@@ -275,22 +347,43 @@ class Scheduler:
                 raise ValueError(f"request {entry.request_id!r}: output of step {output.step} starts at "
                                  f"{entry.start} but {request.num_computed_tokens} tokens are computed; feed every "
                                  "step's output exactly once, in order")
-            request.num_computed_tokens += entry.num_tokens
+            if entry.samples and entry.request_id not in sampled_token_ids:
+                raise ValueError(f"request {entry.request_id!r}: step {output.step} scheduled it to sample but "
+                                 "sampled_token_ids has no token for it")
+            got = sampled_token_ids.get(entry.request_id, ())
+            tokens = [int(t) for t in got] if isinstance(got, Sequence) else [int(got)]
+            if entry.num_draft:  # KV is valid up to the last accepted draft token
+                request.num_computed_tokens += len(tokens)
+                self.kv.trim(request.request_id, request.num_computed_tokens + 1)
+                request.num_draft_tokens += entry.num_draft
+                request.num_accepted_tokens += len(tokens) - 1
+                self.num_draft_tokens += entry.num_draft
+                self.num_accepted_tokens += len(tokens) - 1
+            else:
+                request.num_computed_tokens += entry.num_tokens
             self.kv.cache_pages(request)
             if not entry.samples:
                 continue
-            if entry.request_id not in sampled_token_ids:
-                raise ValueError(f"request {entry.request_id!r}: step {output.step} scheduled it to sample but "
-                                 "sampled_token_ids has no token for it")
-            token = int(sampled_token_ids[entry.request_id])
-            request.output_token_ids.append(token)
+            if request.beam is not None:  # the prompt is in: the search starts from its logits
+                beams[entry.request_id] = request
+                continue
             if request.first_token_time is None:
                 request.first_token_time = now
-            status = self._stop_status(request, token)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
-                done.append(request)
+            for token in tokens:
+                request.output_token_ids.append(token)
+                status = self._stop_status(request, token)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    done.append(request)
+                    break
+        for root in beams.values():
+            if root.beam.step(self.kv, candidates or {}):
+                if root.first_token_time is None:
+                    root.first_token_time = now
+                self.running.remove(root)
+                self._finish(root, root.beam.finish())
+                done.append(root)
         return done
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
@@ -310,4 +403,6 @@ class Scheduler:
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
                 "num_preemptions": self.num_preemptions, "kv_usage": kv.usage,
                 "prefix_cache_queries": kv.queries, "prefix_cache_hits": kv.hits,
-                "prefix_cache_evictions": kv.evictions}
+                "prefix_cache_evictions": kv.evictions, "spec_draft_tokens": self.num_draft_tokens,
+                "spec_accepted_tokens": self.num_accepted_tokens,
+                "spec_acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1)}

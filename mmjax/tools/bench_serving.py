@@ -2,6 +2,7 @@
 
     python -m mmjax.tools.bench_serving --readme                 # H200: llama_1b decoder, bf16, random weights
     python -m mmjax.tools.bench_serving --batches 1 8 --num-requests 50 serve.max_num_batched_tokens=4096
+    python -m mmjax.tools.bench_serving --mode speculative     # speculation on/off at batch 1 and 8, beam k=4
 
 The model is `--config` with `model.text_only=true` and bf16 weights and compute; trailing `key=value` arguments
 override any config key. Prints the tables, writes docs/perf/results/serving-<date>.json (or `--out`) and, with
@@ -29,7 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     d = bench.BenchSpec()
     p.add_argument("--config", default="models/llama_1b.yaml")
     p.add_argument("--checkpoint", default="", help="mmjax checkpoint whose parameters to serve (default: random)")
-    p.add_argument("--batches", type=int, nargs="+", default=list(d.batches), help="decode batch sizes")
+    p.add_argument("--mode", choices=("serving", "speculative"), default="serving",
+                   help="speculative: speculation off, n-gram, draft; beam search vs HF (serving.bench_spec)")
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes")
+    p.add_argument("--spec-k", type=int, default=4, help="speculative mode: tokens proposed per step")
+    p.add_argument("--draft-layers", type=int, default=2, help="speculative mode: the draft model's layers")
+    p.add_argument("--num-beams", type=int, default=4, help="speculative mode: beams of the beam-search phase")
+    p.add_argument("--beam-batch", type=int, default=8, help="speculative mode: beam-search requests at once")
     p.add_argument("--prompt-len", type=int, default=d.prompt_len)
     p.add_argument("--new-tokens", type=int, default=d.new_tokens)
     p.add_argument("--ttft-prompts", type=int, nargs="*", default=list(d.ttft_prompts))
@@ -48,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     overrides = ["model.text_only=true", "model.compute_dtype=bfloat16", "model.param_dtype=bfloat16",
                  "serve.max_num_batched_tokens=2048", *args.overrides]
     cfg = load_config(args.config, overrides)
+    if args.mode == "speculative":
+        return _speculative(args, cfg)
+    args.batches = args.batches or list(d.batches)
     spec = bench.BenchSpec(batches=tuple(args.batches), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                            ttft_prompts=tuple(args.ttft_prompts), ttft_repeats=args.ttft_repeats,
                            num_requests=args.num_requests, hbm_gbps=args.hbm_gbps, seed=args.seed)
@@ -74,6 +84,28 @@ def main(argv: list[str] | None = None) -> int:
         bench.write_readme(args.readme, record, command)
     print(bench.table(record))
     print(f"wrote {out}" + (f" and the serving section of {args.readme}" if args.readme else ""))
+    return 0
+
+
+def _speculative(args: argparse.Namespace, cfg) -> int:
+    from mmjax.serving import bench_spec
+    spec = bench_spec.SpecBenchSpec(batches=tuple(args.batches or (1, 8)), prompt_len=args.prompt_len,
+                                    new_tokens=args.new_tokens, num_tokens=args.spec_k, draft_layers=args.draft_layers,
+                                    num_beams=args.num_beams, beam_batch=args.beam_batch, seed=args.seed)
+    hf_config = None if args.no_hf else text_config_to_hf(cfg.model.text, cfg.model.vocab_size,
+                                                         max(cfg.model.max_seq_len, args.prompt_len + args.new_tokens),
+                                                         "llama", cfg.model.param_dtype)
+    params = None
+    if args.checkpoint:
+        params, _, _ = load_params(args.checkpoint)
+        params = {k: v for k, v in params.items() if k == "decoder"}
+    record = bench_spec.run_spec_bench(cfg, spec, params=params, hf_config=hf_config, hf_on_cpu=args.hf_on_cpu)
+    out = Path(args.out or f"docs/perf/results/serving-spec-{datetime.date.today().isoformat()}.json")
+    record["command"] = "python -m mmjax.tools.bench_serving " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    print(bench_spec.table(record))
+    print(f"wrote {out}")
     return 0
 
 

@@ -1,0 +1,274 @@
+"""Proposers: before each engine step they put up to k draft tokens on each decoding request
+(`Request.spec_token_ids`); the scheduler budgets them and the runner verifies them.
+
+* `NgramProposer` (prompt lookup): the tokens that followed the latest earlier occurrence of the request's
+  last n tokens (n from `ngram_max` down to `ngram_min`) in its own prompt and output. No model; its
+  guesses are one-hot, so a sampled request accepts a guess with the target's probability of it.
+* `DraftProposer`: a smaller mmjax model (same tokenizer) with its own paged KV pool decodes k tokens per
+  request, sampling each with the request's own settings, and hands their probabilities to the verifier.
+  Its KV is kept between steps up to the tokens the target accepted; the rest is overwritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mmjax.config import ServeConfig, SpeculativeConfig
+from mmjax.serving.kv_manager import KVCacheManager
+from mmjax.serving.request import Request, RequestStatus
+from mmjax.serving.runner import ModelRunner, pick_bucket
+from mmjax.serving.sampling import SamplingTensors, _row_keys
+from mmjax.serving.speculative.verify import processed_probs
+
+
+def decoding(request: Request) -> bool:
+    """A running request whose next step is a decode step and that speculation can serve exactly: no
+    penalties (they depend on the tokens being verified), no top logprobs, not a beam search."""
+    sp = request.sampling_params
+    return (request.status is RequestStatus.RUNNING and request.beam is None and not sp.uses_penalties
+            and not sp.logprobs and request.num_computed_tokens > 0
+            and request.num_tokens - request.num_computed_tokens == 1)
+
+
+class DraftLength:
+    """Drafts per request and step: `num_tokens`, or with `adaptive` one more after a step that accepted every
+    draft and one less after a step that accepted under half of them, within [1, num_tokens]."""
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.max_k, self.adaptive = cfg.num_tokens, cfg.adaptive
+        self._k: dict[str, int] = {}
+        self._seen: dict[str, tuple[int, int]] = {}  # (drafted, accepted) when last asked
+
+    def __call__(self, request: Request) -> int:
+        if not self.adaptive:
+            return self.max_k
+        rid = request.request_id
+        k = self._k.get(rid, self.max_k)
+        drafted, accepted = request.num_draft_tokens, request.num_accepted_tokens
+        before = self._seen.get(rid, (drafted, accepted))
+        d, a = drafted - before[0], accepted - before[1]
+        if d and a == d:
+            k = min(self.max_k, k + 1)
+        elif d and 2 * a < d:
+            k = max(1, k - 1)
+        self._k[rid], self._seen[rid] = k, (drafted, accepted)
+        return k
+
+    def keep_only(self, request_ids: set[str]) -> None:
+        """Forget requests that are no longer running."""
+        for d in (self._k, self._seen):
+            for rid in set(d) - request_ids:
+                del d[rid]
+
+
+class NgramProposer:
+    """Prompt lookup over the request's own tokens."""
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.k, self.n_min, self.n_max = cfg.num_tokens, cfg.ngram_min, cfg.ngram_max
+        self.length = DraftLength(cfg)
+
+    def lookup(self, tokens: Sequence[int], k: int | None = None) -> list[int]:
+        """Up to k tokens after the latest earlier match of the longest suffix n-gram that has one."""
+        arr = np.asarray(tokens, np.int64)
+        for n in range(min(self.n_max, len(arr) - 1), self.n_min - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # all n-grams ending before the last
+            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return arr[start:start + (k or self.k)].tolist()
+        return []
+
+    def propose(self, requests: Sequence[Request]) -> dict[str, np.ndarray]:
+        self.length.keep_only({r.request_id for r in requests})
+        for r in requests:
+            if decoding(r):
+                r.spec_token_ids = self.lookup(r.all_token_ids, self.length(r))
+        return {}
+
+
+@dataclasses.dataclass
+class _Seq:
+    """What the draft KV manager needs of a request: its id and the tokens whose draft KV is valid."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_tokens: int
+
+
+class DraftRunner(ModelRunner):
+    """A `ModelRunner` over the draft model whose step returns each row's sampled token and the
+    probabilities it was drawn from (greedy rows: one-hot at the argmax)."""
+
+    def _step_fn(self, state, pools, batch, sampling):
+        self.num_compiles += 1
+        model = nnx.merge(self.graphdef, state)
+        from mmjax.model.decoder import PagedMeta
+        meta = PagedMeta(batch["slot_mapping"], batch["page_table"], batch["query_start"], batch["query_len"],
+                         batch["context_len"], batch["logits_indices"])
+        rows, mask = batch.get("image_rows"), batch.get("image_mask")
+        logits, pools = model.forward_paged(batch["tokens"][None], batch["positions"][None], pools, meta,
+                                            None if rows is None else rows[None],
+                                            None if mask is None else mask[None], None)
+        q = processed_probs(logits, sampling)
+        keys = _row_keys(sampling.seed ^ jnp.uint32(0x85EBCA6B), sampling.step)
+        drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(q))
+        tokens = jnp.where(sampling.temperature <= 0.0, jnp.argmax(q, axis=-1), drawn).astype(jnp.int32)
+        return (tokens, q), pools
+
+    def forward(self, entries: Sequence[tuple[Request, Sequence[int], int, Sequence[int], int]],
+                seeds: Mapping[str, int]) -> tuple[np.ndarray, np.ndarray]:
+        """One draft step: per entry (request, tokens, start position, page table, draw index) -> the
+        sampled token and its probabilities at the entry's last token."""
+        t = pick_bucket(self.token_buckets, sum(len(e[1]) for e in entries))
+        s = pick_bucket(self.slot_buckets, len(entries))
+        batch = self._empty_batch(t, s)
+        ps, off = self.page_size, 0
+        for i, (_, tokens, start, pages, _) in enumerate(entries):
+            n = len(tokens)
+            pos = np.arange(start, start + n, dtype=np.int32)
+            pages = np.asarray(pages, np.int32)
+            batch["tokens"][off:off + n] = tokens
+            batch["positions"][off:off + n] = pos
+            batch["slot_mapping"][off:off + n] = pages[pos // ps] * ps + pos % ps
+            batch["page_table"][i, :len(pages)] = pages
+            batch["query_start"][i], batch["query_len"][i], batch["context_len"][i] = off, n, start + n
+            batch["logits_indices"][i] = off + n - 1
+            off += n
+        if not self.text_only:
+            batch["image_rows"] = self._zeros(t)
+        sampling = SamplingTensors.from_requests([e[0] for e in entries], s, 0, seeds=seeds)
+        # a fresh key per request and draft position: step = outputs so far x 64 + position
+        step = np.asarray(sampling.step).copy()
+        step[:len(entries)] = step[:len(entries)] * 64 + np.asarray([e[4] for e in entries])
+        sampling = sampling.replace(step=step)
+        return self._run(batch, sampling)
+
+    def warmup(self) -> int:
+        before = self.num_compiles
+        for t in self.token_buckets:
+            for s in self.slot_buckets:
+                if s <= t:
+                    batch = self._empty_batch(t, s)
+                    if not self.text_only:
+                        batch["image_rows"] = self._zeros(t)
+                    self._run(batch, SamplingTensors.from_requests([], s, 0))
+        return self.num_compiles - before
+
+
+class DraftProposer:
+    """k tokens per decoding request from a draft model with its own paged KV pool (no prefix cache)."""
+
+    def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int, seeds: Mapping[str, int]) -> None:
+        self.k = serve.speculative.num_tokens
+        self.length = DraftLength(serve.speculative)
+        draft_serve = dataclasses.replace(serve, speculative=SpeculativeConfig(), max_beam_width=0, max_logprobs=0)
+        self.runner = DraftRunner(model, draft_serve, max_model_len=max_model_len)
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(serve.num_pages, serve.page_size, enable_prefix_caching=False)
+        self.budget = serve.max_num_batched_tokens
+        self.seeds = seeds
+        self._seqs: dict[str, _Seq] = {}
+        self._live: dict[str, Request] = {}
+
+    def _release_stale(self) -> None:
+        for rid, r in list(self._live.items()):
+            if r.status is not RequestStatus.RUNNING:
+                self.kv.free(rid)
+                del self._live[rid], self._seqs[rid]
+
+    def propose(self, requests: Sequence[Request]) -> dict[str, np.ndarray]:
+        """Set `spec_token_ids` of the decoding requests; returns their drafts' probabilities [k, V]."""
+        self._release_stale()
+        self.length.keep_only({r.request_id for r in requests})
+        todo: list[Request] = []
+        ks: dict[str, int] = {}  # drafts per request: what the scheduler could still verify
+        for r in requests:
+            if not decoding(r):
+                continue
+            k = min(self.length(r), self.max_model_len - r.num_tokens - 1,
+                    r.sampling_params.max_tokens - len(r.output_token_ids) - 1)
+            if k < 1:
+                continue
+            ks[r.request_id] = k
+            seq = self._seqs.get(r.request_id)
+            if seq is None:
+                seq = self._seqs[r.request_id] = _Seq(r.request_id, 0, r.num_tokens)
+                self._live[r.request_id] = r
+            # draft KV stays valid up to what the target accepted (the drafts it kept are the draft's own)
+            seq.num_computed_tokens = min(seq.num_computed_tokens, r.num_computed_tokens)
+            seq.num_tokens = r.num_tokens
+            need = r.num_tokens + k - 1 - seq.num_computed_tokens  # catch up, then k - 1 fed drafts
+            if self.kv.allocate_slots(seq, need) is None:
+                continue  # the draft pool is full: no proposal this step
+            todo.append(r)
+        drafts: dict[str, list[int]] = {r.request_id: [] for r in todo}
+        probs: dict[str, list[np.ndarray]] = {r.request_id: [] for r in todo}
+        # catch-up chunks within the token budget; an entry that reaches the last known token draws draft 1
+        pending = list(todo)
+        while pending:
+            entries, budget, later = [], self.budget, []
+            for r in pending:
+                seq = self._seqs[r.request_id]
+                n = min(r.num_tokens - seq.num_computed_tokens, budget)
+                if n <= 0 or len(entries) >= self.runner.slot_buckets[-1]:
+                    later.append(r)
+                    continue
+                entries.append((r, r.token_ids(seq.num_computed_tokens, seq.num_computed_tokens + n),
+                                seq.num_computed_tokens, self.kv.block_table(r.request_id), 0))
+                budget -= n
+            tokens, q = self.runner.forward(entries, self.seeds)
+            for i, (r, toks, start, _, _) in enumerate(entries):
+                seq = self._seqs[r.request_id]
+                seq.num_computed_tokens = start + len(toks)
+                if seq.num_computed_tokens == r.num_tokens:
+                    drafts[r.request_id].append(int(tokens[i]))
+                    probs[r.request_id].append(q[i])
+                else:
+                    later.append(r)
+            pending = later
+        for j in range(1, self.k):  # feed draft j, draw draft j + 1
+            entries = []
+            for r in todo:
+                if j >= ks[r.request_id]:
+                    continue
+                seq = self._seqs[r.request_id]
+                entries.append((r, drafts[r.request_id][-1:], seq.num_computed_tokens,
+                                self.kv.block_table(r.request_id), j))
+            if not entries:
+                break
+            tokens, q = self.runner.forward(entries, self.seeds)
+            for i, (r, _, _, _, _) in enumerate(entries):
+                self._seqs[r.request_id].num_computed_tokens += 1
+                drafts[r.request_id].append(int(tokens[i]))
+                probs[r.request_id].append(q[i])
+        for r in todo:
+            r.spec_token_ids = drafts[r.request_id]
+        return {rid: np.stack(p) for rid, p in probs.items() if p}
+
+
+def make_proposer(serve: ServeConfig, *, max_model_len: int, seeds: Mapping[str, int],
+                  draft_model: Any = None) -> NgramProposer | DraftProposer | None:
+    """The proposer `serve.speculative` asks for (None: no speculation); `draft_model` is an MLLM or
+    (graphdef, state) for the draft method, else `serve.speculative.draft_checkpoint` is loaded."""
+    cfg = serve.speculative
+    if cfg.method == "none":
+        return None
+    if cfg.method == "ngram":
+        return NgramProposer(cfg)
+    if draft_model is None:
+        from mmjax.errors import ConfigError
+        if not cfg.draft_checkpoint:
+            raise ConfigError("serve.speculative.method=draft needs serve.speculative.draft_checkpoint (an mmjax "
+                              "checkpoint of the draft model) or a draft_model passed to the Engine")
+        from mmjax.serving.load import load_model
+        _, draft_model = load_model(cfg.draft_checkpoint, overrides=("model.text_only=true",
+                                                                     *cfg.draft_overrides))
+    return DraftProposer(draft_model, serve, max_model_len=max_model_len, seeds=seeds)
