@@ -1,0 +1,24 @@
+"""`serve.kv_cache_dtype` names to pool dtypes: float ones as the model's, `int8` / `fp8` (e4m3) quantized pools
+(`mmjax.kernels.kv_pages.ScaledPages`, a float32 scale per token and kv head)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from mmjax.model.layers import resolve_dtype
+
+QUANTIZED_KV = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+def kv_cache_dtype(name: str, compute_dtype):
+    """The pool dtype of `serve.kv_cache_dtype=name` (`auto`: the model's compute dtype)."""
+    if name == "auto":
+        return compute_dtype
+    return QUANTIZED_KV[name] if name in QUANTIZED_KV else resolve_dtype(name)
+
+
+def kv_bytes_per_token(name: str, compute_dtype, n_layers: int, n_kv_heads: int, head_dim: int) -> float:
+    """Bytes one token's keys and values take in the pool (scales included): what decode reads per token."""
+    itemsize = jnp.dtype(kv_cache_dtype(name, compute_dtype)).itemsize
+    per_head = head_dim * itemsize + (4 if name in QUANTIZED_KV else 0)
+    return float(n_layers * 2 * n_kv_heads * per_head)
