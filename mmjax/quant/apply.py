@@ -7,7 +7,6 @@ and projector (run once per image, not per decoded token).
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
@@ -35,7 +34,6 @@ def native_fp8() -> bool:
     return (major, minor) >= (8, 9)
 
 
-@functools.cache
 def _log_fp8_mode(native: bool, platform: str) -> None:
     if native:
         log.info("serve.quantization=fp8: fp8 x fp8 matmuls (e4m3 weights per channel, activations per token)")

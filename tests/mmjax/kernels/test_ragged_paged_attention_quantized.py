@@ -22,7 +22,7 @@ def test_quantize_rows_error_bound(dtype):
     amax = np.abs(np.asarray(x)).max(-1, keepdims=True)
     # int8: half a step of amax / 127; e4m3: 2^-4 relative (3 mantissa bits), subnormals 2^-10 x scale
     bound = amax / 254 if dtype == jnp.int8 else np.maximum(np.abs(np.asarray(x)) / 16, amax / 448 / 1024)
-    assert np.all(err <= bound * (1 + 1e-6))
+    assert np.all(err <= bound * (1 + 1e-5))  # f32 rounding of w / scale
 
 
 def _scaled(pool, dtype):
