@@ -121,3 +121,24 @@ def test_engine_greedy_quantized_kv_agrees_with_float_pool(quant):
         if weights != "none":  # update_weights quantizes float weights as at load, nothing to recompile
             llm.engine.runner.update_weights(quant["state"])
             assert isinstance(llm.engine.runner.state["decoder"]["layers"]["qkv"][...], QuantizedWeight)
+
+
+def test_bench_sweep_rooflines_from_own_bytes(quant):
+    from mmjax.serving import bench, bench_quant
+
+    cfg = dataclasses.replace(Config(), model=quant["tiny"]["config"](text_only=True),
+                              serve=quant["tiny"]["serve"](page_size=4, num_pages=8, max_num_batched_tokens=16,
+                                                           max_num_seqs=2, min_token_bucket=16))
+    spec = bench.BenchSpec(batches=(2,), prompt_len=6, new_tokens=4, hbm_gbps=100.0)
+    record = bench_quant.run_sweep(cfg, spec, bench_quant.parse_variants(["int8:fp8"]))
+    (v,) = record["variants"]
+    t = cfg.model.text
+    assert v["kv_bytes_per_token"] == t.n_layers * 2 * t.n_kv_heads * (t.dim // t.n_heads + 4)  # e4m3 + f32 scale
+    float_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(quant["tiny"]["model"](cfg.model), nnx.Param)))
+    assert v["weight_bytes"] < float_bytes / 2
+    (row,) = v["decode"]
+    assert row["compiles_during_timing"] == 0 and 0 < row["fraction_of_roofline"]
+    assert row["roofline"]["step_bytes"] == v["weight_bytes"] + 2 * (6 + 4 / 2) * v["kv_bytes_per_token"]
+    assert "int8 | fp8" in bench_quant.table(record)
+    with pytest.raises(ConfigError, match="--sweep-quant"):
+        bench_quant.parse_variants(["int3"])
