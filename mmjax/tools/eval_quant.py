@@ -3,6 +3,7 @@
     python -m mmjax.tools.eval_quant --checkpoint runs/x/checkpoints              # a trained or imported model
     python -m mmjax.tools.eval_quant --config models/tiny_mllm.yaml --text held_out.txt
     python -m mmjax.tools.eval_quant --checkpoint DIR --schemes none int8 fp8 int4 --kv-dtypes auto fp8
+    python -m mmjax.tools.eval_quant --checkpoint DIR --save-quantized int8 OUT   # a pre-quantized model folder
 
 The decoder is served text-only (`model.text_only=true`; only the decoder's matmuls are quantized). Held-out
 text: `--text FILE`, else the eval split of the built-in shapes dataset (question and answer turns, images
@@ -89,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="JSON path for the rows")
+    p.add_argument("--save-quantized", nargs=2, metavar=("SCHEME", "DIR"), default=None,
+                   help="write the model with its decoder matmuls quantized to SCHEME into DIR "
+                        "(mmjax.quant.store.load_quantized reads it) and exit")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.compute_dtype=bfloat16")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -100,6 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         from mmjax.serving.load import build_model
         cfg = load_config(args.config, overrides)
         model, tokenizer = build_model(cfg), None
+    if args.save_quantized:
+        from flax import nnx
+
+        from mmjax.quant import quantize_state
+        from mmjax.quant.store import save_quantized
+        scheme, folder = args.save_quantized
+        nnx.update(model, quantize_state(nnx.state(model, nnx.Param), scheme))
+        print(f"wrote {save_quantized(folder, cfg, model)} ({scheme})")
+        return 0
     max_len = args.prompt_len + args.new_tokens
     cfg = _with_serve(cfg, args, max_len)
     tokens, source = held_out_tokens(cfg, tokenizer, args.text, args.num_seqs, args.seq_len, args.seed)

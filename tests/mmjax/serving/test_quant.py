@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from mmjax.config import Config, TextConfig
-from mmjax.errors import ConfigError
+from mmjax.errors import CheckpointError, ConfigError
 from mmjax.quant import QuantizedWeight, dequantize, quantize, quantize_state, weight_bytes
 from mmjax.serving.engine import LLM
 from mmjax.serving.request import SamplingParams
@@ -142,3 +142,17 @@ def test_bench_sweep_rooflines_from_own_bytes(quant):
     assert "int8 | fp8" in bench_quant.table(record)
     with pytest.raises(ConfigError, match="--sweep-quant"):
         bench_quant.parse_variants(["int3"])
+
+
+def test_pre_quantized_round_trip(quant, tmp_path):
+    from mmjax.quant.store import load_quantized, save_quantized
+
+    for scheme in ("int4", "fp8"):
+        qstate = quantize_state(quant["state"], scheme)
+        model = nnx.merge(nnx.graphdef(quant["model"]), qstate)
+        save_quantized(tmp_path / scheme, dataclasses.replace(Config(), model=quant["cfg"]), model)
+        cfg, loaded = load_quantized(tmp_path / scheme)
+        assert cfg.model == quant["cfg"]
+        np.testing.assert_array_equal(quant["fwd"](nnx.state(loaded)), quant["fwd"](qstate))
+    with pytest.raises(CheckpointError, match="not a pre-quantized model folder"):
+        load_quantized(tmp_path / "missing")
