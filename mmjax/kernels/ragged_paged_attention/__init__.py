@@ -46,8 +46,6 @@ Tested on the CPU only (Pallas in interpret mode); the GPU test (`-m gpu`) has n
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 
 from mmjax.kernels import _dispatch
@@ -130,17 +128,8 @@ def _pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len
                                          v_scale=v_scale)
 
 
-def _pallas_guard(ctx) -> str | None:
-    """The paged decode kernel's limits; a scaled (quantized) pool is read in its own dtype, e4m3 on sm89+."""
-    if not ctx.get("kv_scaled"):
-        return pallas_pool_guard(ctx)
-    if ctx.platform == "gpu" and ctx.get("kv_dtype") == "float8_e4m3fn" and (ctx.capability or (0, 0)) < (8, 9):
-        return f"an e4m3 cache pool needs compute capability >= 8.9, have {ctx.capability}"
-    return pallas_pool_guard(dataclasses.replace(ctx, facts=tuple(f for f in ctx.facts if f[0] != "kv_dtype")))
-
-
 OP.register("xla", ragged_paged_attention_reference, _dispatch.any_float, priority=0)
-OP.register("pallas", _pallas, _pallas_guard, priority=10)  # the paged decode kernel's limits
+OP.register("pallas", _pallas, pallas_pool_guard, priority=10)  # the paged decode kernel's limits
 
 
 def ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_len, context_len, *,

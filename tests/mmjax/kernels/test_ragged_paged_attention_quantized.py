@@ -9,7 +9,8 @@ from test_ragged_paged_attention import MIXED, make_case
 
 from mmjax.kernels import _dispatch
 from mmjax.kernels.kv_pages import ScaledPages, dequantize_pages, quantize_rows, write_pages, zero_pages
-from mmjax.kernels.ragged_paged_attention import _pallas_guard, ragged_paged_attention, ragged_paged_attention_reference
+from mmjax.kernels.paged_attention import pallas_pool_guard
+from mmjax.kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
 DTYPES = [jnp.int8, jnp.float8_e4m3fn]
 
@@ -74,9 +75,9 @@ def test_scaled_pool_errors_and_guard():
     ctx = lambda cap, kv: _dispatch.Ctx(platform="gpu", dtype=jnp.dtype(jnp.bfloat16), capability=cap,  # noqa: E731
                                         facts=(("head_dim", 64), ("kv_dtype", kv), ("kv_scaled", True),
                                                ("page_size", 16)))
-    assert "8.9" in _pallas_guard(ctx((8, 0), "float8_e4m3fn"))
-    assert _pallas_guard(ctx((9, 0), "float8_e4m3fn")) is None
-    assert _pallas_guard(ctx((8, 0), "int8")) is None
+    assert "8.9" in pallas_pool_guard(ctx((8, 0), "float8_e4m3fn"))
+    assert pallas_pool_guard(ctx((9, 0), "float8_e4m3fn")) is None
+    assert pallas_pool_guard(ctx((8, 0), "int8")) is None
     unscaled = _dispatch.Ctx(platform="gpu", dtype=jnp.dtype(jnp.bfloat16), capability=(9, 0),
                              facts=(("head_dim", 64), ("kv_dtype", "int8"), ("page_size", 16)))
-    assert "differs" in _pallas_guard(unscaled)  # an unscaled pool must still match q's dtype
+    assert "differs" in pallas_pool_guard(unscaled)  # an unscaled pool must still match q's dtype
