@@ -34,21 +34,24 @@ class LogitForward:
         return np.asarray(self._fwd(state, jnp.asarray(tokens, jnp.int32), positions, np.ones((b, s), np.int32)))
 
 
-def _perplexity(logits: np.ndarray, tokens: np.ndarray) -> float:
+def perplexity(logits: np.ndarray, tokens: np.ndarray, mask: np.ndarray | None = None) -> float:
+    """exp(mean next-token NLL) over the targets tokens[:, 1:] where `mask` [B, S] (default all) is set."""
     logp = jax.nn.log_softmax(jnp.asarray(logits[:, :-1], jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, jnp.asarray(tokens[:, 1:, None]), axis=-1)
-    return float(jnp.exp(jnp.mean(nll)))
+    nll = -jnp.take_along_axis(logp, jnp.asarray(tokens[:, 1:, None]), axis=-1)[..., 0]
+    weight = jnp.ones_like(nll) if mask is None else jnp.asarray(mask[:, 1:], jnp.float32)
+    return float(jnp.exp(jnp.sum(nll * weight) / jnp.maximum(jnp.sum(weight), 1)))
 
 
 def logit_report(forward: LogitForward, ref_state: Any, state: Any, tokens: np.ndarray,
-                 ref_logits: np.ndarray | None = None) -> dict[str, float]:
-    """Logit differences, top-1 agreement and perplexities of `state` against `ref_state` on `tokens` [B, S]."""
+                 ref_logits: np.ndarray | None = None, mask: np.ndarray | None = None) -> dict[str, float]:
+    """Logit differences, top-1 agreement (all positions) and perplexities (over `mask`ed targets) of `state`
+    against `ref_state` on `tokens` [B, S]."""
     ref = forward(ref_state, tokens) if ref_logits is None else ref_logits
     got = forward(state, tokens)
     diff = np.abs(got.astype(np.float32) - ref.astype(np.float32))
     return dict(max_logit_diff=float(diff.max()), mean_logit_diff=float(diff.mean()),
                 top1_agreement=float(np.mean(got.argmax(-1) == ref.argmax(-1))),
-                perplexity=_perplexity(got, tokens), ref_perplexity=_perplexity(ref, tokens))
+                perplexity=perplexity(got, tokens, mask), ref_perplexity=perplexity(ref, tokens, mask))
 
 
 def greedy_tokens(cfg: Config, model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], new_tokens: int,
@@ -71,8 +74,10 @@ def greedy_agreement(ref: Sequence[Sequence[int]], got: Sequence[Sequence[int]])
 
 
 def evaluate(cfg: Config, model: Any, tokenizer: Any, tokens: np.ndarray, prompts: Sequence[Sequence[int]], *,
-             schemes: Sequence[str], kv_dtypes: Sequence[str], new_tokens: int) -> list[dict[str, Any]]:
-    """One row per (weight scheme, KV dtype): bytes, logit metrics (per scheme) and greedy agreement."""
+             schemes: Sequence[str], kv_dtypes: Sequence[str], new_tokens: int,
+             mask: np.ndarray | None = None) -> list[dict[str, Any]]:
+    """One row per (weight scheme, KV dtype): bytes, logit metrics (per scheme; perplexity over the `mask`ed
+    targets of `tokens`) and greedy agreement."""
     graphdef, state = nnx.split(model)
     forward = LogitForward(graphdef)
     ref_logits = forward(state, tokens)
@@ -81,7 +86,7 @@ def evaluate(cfg: Config, model: Any, tokenizer: Any, tokens: np.ndarray, prompt
     rows = []
     for scheme in schemes:
         qstate = quantize_state(state, scheme)
-        logits = logit_report(forward, state, qstate, tokens, ref_logits)
+        logits = logit_report(forward, state, qstate, tokens, ref_logits, mask)
         for kv in kv_dtypes:
             row = dict(scheme=scheme, kv_cache_dtype=kv, weight_bytes=weight_bytes(qstate), **logits)
             got = ref_greedy if (scheme, kv) == ("none", "auto") else greedy_tokens(

@@ -6,8 +6,9 @@
     python -m mmjax.tools.eval_quant --checkpoint DIR --save-quantized int8 OUT   # a pre-quantized model folder
 
 The decoder is served text-only (`model.text_only=true`; only the decoder's matmuls are quantized). Held-out
-text: `--text FILE`, else the eval split of the built-in shapes dataset (question and answer turns, images
-left out) when the model was trained on it, else random token ids (perplexity then means nothing). For each
+text: `--text FILE` (perplexity over every token), else for a model trained on the built-in shapes dataset its
+eval split in the training chat template, the images' placeholder tokens kept without images (perplexity over
+the answer tokens, the training loss's), else random token ids (perplexity then means nothing). For each
 weight scheme: max / mean |logit difference| and top-1 agreement with the unquantized forward, and both
 perplexities, over `--num-seqs` windows of `--seq-len` tokens; for each (scheme, KV dtype): greedy agreement
 of the serving engine's output with the unquantized engine's on `--num-prompts` prompts (the first
@@ -44,24 +45,30 @@ class _IdsTokenizer:
         return " ".join(str(i) for i in ids)
 
 
-def held_out_tokens(cfg, tokenizer: Any, text_file: str, n: int, length: int, seed: int) -> tuple[np.ndarray, str]:
-    """[n, length] token windows of held-out text and where they come from."""
-    text, source = None, "random token ids"
+def held_out_tokens(cfg, tokenizer: Any, text_file: str, n: int, length: int,
+                    seed: int) -> tuple[np.ndarray, np.ndarray, str]:
+    """[n, length] token windows of held-out text, the mask of targets perplexity counts, and their source."""
+    ids = mask = None
+    source = "random token ids"
     if text_file:
-        text, source = Path(text_file).read_text(), text_file
+        ids, source = np.asarray(tokenizer.encode(Path(text_file).read_text()), np.int32), text_file
     elif tokenizer is not None and cfg.data.source == "builtin" and cfg.data.dataset == "shapes":
-        from mmjax.data.builtin.shapes import IMAGE_MARKER, generate_records
+        from mmjax.data.builtin.shapes import generate_records
         from mmjax.data.pipeline import SHAPES_SEED
-        records = generate_records("eval", n * length // 4 + 64, seed=SHAPES_SEED)
-        text = "\n".join(t["content"].replace(IMAGE_MARKER, "").strip() for r in records for t in r["conversations"])
-        source = "shapes eval split (text turns)"
-    rng = np.random.default_rng(seed)
-    if text is None:
-        return rng.integers(4, cfg.model.vocab_size, (n, length)).astype(np.int32), source
-    ids = np.asarray(tokenizer.encode(text), np.int32)
+        v = cfg.model.vision
+        image_tokens = (v.image_size // v.patch_size) ** 2
+        pairs = [tokenizer.encode_chat(r["conversations"], image_tokens)
+                 for r in generate_records("eval", n * length // 8 + 16, seed=SHAPES_SEED)]
+        ids = np.concatenate([np.asarray(i, np.int32) for i, _ in pairs])
+        mask = np.concatenate([np.asarray(m, np.int32) for _, m in pairs])
+        source = "shapes eval split, chat template, no images (perplexity over answer tokens)"
+    if ids is None:
+        rng = np.random.default_rng(seed)
+        return rng.integers(4, cfg.model.vocab_size, (n, length)).astype(np.int32), np.ones((n, length)), source
     if len(ids) < n * length:
         raise SystemExit(f"{source}: {len(ids)} tokens, fewer than --num-seqs x --seq-len = {n * length}")
-    return ids[:n * length].reshape(n, length), source
+    mask = np.ones_like(ids) if mask is None else mask
+    return ids[:n * length].reshape(n, length), mask[:n * length].reshape(n, length), source
 
 
 def table(rows: list[dict]) -> str:
@@ -115,13 +122,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     max_len = args.prompt_len + args.new_tokens
     cfg = _with_serve(cfg, args, max_len)
-    tokens, source = held_out_tokens(cfg, tokenizer, args.text, args.num_seqs, args.seq_len, args.seed)
+    tokens, mask, source = held_out_tokens(cfg, tokenizer, args.text, args.num_seqs, args.seq_len, args.seed)
     prompts = [list(map(int, t[:args.prompt_len])) for t in tokens[:args.num_prompts]]
     if len(prompts) < args.num_prompts:
         prompts += [list(map(int, t)) for t in held_out_tokens(cfg, tokenizer, args.text, args.num_prompts,
                                                                 args.prompt_len, args.seed + 1)[0]][len(prompts):]
     rows = evaluate(cfg, model, tokenizer or _IdsTokenizer(), tokens, prompts, schemes=args.schemes,
-                    kv_dtypes=args.kv_dtypes, new_tokens=args.new_tokens)
+                    kv_dtypes=args.kv_dtypes, new_tokens=args.new_tokens, mask=mask)
     record = dict(rows=rows, held_out=source, backend=jax.default_backend(), checkpoint=args.checkpoint,
                   config=args.config if not args.checkpoint else "", compute_dtype=str(cfg.model.compute_dtype),
                   argv=sys.argv[1:] if argv is None else argv)
