@@ -42,7 +42,8 @@ def _log_fp8_mode(native: bool, platform: str) -> None:
                     "at each matmul (weight-only fp8: same weight bytes, no fp8 tensor-core math)", platform)
 
 
-def _name(path) -> str:
+def param_name(path) -> str:
+    """Dotted name of a state path (`decoder.layers.qkv`)."""
     return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
@@ -79,7 +80,7 @@ def quantize_state(state: Any, scheme: str, *, group: int = GROUP, fp8_activatio
         rank, n_contract = DECODER_MATMULS[name]
         value = var[...]
         q = quantize(value, scheme, n_contract=n_contract, n_lead=value.ndim - rank, group=group,
-                     act_fp8=bool(fp8_activations), name=_name(path))
+                     act_fp8=bool(fp8_activations), name=param_name(path))
         return var.replace(value=q)
 
     return jax.tree_util.tree_map_with_path(convert, state, is_leaf=is_var)

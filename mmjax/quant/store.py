@@ -19,13 +19,10 @@ from flax import nnx
 
 from mmjax.config import Config, load_config, to_yaml
 from mmjax.errors import CheckpointError
+from mmjax.quant.apply import param_name as _name
 from mmjax.quant.weights import FP8, QuantizedWeight
 
 FILES = ("config.yaml", "weights.npz", "quant.json")
-
-
-def _name(path) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 def _is_var(x) -> bool:

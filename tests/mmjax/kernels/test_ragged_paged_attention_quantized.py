@@ -81,3 +81,15 @@ def test_scaled_pool_errors_and_guard():
     unscaled = _dispatch.Ctx(platform="gpu", dtype=jnp.dtype(jnp.bfloat16), capability=(9, 0),
                              facts=(("head_dim", 64), ("kv_dtype", "int8"), ("page_size", 16)))
     assert "differs" in pallas_pool_guard(unscaled)  # an unscaled pool must still match q's dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pallas_gpu_scaled_pool(dtype):
+    """Real sizes, bf16 queries, page_size 16, an int8 / e4m3 pool: the kernel against the reference."""
+    slots = [(1, 777), (512, 512), (300, 2048), (0, 0), (1, 1)] + [(1, 100 + 37 * i) for i in range(27)]
+    (q, k, v, *rest), _ = make_case(32, 8, 64, 16, slots, pad_tokens=100, dtype=jnp.bfloat16, seed=12)
+    ks, vs = _scaled(k, dtype), _scaled(v, dtype)
+    got = ragged_paged_attention(q, ks, vs, *rest, impl="pallas")
+    want = ragged_paged_attention(q, ks, vs, *rest, impl="xla")
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)

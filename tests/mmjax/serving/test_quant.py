@@ -156,3 +156,15 @@ def test_pre_quantized_round_trip(quant, tmp_path):
         np.testing.assert_array_equal(quant["fwd"](nnx.state(loaded)), quant["fwd"](qstate))
     with pytest.raises(CheckpointError, match="not a pre-quantized model folder"):
         load_quantized(tmp_path / "missing")
+
+
+@pytest.mark.gpu
+def test_fp8_matmul_on_gpu(quant):
+    """sm89+: fp8 x fp8 matmuls are chosen by default and stay within the CPU-measured tolerance."""
+    from mmjax.quant.apply import native_fp8
+
+    if not native_fp8():
+        pytest.skip("needs fp8 tensor cores (sm89+)")
+    state = quantize_state(quant["state"], "fp8")
+    assert state["decoder"]["layers"]["qkv"][...].act_fp8
+    assert np.abs(np.asarray(quant["fwd"](state)) - quant["ref"]).max() < LOGIT_TOL["fp8_act"]
