@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mmjax.config import load_config
+from mmjax.model.layers import resolve_dtype
 from mmjax.quant.apply import SCHEMES
 from mmjax.quant.evaluate import evaluate
 
@@ -130,13 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = evaluate(cfg, model, tokenizer or _IdsTokenizer(), tokens, prompts, schemes=args.schemes,
                     kv_dtypes=args.kv_dtypes, new_tokens=args.new_tokens, mask=mask)
     record = dict(rows=rows, held_out=source, backend=jax.default_backend(), checkpoint=args.checkpoint,
-                  config=args.config if not args.checkpoint else "", compute_dtype=str(cfg.model.compute_dtype),
+                  config=args.config if not args.checkpoint else "",
+                  compute_dtype=jnp.dtype(resolve_dtype(cfg.model.compute_dtype)).name,
                   argv=sys.argv[1:] if argv is None else argv)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1))
     print(f"held-out text: {source}; backend {record['backend']}; reference: unquantized weights, "
-          f"compute {cfg.model.compute_dtype}")
+          f"compute {record['compute_dtype']}")
     print(table(rows))
     return 0
 
