@@ -16,9 +16,3 @@ def kv_cache_dtype(name: str, compute_dtype):
         return compute_dtype
     return QUANTIZED_KV[name] if name in QUANTIZED_KV else resolve_dtype(name)
 
-
-def kv_bytes_per_token(name: str, compute_dtype, n_layers: int, n_kv_heads: int, head_dim: int) -> float:
-    """Bytes one token's keys and values take in the pool (scales included): what decode reads per token."""
-    itemsize = jnp.dtype(kv_cache_dtype(name, compute_dtype)).itemsize
-    per_head = head_dim * itemsize + (4 if name in QUANTIZED_KV else 0)
-    return float(n_layers * 2 * n_kv_heads * per_head)
