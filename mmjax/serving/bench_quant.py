@@ -45,12 +45,6 @@ def parse_variants(items: Sequence[str]) -> list[tuple[str, str]]:
     return out
 
 
-def engine_kv_bytes_per_token(engine: Engine) -> int:
-    """Pool bytes per token of context over all layers, keys and values, scales included."""
-    s = engine.runner.serve
-    return sum(x.nbytes for x in jax.tree.leaves(engine.runner.pools)) // (s.num_pages * s.page_size)
-
-
 def run_sweep(cfg: Config, spec: bench.BenchSpec, variants: Sequence[tuple[str, str]], *,
               params: dict | None = None, save: Callable[[dict], None] | None = None) -> dict:
     """Decode rows of every variant at `spec.batches` on one model; returns the record."""
@@ -72,7 +66,7 @@ def run_sweep(cfg: Config, spec: bench.BenchSpec, variants: Sequence[tuple[str, 
                                                                      kv_cache_dtype=kv))
         engine = Engine(run_cfg, model, bench.IdTokenizer())
         wbytes = weight_bytes(engine.runner.state)
-        kv_tok = engine_kv_bytes_per_token(engine)
+        kv_tok = bench.kv_bytes_per_token(engine)
         rng = np.random.default_rng(spec.seed + 1)
         rows = []
         for b in spec.batches:
