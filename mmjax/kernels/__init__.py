@@ -6,6 +6,7 @@ Under a device mesh, trace inside `use_sharding(MeshSharding(mesh, batch_axes, h
 kernels run per shard (`_sharding.py`); mmjax's trainer and evaluator enter it with their rules-derived context.
 """
 
+from mmjax.kernels import kv_pages
 from mmjax.kernels._sharding import MeshSharding, use_sharding
 from mmjax.kernels.attention import OP as _ATTENTION
 from mmjax.kernels.attention import attention
@@ -23,7 +24,7 @@ from mmjax.kernels.ragged_paged_attention import ragged_paged_attention
 from mmjax.kernels.swiglu import OP as _SWIGLU
 from mmjax.kernels.swiglu import swiglu
 
-__all__ = ["MeshSharding", "use_sharding", "attention", "paged_attention", "ragged_paged_attention",
+__all__ = ["kv_pages", "MeshSharding", "use_sharding", "attention", "paged_attention", "ragged_paged_attention",
            "linear_cross_entropy", "rms_norm", "layer_norm", "bias_gelu", "swiglu", "OPS"]
 
 OPS = {"attention": _ATTENTION, "paged_attention": _PAGED_ATTENTION,

@@ -94,10 +94,8 @@ class DecoderLayer(nnx.Module):
         """Serving forward of a flat token batch (x [1,T,E], positions [1,T]) over a paged KV pool
         ([KV, P, page_size, D]): writes this step's k, v at `meta.slot_mapping`, then ragged paged attention."""
         q, k, v = self.qkv_proj(self.attn_norm(x), positions)
-        kvh, p, page, d = k_pool.shape
-        flat = lambda pool, new: pool.reshape(kvh, p * page, d).at[:, meta.slot_mapping].set(
-            new[0].transpose(1, 0, 2).astype(pool.dtype)).reshape(kvh, p, page, d)
-        k_pool, v_pool = flat(k_pool, k), flat(v_pool, v)
+        k_pool = kernels.kv_pages.write_pages(k_pool, k[0], meta.slot_mapping)  # quantizes into a ScaledPages pool
+        v_pool = kernels.kv_pages.write_pages(v_pool, v[0], meta.slot_mapping)
         attn = kernels.ragged_paged_attention(
             q[0], k_pool, v_pool, meta.page_table, meta.query_start, meta.query_len, meta.context_len,
             kv_block_ids=meta.kv_block_ids, q_block_ids=meta.q_block_ids)
@@ -157,11 +155,11 @@ class Decoder(nnx.Module):
     # -- paged KV pool (serving) ----------------------------------------------------------------
 
     def init_pools(self, num_pages: int, page_size: int, dtype=None) -> tuple[jax.Array, jax.Array]:
-        """Zeroed per-layer key and value pools [L, KV, num_pages, page_size, D]."""
+        """Zeroed per-layer key and value pools [L, KV, num_pages, page_size, D] (int8 / e4m3: `ScaledPages`)."""
         t = self.cfg.text
         shape = (t.n_layers, t.n_kv_heads, num_pages, page_size, t.resolved_head_dim)
         dtype = dtype or self.compute_dtype
-        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+        return kernels.kv_pages.zero_pages(shape, dtype), kernels.kv_pages.zero_pages(shape, dtype)
 
     def forward_paged(self, x, positions, block_ids, kv: tuple[jax.Array, jax.Array], meta: PagedMeta):
         """A serving step: flat tokens x [1,T,E] at `positions` [1,T] (image `block_ids` [1,T] or None)

@@ -75,8 +75,12 @@ def param_logical_axes(state: nnx.State) -> Any:
 
 
 def dense(x, w, spec: str, dtype, bias=None):
-    """einsum(spec, x, w) in `dtype` (params cast at use), plus an optional bias."""
-    y = jnp.einsum(spec, x.astype(dtype), w.astype(dtype))
+    """einsum(spec, x, w) in `dtype` (params cast at use), plus an optional bias. A weight that brings its own
+    `quantized_einsum` (`mmjax.quant.QuantizedWeight`) runs it: dequantization fused into the matmul."""
+    if hasattr(w, "quantized_einsum"):
+        y = w.quantized_einsum(spec, x, dtype)
+    else:
+        y = jnp.einsum(spec, x.astype(dtype), w.astype(dtype))
     if bias is not None:
         y = y + bias.astype(dtype)
     return y

@@ -36,7 +36,7 @@ from mmjax.config import Config
 from mmjax.engine.checkpoint import package_versions
 from mmjax.engine.peer_process import run_peer_process
 from mmjax.kernels.bench import PEAK_GBPS, replace_readme_section
-from mmjax.model import MLLM
+from mmjax.quant import weight_bytes as quant_weight_bytes
 from mmjax.serving.engine import Engine, RequestOutput
 from mmjax.serving.load import build_model
 from mmjax.serving.request import SamplingParams
@@ -124,15 +124,10 @@ class IdTokenizer:
         return ""
 
 
-def param_bytes(model: MLLM) -> int:
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
-
-
 def kv_bytes_per_token(engine: Engine) -> int:
-    """KV bytes one token of context takes over all layers (keys and values)."""
-    t = engine.model_cfg.text
-    itemsize = jax.tree.leaves(engine.runner.pools)[0].dtype.itemsize
-    return t.n_layers * 2 * t.n_kv_heads * t.resolved_head_dim * itemsize
+    """KV bytes one token of context takes over all layers (keys and values; a quantized pool's scales too)."""
+    s = engine.runner.serve
+    return sum(x.nbytes for x in jax.tree.leaves(engine.runner.pools)) // (s.num_pages * s.page_size)
 
 
 def roofline(weight_bytes: int, kv_per_token: int, batch: int, mean_context: float, hbm_gbps: float) -> dict:
@@ -267,8 +262,8 @@ def run_serving_bench(cfg: Config, spec: BenchSpec = BenchSpec(), *, params: dic
         hf = hf_peer(hf_config, spec, dtype=cfg.model.param_dtype, allow_cpu=hf_on_cpu)
         log.info("hf peer done in %.1f s", time.perf_counter() - t0)
     model = build_model(cfg, params)
-    weight_bytes = param_bytes(model)
     engine = Engine(cfg, model, IdTokenizer())
+    weight_bytes = quant_weight_bytes(engine.runner.state)  # as served: serve.quantization's bytes
     rng = np.random.default_rng(spec.seed + 1)
     dev = jax.devices()[0]
     m, s = cfg.model, cfg.serve

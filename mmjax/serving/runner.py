@@ -22,8 +22,9 @@ from flax import nnx
 from mmjax.config import ServeConfig
 from mmjax.kernels import MeshSharding
 from mmjax.model.decoder import PagedMeta
-from mmjax.model.layers import resolve_dtype
 from mmjax.parallel.sharding import in_sharding_context
+from mmjax.quant import quantize_state
+from mmjax.quant.kv import kv_cache_dtype
 from mmjax.serving.kv_manager import NULL_PAGE
 from mmjax.serving.request import Request
 from mmjax.serving.sampling import SamplingTensors, sample
@@ -130,6 +131,7 @@ class ModelRunner:
     def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int,
                  mesh: jax.sharding.Mesh | None = None, sharding: MeshSharding | None = None) -> None:
         self.graphdef, self.state = model if isinstance(model, tuple) else nnx.split(model)
+        self.state = quantize_state(self.state, serve.quantization)  # none: unchanged; pre-quantized: kept
         abstract = nnx.merge(self.graphdef, self.state)
         self.model_cfg = abstract.cfg
         self.image_token_id = abstract.image_token_id
@@ -146,7 +148,7 @@ class ModelRunner:
         self.spec_draft_probs = serve.speculative.method == "draft"  # else drafts are one-hot guesses
         self._seed_rng = np.random.default_rng(serve.seed)
         self.seeds: dict[str, int] = {}  # drawn once per unseeded random-sampling request
-        kv_dtype = abstract.compute_dtype if serve.kv_cache_dtype == "auto" else resolve_dtype(serve.kv_cache_dtype)
+        kv_dtype = kv_cache_dtype(serve.kv_cache_dtype, abstract.compute_dtype)
         self.embed_dim = self.model_cfg.text.dim
         self.embed_dtype = abstract.compute_dtype
         pools = abstract.decoder.init_pools(serve.num_pages, serve.page_size, kv_dtype)
@@ -169,7 +171,9 @@ class ModelRunner:
 
     def update_weights(self, state: Any) -> None:
         """Serve `state` from now on (e.g. the trainer's current parameters): same tree, shapes and dtypes, so
-        nothing recompiles. Encoded images of the old weights are dropped; the caller resets the prefix cache."""
+        nothing recompiles. Encoded images of the old weights are dropped; the caller resets the prefix cache.
+        Float weights are quantized as at construction (`serve.quantization`)."""
+        state = quantize_state(state, self.serve.quantization)
         old = jax.tree.map(lambda x: (x.shape, x.dtype), self.state)
         new = jax.tree.map(lambda x: (x.shape, x.dtype), state)
         if jax.tree.structure(old) != jax.tree.structure(new) or jax.tree.leaves(old) != jax.tree.leaves(new):

@@ -3,6 +3,7 @@
     python -m mmjax.tools.bench_serving --readme                 # H200: llama_1b decoder, bf16, random weights
     python -m mmjax.tools.bench_serving --batches 1 8 --num-requests 50 serve.max_num_batched_tokens=4096
     python -m mmjax.tools.bench_serving --mode speculative     # speculation on/off at batch 1 and 8, beam k=4
+    python -m mmjax.tools.bench_serving --sweep-quant none int8 fp8 int4 none:fp8 int8:fp8 --readme
 
 The model is `--config` with `model.text_only=true` and bf16 weights and compute; trailing `key=value` arguments
 override any config key. Prints the tables, writes docs/perf/results/serving-<date>.json (or `--out`) and, with
@@ -49,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="", help="JSON path (default docs/perf/results/serving-<date>.json)")
     p.add_argument("--readme", nargs="?", const="docs/perf/README.md", default=None,
                    help="replace the serving section of this markdown file (default docs/perf/README.md)")
+    p.add_argument("--sweep-quant", nargs="+", default=None, metavar="SCHEME[:KV]",
+                   help="decode only, per weight scheme and KV dtype (e.g. int8 fp8:fp8); see serving/bench_quant.py")
+    p.add_argument("--quality", default="", help="eval_quant --out JSON to show beside the sweep")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. serve.page_size=32")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -77,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=1))
 
+    if args.sweep_quant:
+        return _sweep_quant(args, cfg, spec, params, command)
     record = bench.run_serving_bench(cfg, spec, params=params, hf_config=hf_config, hf_on_cpu=args.hf_on_cpu,
                                      save=save)
     save(record)
@@ -105,6 +111,31 @@ def _speculative(args: argparse.Namespace, cfg) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
     print(bench_spec.table(record))
+    print(f"wrote {out}")
+    return 0
+
+
+def _sweep_quant(args, cfg, spec, params, command: str) -> int:
+    """`--sweep-quant`: decode per (weights, KV dtype) variant, to serving-quant-<date>.json."""
+    from mmjax.serving import bench_quant
+
+    variants = bench_quant.parse_variants(args.sweep_quant)
+    out = Path(args.out or f"docs/perf/results/serving-quant-{datetime.date.today().isoformat()}.json")
+    quality = json.loads(Path(args.quality).read_text()) if args.quality else None
+
+    def save(record: dict) -> None:
+        record.update(command=command, quality=quality)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=1))
+
+    record = bench_quant.run_sweep(cfg, spec, variants, params=params, save=save)
+    save(record)
+    text = bench_quant.table(record, quality)
+    if args.readme:
+        from mmjax.kernels.bench import replace_readme_section
+        replace_readme_section(args.readme, bench_quant.README_TITLE,
+                               f"{record['device']}, {record['date']}; command: `{command}`\n\n{text}")
+    print(text)
     print(f"wrote {out}")
     return 0
 

@@ -97,6 +97,10 @@ def pallas_pool_guard(ctx) -> str | None:
     if page_size is not None and not _pow2(page_size):
         return f"page_size {page_size} is not a power of two (Triton tiles)"
     kv_dtype = ctx.get("kv_dtype")
+    if ctx.get("kv_scaled"):  # a quantized pool (kernels.kv_pages), dequantized tile by tile in the kernel
+        if ctx.platform == "gpu" and kv_dtype == "float8_e4m3fn" and (ctx.capability or (0, 0)) < (8, 9):
+            return f"an e4m3 cache pool needs compute capability >= 8.9, have {ctx.capability}"
+        return None
     if kv_dtype is not None and kv_dtype != str(ctx.dtype):
         return f"cache pool dtype {kv_dtype} differs from q's {ctx.dtype} (casting would copy the whole pool)"
     return None

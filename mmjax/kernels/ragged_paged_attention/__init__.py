@@ -36,6 +36,11 @@ Implementations (`impl="auto"` takes the first that can run):
 * `xla` (anywhere): the reference, which gathers each query token's sequence into a dense
   [T, max_pages * page_size] cache: memory O(T x context), for tests and small CPU runs.
 
+A quantized pool (`kernels.kv_pages.ScaledPages`: int8 / float8_e4m3fn values with a float32 scale per kv head
+and token) is passed as k_pages / v_pages like an array: both implementations read its values and scales through
+the page table and dequantize what they gather (the Pallas kernel one key tile at a time in its loop); no
+full-precision copy of the pool is made. The Pallas kernel takes an e4m3 pool on sm89+ only.
+
 Tested on the CPU only (Pallas in interpret mode); the GPU test (`-m gpu`) has not run yet.
 """
 
@@ -45,6 +50,7 @@ import jax.numpy as jnp
 
 from mmjax.kernels import _dispatch
 from mmjax.kernels.attention.reference import attention_reference, make_mask
+from mmjax.kernels.kv_pages import dequantize_pages, split_pages
 from mmjax.kernels.paged_attention import check_pool, pallas_pool_guard
 
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "check_inputs", "token_owner", "OP"]
@@ -84,7 +90,8 @@ def token_owner(t: int, query_start, query_len):
 
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
-                                     kv_block_ids=None, q_block_ids=None, *, max_query_len=None):
+                                     kv_block_ids=None, q_block_ids=None, *, max_query_len=None, k_scale=None,
+                                     v_scale=None):
     """The definition: every query token, as its own batch row, attends its sequence's dense cache.
 
     The mask is `make_mask` with segment 1 for owned queries and for keys below the context length (0
@@ -106,17 +113,19 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, page_table, query_star
         blocks = dict(q_block_ids=q_block_ids[:, None], kv_block_ids=kv_block_ids[owner])
     mask = make_mask(q_seg, kv_seg, q_pos[:, None], kv_pos, causal=True, **blocks)  # [T, 1, L]
     pages = page_table[owner]  # [T, max_pages]
-    k = k_pages[:, pages].reshape(kvh, t, n_keys, d).transpose(1, 2, 0, 3)  # [T, L, KV, D]
-    v = v_pages[:, pages].reshape(kvh, t, n_keys, d).transpose(1, 2, 0, 3)
+    gather = lambda pool, scale: dequantize_pages(  # noqa: E731  [T, L, KV, D] float32 of the gathered pages
+        pool[:, pages], None if scale is None else scale[:, pages]).reshape(kvh, t, n_keys, d).transpose(1, 2, 0, 3)
+    k, v = gather(k_pages, k_scale), gather(v_pages, v_scale)
     f32 = lambda x: x.astype(jnp.float32)
     return attention_reference(f32(q[:, None]), f32(k), f32(v), mask)[:, 0].astype(q.dtype)
 
 
 def _pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len, kv_block_ids=None,
-            q_block_ids=None, *, max_query_len=None):
+            q_block_ids=None, *, max_query_len=None, k_scale=None, v_scale=None):
     from mmjax.kernels.ragged_paged_attention.pallas import ragged_paged_attention_pallas
     return ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
-                                         kv_block_ids, q_block_ids, max_query_len=max_query_len)
+                                         kv_block_ids, q_block_ids, max_query_len=max_query_len, k_scale=k_scale,
+                                         v_scale=v_scale)
 
 
 OP.register("xla", ragged_paged_attention_reference, _dispatch.any_float, priority=0)
@@ -127,10 +136,17 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_l
                            kv_block_ids=None, q_block_ids=None, max_query_len: int | None = None,
                            impl: str = "auto"):
     """Attention of a ragged batch of query tokens over a paged KV cache; see the module docstring."""
+    (k_pages, k_scale), (v_pages, v_scale) = split_pages(k_pages), split_pages(v_pages)
     check_inputs(q, k_pages, v_pages, page_table, query_start, query_len, context_len, kv_block_ids, q_block_ids)
+    scaled = {}
+    if k_scale is not None or v_scale is not None:
+        if k_scale is None or v_scale is None or k_scale.shape != k_pages.shape[:3] or v_scale.shape != k_scale.shape:
+            raise ValueError(f"a scaled pool needs k and v scales of shape {k_pages.shape[:3]} [KV, P, page_size]")
+        scaled = dict(k_scale=k_scale, v_scale=v_scale)
     ctx = _dispatch.make_ctx(q.dtype, explicit=impl != "auto", head_dim=q.shape[-1], page_size=k_pages.shape[2],
-                             kv_dtype=str(k_pages.dtype), has_blocks=kv_block_ids is not None)
+                             kv_dtype=str(k_pages.dtype), has_blocks=kv_block_ids is not None,
+                             **({"kv_scaled": True} if scaled else {}))
     i32 = lambda x: None if x is None else x.astype(jnp.int32)
     return OP.select(impl, ctx).fn(q, k_pages, v_pages, i32(page_table), i32(query_start), i32(query_len),
                                    i32(context_len), i32(kv_block_ids), i32(q_block_ids),
-                                   max_query_len=max_query_len)
+                                   max_query_len=max_query_len, **scaled)

@@ -48,7 +48,11 @@ def num_blocks(t: int, n_slots: int, bq: int) -> int:
     return max(1, (t + min(n_slots, t) * (bq - 1)) // bq)
 
 
-def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_blocks: bool):
+def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_blocks: bool, has_scales: bool = False):
+    ks_ref = vs_ref = None
+    if has_scales:
+        *refs, ks_ref, vs_ref, o_ref = refs
+        refs = (*refs, o_ref)
     if has_blocks:
         q_ref, k_ref, v_ref, pt_ref, seq_ref, hi_ref, ctx_ref, qpos_ref, qblk_ref, kvblk_ref, o_ref = refs
     else:
@@ -64,6 +68,9 @@ def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_block
         pages = pt_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
         k = k_ref[pages].reshape(bk, d)
         v = v_ref[pages].reshape(bk, d)
+        if has_scales:  # a quantized pool: dequantize this key tile only
+            k = (k.astype(jnp.float32) * ks_ref[pages].reshape(bk, 1)).astype(q.dtype)
+            v = (v.astype(jnp.float32) * vs_ref[pages].reshape(bk, 1)).astype(q.dtype)
         s = _dot(q, k, trans_b=True).astype(jnp.float32) * scale
         kpos = j * bk + jnp.arange(bk, dtype=jnp.int32)
         ok = kpos[None, :] <= qpos[:, None]
@@ -95,8 +102,9 @@ def _schedule(t, bq, nb, query_start, query_len, context_len):
 
 def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
                                   kv_block_ids=None, q_block_ids=None, *, max_query_len=None,
-                                  block_rows: int = BLOCK_ROWS):
-    """Inputs as `ragged_paged_attention` (int32 indices; pool in q's dtype, D and page_size powers of two)."""
+                                  block_rows: int = BLOCK_ROWS, k_scale=None, v_scale=None):
+    """Inputs as `ragged_paged_attention` (int32 indices; pool in q's dtype, D and page_size powers of two), or
+    a quantized pool with its float32 scales `k_scale` / `v_scale` [KV, P, page_size]."""
     t, h, d = q.shape
     kvh, n_pages, page_size, _ = k_pages.shape
     n_slots, max_pages = page_table.shape
@@ -139,8 +147,13 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
         qblk = jnp.where(row_ok[None, :], qblk_tok[:, row_tok], 0).astype(jnp.int32)
         args += [qblk, kvblk]
         specs += [row_spec, whole(kvblk)]
+    has_scales = k_scale is not None
+    if has_scales:
+        scale_pool = pl.BlockSpec((None, n_pages, page_size), lambda i, j: (j, 0, 0))
+        args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
+        specs += [scale_pool, scale_pool]
     kernel = functools.partial(_kernel, pages_per_block=pages_per_block, page_size=page_size,
-                               scale=1.0 / math.sqrt(d), has_blocks=has_blocks)
+                               scale=1.0 / math.sqrt(d), has_blocks=has_blocks, has_scales=has_scales)
     out = pl.pallas_call(
         kernel, grid=(nb, kvh), in_specs=specs, out_specs=head_block,
         out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype), interpret=_interpret(),

@@ -158,7 +158,8 @@ def test_text_prompt_images_as_bytes_and_stop_string(setup):
 @pytest.mark.parametrize("override, message", [
     ("serve.page_size=12", "power of two"), ("serve.num_pages=1", "null page"),
     ("serve.max_num_seqs=512", "max_num_batched_tokens"), ("serve.max_model_len=100000", "model.max_seq_len"),
-    ("serve.kv_cache_dtype=int8", "not one of"), ("serve.max_logprobs=21", "max_logprobs")])
+    ("serve.kv_cache_dtype=int4", "not one of"),
+    ("serve.quantization=int3", "not one of"), ("serve.max_logprobs=21", "max_logprobs")])
 def test_serve_config_is_validated(override, message):
     from mmjax.config import load_config
     from mmjax.errors import ConfigError

@@ -1,0 +1,98 @@
+"""Convert a model state's decoder matmuls to `QuantizedWeight`s (serving load time, `serve.quantization`).
+
+Quantized: each decoder layer's `qkv`, `out`, `gate_up` and `down` (the bytes of a decode step). Kept in the
+param dtype: embeddings / lm_head (a gather and the logits, sensitive to error), norms, biases, the vision tower
+and projector (run once per image, not per decoded token).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mmjax.errors import ConfigError
+from mmjax.quant.weights import BITS, GROUP, STORAGE, QuantizedWeight, quantize
+
+log = logging.getLogger(__name__)
+
+SCHEMES = ("none", *STORAGE)
+# per-layer rank and number of leading contracted axes of each decoder matmul's weight
+DECODER_MATMULS = {"qkv": (4, 1), "out": (3, 2), "gate_up": (3, 1), "down": (2, 1)}
+
+
+def native_fp8() -> bool:
+    """Whether the default device has fp8 tensor cores (CUDA compute capability 8.9+, e.g. the H100/H200)."""
+    dev = jax.devices()[0]
+    cap = getattr(dev, "compute_capability", None)
+    if dev.platform != "gpu" or not cap:
+        return False
+    major, minor = (int(p) for p in str(cap).split(".")[:2])
+    return (major, minor) >= (8, 9)
+
+
+def _log_fp8_mode(native: bool, platform: str) -> None:
+    if native:
+        log.info("serve.quantization=fp8: fp8 x fp8 matmuls (e4m3 weights per channel, activations per token)")
+    else:
+        log.warning("serve.quantization=fp8: %s has no fp8 matmul; e4m3 weights are upcast to the compute dtype "
+                    "at each matmul (weight-only fp8: same weight bytes, no fp8 tensor-core math)", platform)
+
+
+def param_name(path) -> str:
+    """Dotted name of a state path (`decoder.layers.qkv`)."""
+    return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def is_quantized(state: Any) -> bool:
+    """Whether any parameter of `state` is a `QuantizedWeight` (a converted or pre-quantized state)."""
+    return any(isinstance(x, QuantizedWeight) for x in jax.tree.leaves(
+        state, is_leaf=lambda x: isinstance(x, QuantizedWeight)))
+
+
+def quantize_state(state: Any, scheme: str, *, group: int = GROUP, fp8_activations: bool | None = None) -> Any:
+    """`state` (an `nnx.State` of an MLLM or a Decoder) with its decoder matmuls quantized to `scheme`.
+
+    Weights that already are `QuantizedWeight`s stay as they are (a pre-quantized state). `fp8_activations`
+    (fp8 only; default: when the device has fp8 tensor cores) makes the matmuls fp8 x fp8; otherwise fp8 is
+    weight-only, logged once. Raises `ConfigError` for an unknown scheme or an int4 weight whose contraction is
+    not a multiple of `group`."""
+    if scheme not in SCHEMES:
+        raise ConfigError(f"serve.quantization={scheme!r} is not one of {', '.join(SCHEMES)}")
+    if scheme == "none":
+        return state
+    if scheme == "fp8":
+        if fp8_activations is None:
+            fp8_activations = native_fp8()
+            _log_fp8_mode(fp8_activations, jax.devices()[0].platform)
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+
+    def convert(path, var):
+        if not is_var(var) or isinstance(var[...], QuantizedWeight):
+            return var
+        keys = [str(getattr(k, "key", k)) for k in path]
+        name = keys[-1] if keys else ""
+        if name not in DECODER_MATMULS or "layers" not in keys or keys[0] in ("vision", "projector"):
+            return var
+        rank, n_contract = DECODER_MATMULS[name]
+        value = var[...]
+        q = quantize(value, scheme, n_contract=n_contract, n_lead=value.ndim - rank, group=group,
+                     act_fp8=bool(fp8_activations), name=param_name(path))
+        return var.replace(value=q)
+
+    return jax.tree_util.tree_map_with_path(convert, state, is_leaf=is_var)
+
+
+def weight_bytes(state: Any) -> int:
+    """Bytes of every parameter at its nominal width (int4 half a byte): what one decode step reads."""
+    total = 0
+    for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
+        if isinstance(x, QuantizedWeight):
+            total += x.nbytes
+        elif hasattr(x, "dtype"):
+            bits = BITS["int4"] if x.dtype == jnp.int4 else 8 * x.dtype.itemsize
+            total += x.size * bits // 8
+    return total

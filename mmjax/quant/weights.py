@@ -1,0 +1,138 @@
+"""A quantized weight and its fused matmul.
+
+`QuantizedWeight` replaces the array inside an `nnx.Param` (`param[...]` returns it), so the model's modules,
+graph and state tree keep their structure. `mmjax.model.layers.dense` hands it the einsum: the dot runs on the
+stored integers / fp8 values converted to the compute dtype and the per-channel scale is applied to the dot's
+float32 result (an epilogue XLA fuses), so no dequantized copy of the weight is materialised for per-channel
+schemes. Schemes:
+
+* `int8`: symmetric, one scale per output channel: |w - dequant(w)| <= amax_channel / 254.
+* `fp8`: float8_e4m3fn, one scale per output channel (amax maps to 448): |w - dequant(w)| <= max(|w| / 16,
+  scale / 1024) (3 mantissa bits; the second term covers subnormals). With `act_fp8` the activations are cast
+  to e4m3 too, with one scale per token, and the dot is fp8 x fp8 with a float32 result (sm89+/sm90 tensor
+  cores); otherwise the weight is upcast to the compute dtype at the dot (weight-only).
+* `int4`: symmetric, values in [-7, 7], one scale per group of `group` (128) consecutive contracted values and
+  output channel: |w - dequant(w)| <= amax_group / 14. Group scales sit inside the contraction, so the weight is
+  dequantized to the compute dtype in front of the dot (a convert-multiply producer XLA's GPU gemm fusion
+  can take in; it is not a per-channel epilogue).
+
+Layout: the contracted axes of the weight come first (after any leading stack axes, e.g. scanned layers),
+then the output axes, as for every decoder matmul here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from mmjax.errors import ConfigError
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8).max)  # 448
+QMAX = {"int8": 127.0, "fp8": FP8_MAX, "int4": 7.0}
+STORAGE = {"int8": jnp.int8, "fp8": FP8, "int4": jnp.int4}
+BITS = {"int8": 8, "fp8": 8, "int4": 4}
+GROUP = 128  # int4 group size along the contraction
+_TINY = 1e-12  # floor of a scale: an all-zero channel or token quantizes to zeros
+
+
+@flax.struct.dataclass
+class QuantizedWeight:
+    """Stored values `q` (the float weight's shape) and float32 `scale`: per channel the weight's shape with its
+    contracted axes 1; per group (int4) `[*lead, contracted // group, *out]`."""
+
+    q: jax.Array
+    scale: jax.Array
+    scheme: str = flax.struct.field(pytree_node=False, default="int8")
+    n_contract: int = flax.struct.field(pytree_node=False, default=1)
+    n_out: int = flax.struct.field(pytree_node=False, default=1)
+    group: int = flax.struct.field(pytree_node=False, default=0)  # 0: per output channel
+    act_fp8: bool = flax.struct.field(pytree_node=False, default=False)
+
+    def __getitem__(self, key):
+        """`param[...]` yields the container itself (what `nnx.Param.__getitem__` forwards here)."""
+        if key is Ellipsis:
+            return self
+        raise TypeError("a QuantizedWeight is only read whole (param[...])")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a step reads: values at their nominal width (int4 = half a byte) plus the scales."""
+        return math.prod(self.q.shape) * BITS[self.scheme] // 8 + self.scale.size * self.scale.dtype.itemsize
+
+    def quantized_einsum(self, spec: str, x: jax.Array, dtype) -> jax.Array:
+        """einsum(spec, x, dequant(w)) in `dtype`, dequantization fused (see the module docstring)."""
+        return _einsum(self, spec, x, dtype)
+
+
+def _lead(w: QuantizedWeight) -> int:
+    return w.q.ndim - w.n_contract - w.n_out
+
+
+def quantize(w: jax.Array, scheme: str, *, n_contract: int = 1, n_lead: int = 0, group: int = GROUP,
+             act_fp8: bool = False, name: str = "weight") -> QuantizedWeight:
+    """Quantize float `w` whose axes are `n_lead` stack axes, `n_contract` contracted axes, then output axes."""
+    if scheme not in STORAGE:
+        raise ConfigError(f"serve.quantization={scheme!r}: choose one of none, {', '.join(STORAGE)}")
+    wf = jnp.asarray(w, jnp.float32)
+    axes = tuple(range(n_lead, n_lead + n_contract))
+    n_out = wf.ndim - n_lead - n_contract
+    if scheme != "int4":
+        scale = jnp.maximum(jnp.max(jnp.abs(wf), axis=axes, keepdims=True), _TINY) / QMAX[scheme]
+        x = wf / scale
+        q = x.astype(FP8) if scheme == "fp8" else jnp.clip(jnp.round(x), -127, 127).astype(jnp.int8)
+        return QuantizedWeight(q, scale, scheme, n_contract, n_out, 0, act_fp8 and scheme == "fp8")
+    lead, out = wf.shape[:n_lead], wf.shape[n_lead + n_contract:]
+    c = math.prod(wf.shape[n_lead:n_lead + n_contract])
+    if c % group:
+        raise ConfigError(f"serve.quantization=int4: {name} {tuple(wf.shape)} contracts {c} values, not a multiple "
+                          f"of the group size {group}; use int8 or fp8 for this model")
+    wg = wf.reshape(*lead, c // group, group, *out)
+    scale = jnp.maximum(jnp.max(jnp.abs(wg), axis=n_lead + 1), _TINY) / QMAX["int4"]  # [*lead, groups, *out]
+    q = jnp.clip(jnp.round(wg / jnp.expand_dims(scale, n_lead + 1)), -7, 7).astype(jnp.int8).astype(jnp.int4)
+    return QuantizedWeight(q.reshape(wf.shape), scale, scheme, n_contract, n_out, group)
+
+
+def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """The float weight `w` stands for, in `dtype`."""
+    if not w.group:
+        return (w.q.astype(jnp.float32) * w.scale).astype(dtype)
+    n = _lead(w)
+    groups = w.scale.shape[n]
+    qg = w.q.astype(jnp.float32).reshape(*w.q.shape[:n], groups, w.group, *w.q.shape[w.q.ndim - w.n_out:])
+    return (qg * jnp.expand_dims(w.scale, n + 1)).reshape(w.q.shape).astype(dtype)
+
+
+def _to_output(a: jax.Array, letters: str, out: str) -> jax.Array:
+    """`a` (one axis per letter of `letters`, all in `out`) transposed and expanded to broadcast against `out`."""
+    order = sorted(letters, key=out.index)
+    a = jnp.transpose(a, [letters.index(c) for c in order])
+    return a.reshape([a.shape[order.index(c)] if c in letters else 1 for c in out])
+
+
+def _einsum(w: QuantizedWeight, spec: str, x: jax.Array, dtype) -> jax.Array:
+    ins, out = spec.replace(" ", "").split("->")
+    xs, ws = ins.split(",")
+    if _lead(w) or len(ws) != w.q.ndim:
+        raise ValueError(f"quantized weight {w.shape} does not match einsum {spec!r} (stack axes left?)")
+    if w.group:
+        return jnp.einsum(spec, x.astype(dtype), dequantize(w, dtype))
+    contracted, w_out = ws[:w.n_contract], ws[w.n_contract:]
+    w_scale = _to_output(w.scale.reshape(w.scale.shape[w.n_contract:]), w_out, out)
+    if w.act_fp8:
+        x_axes = tuple(i for i, c in enumerate(xs) if c in contracted)
+        sx = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=x_axes, keepdims=True), _TINY) / FP8_MAX
+        xq = (x.astype(jnp.float32) / sx).astype(FP8)
+        y = jnp.einsum(spec, xq, w.q, preferred_element_type=jnp.float32)
+        x_out = "".join(c for c in xs if c not in contracted)
+        sx = _to_output(sx.reshape([n for i, n in enumerate(sx.shape) if i not in x_axes]), x_out, out)
+        return (y * sx * w_scale).astype(dtype)
+    y = jnp.einsum(spec, x.astype(dtype), w.q.astype(dtype), preferred_element_type=jnp.float32)
+    return (y * w_scale).astype(dtype)

@@ -1,0 +1,157 @@
+"""Quality report of quantized serving: per weight scheme and KV dtype against the unquantized model.
+
+    python -m mmjax.tools.eval_quant --checkpoint runs/x/checkpoints              # a trained or imported model
+    python -m mmjax.tools.eval_quant --config models/tiny_mllm.yaml --text held_out.txt
+    python -m mmjax.tools.eval_quant --checkpoint DIR --schemes none int8 fp8 int4 --kv-dtypes auto fp8
+    python -m mmjax.tools.eval_quant --checkpoint DIR --save-quantized int8 OUT   # a pre-quantized model folder
+
+The decoder is served text-only (`model.text_only=true`; only the decoder's matmuls are quantized). Held-out
+text: `--text FILE` (perplexity over every token), else for a model trained on the built-in shapes dataset its
+eval split in the training chat template, the images' placeholder tokens kept without images (perplexity over
+the answer tokens, the training loss's), else random token ids (perplexity then means nothing). For each
+weight scheme: max / mean |logit difference| and top-1 agreement with the unquantized forward, and both
+perplexities, over `--num-seqs` windows of `--seq-len` tokens; for each (scheme, KV dtype): greedy agreement
+of the serving engine's output with the unquantized engine's on `--num-prompts` prompts (the first
+`--prompt-len` tokens of held-out windows), `--new-tokens` each. Writes JSON (`--out`) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mmjax.config import load_config
+from mmjax.model.layers import resolve_dtype
+from mmjax.quant.apply import SCHEMES
+from mmjax.quant.evaluate import evaluate
+
+KV_DTYPES = ("auto", "fp8", "int8")
+
+
+class _IdsTokenizer:
+    """Detokenizer stand-in when the model has no tokenizer (random weights): ids are the text."""
+
+    eos_id = None
+    image_marker = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids)
+
+
+def held_out_tokens(cfg, tokenizer: Any, text_file: str, n: int, length: int,
+                    seed: int) -> tuple[np.ndarray, np.ndarray, str]:
+    """[n, length] token windows of held-out text, the mask of targets perplexity counts, and their source."""
+    ids = mask = None
+    source = "random token ids"
+    if text_file:
+        ids, source = np.asarray(tokenizer.encode(Path(text_file).read_text()), np.int32), text_file
+    elif tokenizer is not None and cfg.data.source == "builtin" and cfg.data.dataset == "shapes":
+        from mmjax.data.builtin.shapes import generate_records
+        from mmjax.data.pipeline import SHAPES_SEED
+        v = cfg.model.vision
+        image_tokens = (v.image_size // v.patch_size) ** 2
+        pairs = [tokenizer.encode_chat(r["conversations"], image_tokens)
+                 for r in generate_records("eval", n * length // 8 + 16, seed=SHAPES_SEED)]
+        ids = np.concatenate([np.asarray(i, np.int32) for i, _ in pairs])
+        mask = np.concatenate([np.asarray(m, np.int32) for _, m in pairs])
+        source = "shapes eval split, chat template, no images (perplexity over answer tokens)"
+    if ids is None:
+        rng = np.random.default_rng(seed)
+        return rng.integers(4, cfg.model.vocab_size, (n, length)).astype(np.int32), np.ones((n, length)), source
+    if len(ids) < n * length:
+        raise SystemExit(f"{source}: {len(ids)} tokens, fewer than --num-seqs x --seq-len = {n * length}")
+    mask = np.ones_like(ids) if mask is None else mask
+    return ids[:n * length].reshape(n, length), mask[:n * length].reshape(n, length), source
+
+
+def table(rows: list[dict]) -> str:
+    head = ("scheme", "kv", "weight MB", "max dlogit", "mean dlogit", "top-1", "ppl", "ppl ref", "greedy tok",
+            "greedy seq")
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in rows:
+        lines.append(" | ".join([r["scheme"], r["kv_cache_dtype"], f"{r['weight_bytes'] / 1e6:.2f}",
+                                 f"{r['max_logit_diff']:.4f}", f"{r['mean_logit_diff']:.4f}",
+                                 f"{r['top1_agreement']:.4f}", f"{r['perplexity']:.3f}", f"{r['ref_perplexity']:.3f}",
+                                 f"{r['greedy_token_agreement']:.4f}", f"{r['greedy_sequence_agreement']:.3f}"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default="", help="mmjax checkpoint (default: random weights of --config)")
+    p.add_argument("--config", default="models/tiny_mllm.yaml", help="model config without --checkpoint")
+    p.add_argument("--text", default="", help="held-out text file")
+    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    p.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES)
+    p.add_argument("--num-seqs", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="", help="JSON path for the rows")
+    p.add_argument("--save-quantized", nargs=2, metavar=("SCHEME", "DIR"), default=None,
+                   help="write the model with its decoder matmuls quantized to SCHEME into DIR "
+                        "(mmjax.quant.store.load_quantized reads it) and exit")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.compute_dtype=bfloat16")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    overrides = ["model.text_only=true", *args.overrides]
+    if args.checkpoint:
+        from mmjax.serving.load import load_for_serving
+        cfg, model, tokenizer = load_for_serving(args.checkpoint, overrides=overrides)
+    else:
+        from mmjax.serving.load import build_model
+        cfg = load_config(args.config, overrides)
+        model, tokenizer = build_model(cfg), None
+    if args.save_quantized:
+        from flax import nnx
+
+        from mmjax.quant import quantize_state
+        from mmjax.quant.store import save_quantized
+        scheme, folder = args.save_quantized
+        nnx.update(model, quantize_state(nnx.state(model, nnx.Param), scheme))
+        print(f"wrote {save_quantized(folder, cfg, model)} ({scheme})")
+        return 0
+    max_len = args.prompt_len + args.new_tokens
+    cfg = _with_serve(cfg, args, max_len)
+    tokens, mask, source = held_out_tokens(cfg, tokenizer, args.text, args.num_seqs, args.seq_len, args.seed)
+    prompts = [list(map(int, t[:args.prompt_len])) for t in tokens[:args.num_prompts]]
+    if len(prompts) < args.num_prompts:
+        prompts += [list(map(int, t)) for t in held_out_tokens(cfg, tokenizer, args.text, args.num_prompts,
+                                                                args.prompt_len, args.seed + 1)[0]][len(prompts):]
+    rows = evaluate(cfg, model, tokenizer or _IdsTokenizer(), tokens, prompts, schemes=args.schemes,
+                    kv_dtypes=args.kv_dtypes, new_tokens=args.new_tokens, mask=mask)
+    record = dict(rows=rows, held_out=source, backend=jax.default_backend(), checkpoint=args.checkpoint,
+                  config=args.config if not args.checkpoint else "",
+                  compute_dtype=jnp.dtype(resolve_dtype(cfg.model.compute_dtype)).name,
+                  argv=sys.argv[1:] if argv is None else argv)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=1))
+    print(f"held-out text: {source}; backend {record['backend']}; reference: unquantized weights, "
+          f"compute {record['compute_dtype']}")
+    print(table(rows))
+    return 0
+
+
+def _with_serve(cfg, args, max_len):
+    """Serve keys sized for the prompt set: every prompt prefilled in one step, one bucket shape."""
+    serve = dataclasses.replace(cfg.serve, max_model_len=max_len, max_num_seqs=args.num_prompts,
+                                max_num_batched_tokens=max(256, args.num_prompts * args.prompt_len),
+                                min_slot_bucket=args.num_prompts, min_token_bucket=args.num_prompts,
+                                num_pages=1 + args.num_prompts * -(-max_len // cfg.serve.page_size), max_logprobs=0)
+    return dataclasses.replace(cfg, serve=serve)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
