@@ -162,9 +162,11 @@ class Tokenizer:
         image_id = _model_image_token_id(folder)
         if image_id is not None and tok.id_to_token(image_id) is not None:
             special["image"] = tok.id_to_token(image_id)
+        image_marker = config.get("image_marker", IMAGE_MARKER)
+        if "image" not in special and tok.token_to_id(image_marker) is not None:
+            special["image"] = image_marker  # LLaVA: the marker "<image>" is the image token itself
         if "pad" not in special and "eos" in special:
             special["pad"] = special["eos"]  # padding is never trained on
-        image_marker = config.get("image_marker", IMAGE_MARKER)
         template = _find_template(folder, config)
         if template is None and {"user", "assistant"} <= special.keys():
             template = SHAPES_CHAT_TEMPLATE  # a built-in tokenizer written before templates were stored
