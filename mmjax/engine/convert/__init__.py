@@ -120,16 +120,11 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", ma
 
     params: dict = {}
     for rule in _progress(rules, show_progress, "import"):
-        if rule.layered:
-            n = layers[rule.mm.split("/")[0]]
-            first = rule.load(*(src.get(k.format(i=0)).astype(np.float32) for k in rule.hf))
-            stacked = np.empty((n, *first.shape), out_dtype)
-            stacked[0] = first
-            for i in range(1, n):
-                stacked[i] = rule.load(*(src.get(k.format(i=i)).astype(np.float32) for k in rule.hf))
-            _set(params, rule.mm, stacked)
-        else:
-            _set(params, rule.mm, rule.load(*(src.get(k).astype(np.float32) for k in rule.hf)).astype(out_dtype))
+        try:
+            _import_rule(params, rule, src, layers, out_dtype)
+        except ValueError as e:  # a reshape that cannot hold: config.json and the tensors disagree
+            raise ConversionError(f"{hf_dir}: tensors {list(rule.hf)[:3]} do not fit the shapes config.json gives "
+                                  f"({str(e).splitlines()[0]}); is this config.json the weights' own?") from None
     if llava and "patch_bias" not in params["vision"]:  # CLIP's patch convolution has no bias
         params["vision"]["patch_bias"] = np.zeros((model_cfg.vision.dim,), out_dtype)
     _check_against_model(params, model_cfg, info, llava)
@@ -145,6 +140,20 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", ma
     copied = _copy_tokenizer(hf_dir, out / "tokenizer")
     log.info("imported %s (%s) into %s; tokenizer files: %s", hf_dir, info["family"], out, copied or "none")
     return out / "0"
+
+
+def _import_rule(params: dict, rule: Rule, src: SafetensorsFolder, layers: dict[str, int],
+                 out_dtype: np.dtype) -> None:
+    if rule.layered:
+        n = layers[rule.mm.split("/")[0]]
+        first = rule.load(*(src.get(k.format(i=0)).astype(np.float32) for k in rule.hf))
+        stacked = np.empty((n, *first.shape), out_dtype)
+        stacked[0] = first
+        for i in range(1, n):
+            stacked[i] = rule.load(*(src.get(k.format(i=i)).astype(np.float32) for k in rule.hf))
+        _set(params, rule.mm, stacked)
+    else:
+        _set(params, rule.mm, rule.load(*(src.get(k).astype(np.float32) for k in rule.hf)).astype(out_dtype))
 
 
 def validate_model(cfg: Config) -> None:

@@ -1,0 +1,73 @@
+"""`model.init_from=hf:PATH`: one-step training from a Hugging Face folder (tiny random Llama-3-style model)."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import torch
+
+from mmjax.engine.convert.init_from import load_run_config
+from mmjax.engine.trainer import Trainer
+from mmjax.train import main
+
+RECORDS = [{"id": str(i), "conversations": [{"from": "human", "value": "Hello there, how are you today?"},
+                                           {"from": "gpt", "value": f"It is red {i}."}]} for i in range(16)]
+
+
+def overrides(hf_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    return [f"model.init_from=hf:{hf_dir}", f"data.paths=[{data}]", f"data.cache_dir={tmp_path / 'cache'}",
+            f"train.output_dir={tmp_path / 'run'}", "model.max_seq_len=128", "model.compute_dtype=float32",
+            "model.remat=none", "data.packing=false", "data.num_workers=0", "train.global_batch_size=8",
+            "train.steps=2", "optim.warmup_steps=0", "optim.lr=1e-3", "observe.sinks=[jsonl]", "observe.log_every=1",
+            "checkpoint.enabled=false"]
+
+
+def test_init_from_hf_trains_from_the_exact_weights(hf_llama_dir, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    cfg = load_run_config("finetune_llava.yaml", overrides(hf_llama_dir, tmp_path))
+    assert cfg.model.text_only and cfg.model.text.dim == 32 and cfg.data.tokenizer == str(hf_llama_dir)
+    trainer = Trainer(cfg)
+    params = jax.device_get(trainer.state.params)
+    model = jax.tree.map(np.asarray, params)
+    from mmjax.serving.load import build_model
+
+    mm = build_model(cfg, model, image_token_id=0)
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 12)).astype(np.int32)
+    pos = np.broadcast_to(np.arange(12, dtype=np.int32), (2, 12))
+    ours = np.asarray(mm(tokens, pos, np.ones((2, 12), np.int32)))
+    hf = LlamaForCausalLM.from_pretrained(hf_llama_dir).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert np.abs(ours - ref).max() < 1e-4
+    trainer.run()
+    losses = [json.loads(x)["train/loss"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if "train/loss" in x]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    assert len(list((tmp_path / "cache" / "hf_import").iterdir())) == 1  # the converted copy, reused next time
+
+
+def test_bad_folders_are_one_line_errors(hf_llama_dir, tmp_path, capsys):
+    def run(folder, *extra):
+        code = main(["--config", "finetune_llava.yaml", *overrides(folder, tmp_path), *extra])
+        err = capsys.readouterr().err.strip()
+        assert code != 0 and "\n" not in err, err
+        return err
+
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in run(tmp_path / "empty")
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(hf_llama_dir, gpt2)
+    (gpt2 / "config.json").write_text(json.dumps({**json.loads((gpt2 / "config.json").read_text()),
+                                                  "model_type": "gpt2"}))
+    assert "model_type='gpt2' is not supported" in run(gpt2)
+    assert "model.text.dim=64 conflicts" in run(hf_llama_dir, "model.text.dim=64")
+    wrong = tmp_path / "wrong"
+    shutil.copytree(hf_llama_dir, wrong)
+    cfg = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 64}))
+    err = run(wrong)
+    assert err.startswith("error:") and "expected shape" in err
