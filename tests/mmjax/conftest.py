@@ -137,7 +137,7 @@ def tiny_llama(vocab_size: int, seed: int = 0, **overrides):
     import transformers as T
 
     cfg = T.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, **overrides)
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **overrides)
     torch.manual_seed(seed)
     model = T.LlamaForCausalLM(cfg)
     with torch.no_grad():

@@ -122,24 +122,32 @@ def _fingerprint(folder: Path, dtype: str) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def converted_weights(cfg: Config) -> tuple[Any, int]:
-    """(Checkpointer, step) of model.init_from's weights as an mmjax params checkpoint, converting them into
-    the cache the first time (written to a temporary folder and renamed, so a killed run leaves no half copy)."""
-    from mmjax.engine.checkpoint import Checkpointer
+def converted_copy(folder: Path, dtype: str, cache_dir: str | os.PathLike,
+                   max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> Path:
+    """The mmjax params checkpoint of a Hugging Face folder under `<cache_dir>/hf_import/`, converted the first
+    time (into a temporary folder, then renamed: a killed conversion leaves no half copy) and reused after."""
     from mmjax.engine.convert import import_hf
 
-    folder = hf_folder(cfg.model.init_from)
-    root = Path(cfg.data.cache_dir).expanduser() / "hf_import"
-    final = root / f"{folder.name}-{_fingerprint(folder, cfg.model.param_dtype)}"
-    if not (final / "0").is_dir():
-        tmp = root / f".{final.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        log.info("converting %s into %s (once; later runs reuse it)", folder, final)
-        import_hf(folder, tmp, dtype=cfg.model.param_dtype, max_seq_len=cfg.model.max_seq_len)
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another process finished the same conversion first
-            shutil.rmtree(tmp, ignore_errors=True)
-    else:
+    root = Path(cache_dir).expanduser() / "hf_import"
+    final = root / f"{folder.name}-{_fingerprint(folder, dtype)}"
+    if (final / "0").is_dir():
         log.info("reusing the converted weights of %s in %s", folder, final)
-    return Checkpointer(final, read_only=True), 0
+        return final
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    log.info("converting %s into %s (once; later runs reuse it)", folder, final)
+    import_hf(folder, tmp, dtype=dtype, max_seq_len=max_seq_len)
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another process finished the same conversion first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def converted_weights(cfg: Config) -> tuple[Any, int]:
+    """(Checkpointer, step 0) of model.init_from's weights as an mmjax params checkpoint (see `converted_copy`)."""
+    from mmjax.engine.checkpoint import Checkpointer
+
+    path = converted_copy(hf_folder(cfg.model.init_from), cfg.model.param_dtype, cfg.data.cache_dir,
+                          cfg.model.max_seq_len)
+    return Checkpointer(path, read_only=True), 0
