@@ -224,7 +224,7 @@ def export_hf(ckpt: str | Path, out: str | Path, *, step: int | None = None, fam
     _fresh_dir(out, "output folder")
     params, meta, step_dir = load_params(ckpt, step)
     m = from_tree(ModelConfig, meta["config"]["model"], "model.")  # only the model: other keys change across versions
-    hf_info = meta.get("hf") or {}
+    hf_info = meta.get("hf") or _init_from_info(m)
     llava = not decoder_only and "vision" in params and meta.get("towers", ["vision"]) != ["decoder"]
     text_family = family or hf_info.get("text_family") or ("qwen2" if m.text.qkv_bias else "llama")
     if text_family not in DECODER_FAMILIES:
@@ -266,10 +266,30 @@ def export_hf(ckpt: str | Path, out: str | Path, *, step: int | None = None, fam
     out.mkdir(parents=True, exist_ok=True)
     files = write_sharded(out, tensors, max_shard_bytes=max_shard_bytes)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-    tok_src = Path(tokenizer) if tokenizer else _default_tokenizer_dir(step_dir)
+    tok_src = Path(tokenizer) if tokenizer else _default_tokenizer_dir(step_dir) or _init_from_dir(m)
     copied = _copy_tokenizer(tok_src, out) if tok_src is not None else []
     log.info("exported %s -> %s (%d files; tokenizer files: %s)", step_dir, out, len(files), copied or "none")
     return out
+
+
+def _init_from_dir(m: ModelConfig) -> Path | None:
+    """The Hugging Face folder a run started from (model.init_from=hf:PATH), if it is still there."""
+    folder = Path(m.init_from.removeprefix("hf:")) if m.init_from.startswith("hf:") else None
+    return folder if folder is not None and (folder / "config.json").is_file() else None
+
+
+def _init_from_info(m: ModelConfig) -> dict[str, Any]:
+    """What an import records in meta["hf"] (families, image token id), read again from model.init_from's
+    config.json for a run that started from it."""
+    folder = _init_from_dir(m)
+    if folder is None:
+        return {}
+    hf = json.loads((folder / "config.json").read_text())
+    if hf.get("model_type") != "llava":
+        return {"family": hf.get("model_type"), "text_family": hf.get("model_type")}
+    token = hf.get("image_token_id", hf.get("image_token_index"))
+    return {"family": "llava", "text_family": hf.get("text_config", {}).get("model_type"),
+            "vision_family": hf.get("vision_config", {}).get("model_type"), "image_token_id": token}
 
 
 def _default_tokenizer_dir(step_dir: Path) -> Path | None:
