@@ -28,7 +28,8 @@ def overrides(hf_dir, tmp_path):
 def test_init_from_hf_trains_from_the_exact_weights(hf_llama_dir, tmp_path):
     from transformers import LlamaForCausalLM
 
-    cfg = load_run_config("finetune_llava.yaml", overrides(hf_llama_dir, tmp_path))
+    cfg = load_run_config("finetune_llava.yaml", [*overrides(hf_llama_dir, tmp_path)[:-1], "checkpoint.every_steps=0",
+                                                  "checkpoint.async=false"])
     assert cfg.model.text_only and cfg.model.text.dim == 32 and cfg.data.tokenizer == str(hf_llama_dir)
     trainer = Trainer(cfg)
     params = jax.device_get(trainer.state.params)
@@ -48,6 +49,15 @@ def test_init_from_hf_trains_from_the_exact_weights(hf_llama_dir, tmp_path):
               if "train/loss" in x]
     assert len(losses) == 2 and all(np.isfinite(losses))
     assert len(list((tmp_path / "cache" / "hf_import").iterdir())) == 1  # the converted copy, reused next time
+    # export back: the family and tokenizer come from the folder the run started from
+    from mmjax.engine.convert import export_hf
+
+    export_hf(tmp_path / "run" / "checkpoints", tmp_path / "out")
+    back, info = LlamaForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and (tmp_path / "out" / "tokenizer_config.json").is_file()
+    with torch.no_grad():
+        moved = back.eval()(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert 0 < np.abs(moved - ref).max()  # trained: the weights moved
 
 
 def test_bad_folders_are_one_line_errors(hf_llama_dir, tmp_path, capsys):
