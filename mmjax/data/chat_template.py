@@ -141,6 +141,9 @@ def render(source: str, messages: Sequence[Mapping[str, Any]], *, add_generation
             blocks.append(block)
     except jinja2.exceptions.TemplateError as e:
         raise DataError(f"the chat template refused the conversation: {e}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:  # e.g. str + list in the template
+        raise DataError(f"the chat template failed on this conversation ({type(e).__name__}: {e}); check the "
+                        "messages' roles and content types") from None
     finally:
         _SPANS.reset(token)
     return "".join(blocks), spans

@@ -431,6 +431,9 @@ def _messages(conversations: Sequence[Mapping[str, Any]], parts: bool, marker: s
         message["role"] = _ROLE_ALIASES.get(role, role)
         if parts and isinstance(content, str):
             content = _parts(content, marker)
+        elif not parts and isinstance(content, list):  # OpenAI-style parts for a template that reads strings
+            content = "".join(marker if _is_image(p) else str(p.get("text", "")) for p in content
+                              if isinstance(p, Mapping))
         message["content"] = content
         out.append(message)
     return out
@@ -444,6 +447,10 @@ def _parts(text: str, marker: str) -> list[dict[str, str]]:
         if piece.strip():
             out.append({"type": "text", "text": piece.strip()})
     return out
+
+
+def _is_image(part: Mapping[str, Any]) -> bool:
+    return str(part.get("type", "")) in ("image", "image_url", "input_image")
 
 
 def _texts(content: Any) -> Iterable[str]:

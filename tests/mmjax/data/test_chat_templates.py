@@ -88,6 +88,11 @@ def test_llava_format_records_and_image_expansion(chat_tokenizer_dirs):
     prompt, pmask = tok.encode_chat(record, 4, add_generation_prompt=True)
     assert tok.chat_text(record[:1], add_generation_prompt=True).endswith("ASSISTANT:") and sum(pmask) == 0
     assert ids[: len(prompt) - 1] == prompt[:-1]
+    # OpenAI-style typed parts reach a template that reads strings as text with image markers
+    qwen = Tokenizer.from_file(chat_tokenizer_dirs["qwen2"])
+    parts = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
+                                          {"type": "text", "text": "\nHello"}]}]
+    assert qwen.chat_text(parts) == qwen.chat_text([{"role": "user", "content": "<image>\nHello"}])
 
 
 def test_shapes_template_is_one_more_template(tokenizer):
