@@ -159,6 +159,9 @@ class Tokenizer:
                 value = default
             if value is not None:
                 special[role] = value
+        kwargs = {f"{role}_token": text for role, text in special.items()}  # as transformers' special_tokens_map
+        kwargs.update((k, v) for k, v in ((key, _token_text(val, folder / CONFIG_FILE, key))
+                                          for key, val in config.items() if key.endswith("_token")) if v is not None)
         image_id = _model_image_token_id(folder)
         if image_id is not None and tok.id_to_token(image_id) is not None:
             special["image"] = tok.id_to_token(image_id)
@@ -170,8 +173,6 @@ class Tokenizer:
         template = _find_template(folder, config)
         if template is None and {"user", "assistant"} <= special.keys():
             template = SHAPES_CHAT_TEMPLATE  # a built-in tokenizer written before templates were stored
-        kwargs = {k: v for k, v in ((key, _token_text(val, folder / CONFIG_FILE, key)) for key, val in config.items()
-                                    if key.endswith("_token")) if v is not None}
         return cls(tok, special, image_marker, source=str(file), template=template, template_kwargs=kwargs,
                    stop_ids=_generation_eos_ids(folder))
 
