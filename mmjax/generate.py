@@ -92,6 +92,7 @@ def generate(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on reading a checkpoint read-only
     try:
         text = generate(args)
     except (MmjaxError, OSError) as e:
