@@ -81,3 +81,26 @@ def test_bad_folders_are_one_line_errors(hf_llama_dir, tmp_path, capsys):
     (wrong / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 64}))
     err = run(wrong)
     assert err.startswith("error:") and "expected shape" in err
+
+
+def test_llava_folder_gives_the_multimodal_model_its_template_and_image_token(chat_tokenizer_dirs, tmp_path):
+    import transformers as T
+
+    from mmjax.data.tokenizer import Tokenizer
+
+    folder = tmp_path / "llava"
+    shutil.copytree(chat_tokenizer_dirs["llava"], folder)
+    vocab = Tokenizer.from_file(folder).vocab_size
+    vision = T.CLIPVisionConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=3, num_attention_heads=2,
+                                image_size=8, patch_size=4)
+    text = T.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    T.LlavaConfig(vision_config=vision, text_config=text, image_token_id=3, image_seq_length=4).save_pretrained(folder)
+    cfg = load_run_config("finetune_llava.yaml", overrides(folder, tmp_path) + ["model.image_attention=causal"])
+    m = cfg.model
+    assert not m.text_only and m.image_attention == "causal" and m.vision.n_layers == 2 and m.image_tokens == 4
+    tok = Tokenizer.from_file(cfg.data.tokenizer)
+    assert tok.image_id == 3 and tok.chat_template.startswith("{% for message in messages %}")
+    record = [{"from": "human", "value": "<image>\nWhat color?"}, {"from": "gpt", "value": "red"}]
+    ids, mask = tok.encode_chat(record, m.image_tokens)
+    assert ids.count(3) == 4 and tok.decode([i for i, k in zip(ids, mask) if k]) == "red "  # the answer and a space
