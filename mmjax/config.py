@@ -123,6 +123,9 @@ class ModelConfig:
     # Image placeholder tokens attend "bidirectional"ly within their image, or "causal"ly like any token
     # (what LLaVA in transformers does; converted LLaVA checkpoints set it).
     image_attention: Literal["bidirectional", "causal"] = "bidirectional"
+    # "hf:PATH": start from a Hugging Face model folder: shapes from its config.json (other keys may be
+    # overridden), weights converted once into data.cache_dir, tokenizer + chat template from the folder
+    init_from: str = ""
 
     @property
     def image_tokens(self) -> int:
@@ -567,6 +570,8 @@ def validate(cfg: Config) -> None:
                         ("observe.log_every", cfg.observe.log_every),
                         ("eval.batch_size", cfg.eval.batch_size), ("data.num_shards", cfg.data.num_shards)]:
         need(value > 0, f"{name} must be positive, got {value}")
+    need(m.init_from == "" or (m.init_from.startswith("hf:") and len(m.init_from) > 3),
+         f"model.init_from={m.init_from!r} must be empty or hf:PATH (a local Hugging Face model folder)")
     need(t.n_heads % t.n_kv_heads == 0,
          f"model.text.n_heads={t.n_heads} must be a multiple of model.text.n_kv_heads={t.n_kv_heads}")
     need(t.head_dim > 0 or t.dim % t.n_heads == 0,

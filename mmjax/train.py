@@ -11,7 +11,7 @@ import json
 import logging
 import sys
 
-from mmjax.config import PACKAGED_CONFIGS, load_config, to_yaml
+from mmjax.config import PACKAGED_CONFIGS, to_yaml
 from mmjax.errors import ConfigError, MmjaxError
 
 DEFAULT_CONFIG = PACKAGED_CONFIGS / "tiny_shapes.yaml"
@@ -31,8 +31,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        from mmjax.engine.convert.init_from import load_run_config  # model.init_from=hf:PATH fills the model
+
         config_path = args.config or DEFAULT_CONFIG
-        cfg = load_config(config_path, args.overrides)
+        cfg = load_run_config(config_path, args.overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

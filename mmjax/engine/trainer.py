@@ -47,11 +47,17 @@ class Trainer:
         # anything is compiled, so a wrong path fails fast).
         self.checkpointer = ckpt.Checkpointer.from_config(cfg) if cfg.checkpoint.enabled else None
         resume_from = ckpt.find_resume(cfg, self.checkpointer)
+        if resume_from is None and cfg.model.init_from:  # a fresh run starts from the Hugging Face weights
+            from mmjax.engine.convert.init_from import converted_weights
+
+            resume_from = converted_weights(cfg)
         self.monitor.phase("the dataset and tokenizer to be prepared")
         self.files, self.tokenizer = open_dataset(cfg)
 
         self.monitor.phase("the model and optimizer state to be initialised")
-        self.setup = model_setup(cfg, self.mesh, image_token_id=self.tokenizer.image_id)
+        text_only_without_image = cfg.model.text_only and not self.tokenizer.has_image_token  # e.g. a Llama's
+        image_token = 0 if text_only_without_image else self.tokenizer.image_id
+        self.setup = model_setup(cfg, self.mesh, image_token_id=image_token)
         self.optimizer = make_optimizer(cfg)
         self.schedule = learning_rate_schedule(cfg)
         self.state, state_shardings = create_train_state(cfg, self.mesh, self.setup, self.optimizer)

@@ -120,16 +120,11 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", ma
 
     params: dict = {}
     for rule in _progress(rules, show_progress, "import"):
-        if rule.layered:
-            n = layers[rule.mm.split("/")[0]]
-            first = rule.load(*(src.get(k.format(i=0)).astype(np.float32) for k in rule.hf))
-            stacked = np.empty((n, *first.shape), out_dtype)
-            stacked[0] = first
-            for i in range(1, n):
-                stacked[i] = rule.load(*(src.get(k.format(i=i)).astype(np.float32) for k in rule.hf))
-            _set(params, rule.mm, stacked)
-        else:
-            _set(params, rule.mm, rule.load(*(src.get(k).astype(np.float32) for k in rule.hf)).astype(out_dtype))
+        try:
+            _import_rule(params, rule, src, layers, out_dtype)
+        except ValueError as e:  # a reshape that cannot hold: config.json and the tensors disagree
+            raise ConversionError(f"{hf_dir}: tensors {list(rule.hf)[:3]} do not fit the shapes config.json gives "
+                                  f"({str(e).splitlines()[0]}); is this config.json the weights' own?") from None
     if llava and "patch_bias" not in params["vision"]:  # CLIP's patch convolution has no bias
         params["vision"]["patch_bias"] = np.zeros((model_cfg.vision.dim,), out_dtype)
     _check_against_model(params, model_cfg, info, llava)
@@ -145,6 +140,20 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", ma
     copied = _copy_tokenizer(hf_dir, out / "tokenizer")
     log.info("imported %s (%s) into %s; tokenizer files: %s", hf_dir, info["family"], out, copied or "none")
     return out / "0"
+
+
+def _import_rule(params: dict, rule: Rule, src: SafetensorsFolder, layers: dict[str, int],
+                 out_dtype: np.dtype) -> None:
+    if rule.layered:
+        n = layers[rule.mm.split("/")[0]]
+        first = rule.load(*(src.get(k.format(i=0)).astype(np.float32) for k in rule.hf))
+        stacked = np.empty((n, *first.shape), out_dtype)
+        stacked[0] = first
+        for i in range(1, n):
+            stacked[i] = rule.load(*(src.get(k.format(i=i)).astype(np.float32) for k in rule.hf))
+        _set(params, rule.mm, stacked)
+    else:
+        _set(params, rule.mm, rule.load(*(src.get(k).astype(np.float32) for k in rule.hf)).astype(out_dtype))
 
 
 def validate_model(cfg: Config) -> None:
@@ -215,7 +224,7 @@ def export_hf(ckpt: str | Path, out: str | Path, *, step: int | None = None, fam
     _fresh_dir(out, "output folder")
     params, meta, step_dir = load_params(ckpt, step)
     m = from_tree(ModelConfig, meta["config"]["model"], "model.")  # only the model: other keys change across versions
-    hf_info = meta.get("hf") or {}
+    hf_info = meta.get("hf") or _init_from_info(m)
     llava = not decoder_only and "vision" in params and meta.get("towers", ["vision"]) != ["decoder"]
     text_family = family or hf_info.get("text_family") or ("qwen2" if m.text.qkv_bias else "llama")
     if text_family not in DECODER_FAMILIES:
@@ -257,10 +266,30 @@ def export_hf(ckpt: str | Path, out: str | Path, *, step: int | None = None, fam
     out.mkdir(parents=True, exist_ok=True)
     files = write_sharded(out, tensors, max_shard_bytes=max_shard_bytes)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-    tok_src = Path(tokenizer) if tokenizer else _default_tokenizer_dir(step_dir)
+    tok_src = Path(tokenizer) if tokenizer else _default_tokenizer_dir(step_dir) or _init_from_dir(m)
     copied = _copy_tokenizer(tok_src, out) if tok_src is not None else []
     log.info("exported %s -> %s (%d files; tokenizer files: %s)", step_dir, out, len(files), copied or "none")
     return out
+
+
+def _init_from_dir(m: ModelConfig) -> Path | None:
+    """The Hugging Face folder a run started from (model.init_from=hf:PATH), if it is still there."""
+    folder = Path(m.init_from.removeprefix("hf:")) if m.init_from.startswith("hf:") else None
+    return folder if folder is not None and (folder / "config.json").is_file() else None
+
+
+def _init_from_info(m: ModelConfig) -> dict[str, Any]:
+    """What an import records in meta["hf"] (families, image token id), read again from model.init_from's
+    config.json for a run that started from it."""
+    folder = _init_from_dir(m)
+    if folder is None:
+        return {}
+    hf = json.loads((folder / "config.json").read_text())
+    if hf.get("model_type") != "llava":
+        return {"family": hf.get("model_type"), "text_family": hf.get("model_type")}
+    token = hf.get("image_token_id", hf.get("image_token_index"))
+    return {"family": "llava", "text_family": hf.get("text_config", {}).get("model_type"),
+            "vision_family": hf.get("vision_config", {}).get("model_type"), "image_token_id": token}
 
 
 def _default_tokenizer_dir(step_dir: Path) -> Path | None:

@@ -1,0 +1,106 @@
+"""`python -m mmjax.generate MODEL --prompt TEXT [--image FILE] [options] [section.key=value ...]`
+
+Prompt (and images) in, text out, through the serving engine's offline API (`LLM.generate`). MODEL is an
+mmjax checkpoint (a run's checkpoints folder, one step folder, or an imported one) or a Hugging Face model
+folder (`hf:PATH` or a folder holding config.json), converted once into `--cache-dir` and served with the
+folder's own tokenizer. The prompt is rendered with the model's chat template as one user turn (after
+`--system`, if given) plus the generation prompt; `--raw` sends it as plain text instead. Each `--image`
+adds an image placeholder before the prompt unless the prompt has image markers (`<image>`) itself.
+Greedy by default (`--temperature 0`). Overrides (e.g. `serve.num_pages=1024`) apply to the loaded config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from mmjax.errors import MmjaxError
+
+DEFAULT_CACHE = "~/.cache/mmjax"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m mmjax.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="mmjax checkpoint folder, or a Hugging Face folder (hf:PATH or a folder with "
+                                 "config.json)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--image", action="append", default=[], help="image file (repeat for several)")
+    p.add_argument("--system", help="system prompt (chat templates that take one)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype to serve in")
+    p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where Hugging Face weights are converted to")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. serve.num_pages=1024")
+    return p.parse_intermixed_args(argv)
+
+
+def hf_source(model: str) -> Path | None:
+    """The Hugging Face folder MODEL names, or None for an mmjax checkpoint."""
+    if model.startswith("hf:"):
+        return Path(model[3:]).expanduser()
+    path = Path(model).expanduser()
+    return path if (path / "config.json").is_file() else None
+
+
+def prompt_input(llm, prompt: str, num_images: int, system: str | None, raw: bool) -> str | list[int]:
+    """What `LLM.generate` gets: the prompt text (`--raw`, or a tokenizer without a chat template), else
+    the chat-template token ids with image placeholders expanded."""
+    from mmjax.data.tokenizer import render_chat
+
+    tok, model_cfg = llm.engine.tokenizer, llm.engine.model_cfg
+    marker = getattr(tok, "image_marker", "<image>")
+    if num_images and marker not in prompt:
+        prompt = marker * num_images + "\n" + prompt
+    if raw or getattr(tok, "chat_template", None) is None:
+        return prompt
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    image_tokens = 1 if model_cfg.text_only else model_cfg.image_tokens
+    return render_chat(tok, messages, image_tokens=image_tokens, add_generation_prompt=True)
+
+
+def generate(args: argparse.Namespace) -> str:
+    from mmjax.data.tokenizer import Tokenizer
+    from mmjax.serving.engine import LLM
+    from mmjax.serving.request import SamplingParams
+
+    hf = hf_source(args.model)
+    ckpt, tokenizer = args.model, None
+    if hf is not None:
+        from mmjax.engine.convert.init_from import converted_copy, hf_folder
+
+        folder = hf_folder(f"hf:{hf}")
+        ckpt = converted_copy(folder, args.dtype or "float32", args.cache_dir)
+        tokenizer = Tokenizer.from_file(folder)
+    llm = LLM.from_checkpoint(ckpt, tokenizer, step=args.step, overrides=args.overrides, dtype=args.dtype)
+    images = [Path(p).expanduser().read_bytes() for p in args.image]
+    prompt = prompt_input(llm, args.prompt, len(images), args.system, args.raw)
+    tok = llm.engine.tokenizer
+    stops = tuple(getattr(tok, "stop_ids", [])[1:])  # eos ends requests already; generation_config's others
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed, stop_token_ids=stops)
+    (out,) = llm.generate([prompt], params, images=[images] if images else None)
+    return out.text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on reading a checkpoint read-only
+    try:
+        text = generate(args)
+    except (MmjaxError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
