@@ -113,6 +113,9 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._step = 0
         self.num_preemptions = 0
+        # A waiting request of a lower priority value takes pages and slots from less urgent running ones (the
+        # server's `interactive` class over `batch`); off, waiting requests never preempt running ones.
+        self.preempt_for_priority = False
 
     # -- requests ---------------------------------------------------------------------------------------------
 
@@ -209,6 +212,7 @@ class Scheduler:
         new: list[Request] = []
         resumed: list[str] = []
         now = self.clock()
+        room = self._make_room_for_urgent() if self.preempt_for_priority else []
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -255,8 +259,24 @@ class Scheduler:
 
         finished, self._finished_ids = self._finished_ids, []
         self._step += 1
-        return SchedulerOutput(self._step, tuple(scheduled), tuple(new), tuple(resumed), tuple(preempted),
+        return SchedulerOutput(self._step, tuple(scheduled), tuple(new), tuple(resumed), (*room, *preempted),
                                tuple(finished))
+
+    def _make_room_for_urgent(self) -> list[str]:
+        """Preempt running requests of a higher priority value than the head of the queue while it lacks the
+        pages for its prompt (or a sequence slot). Victims go back to the queue behind it, so it is admitted
+        in this step; requests of equal priority never preempt each other, so nothing ping-pongs."""
+        if not self.waiting:
+            return []
+        head = self.waiting[0]
+        _, num_cached = self.kv.get_computed_pages(head)
+        need = self.kv.pages_for(head.num_tokens) - num_cached // self.kv.page_size
+        victims: list[str] = []
+        while self.running and self.running[-1].priority > head.priority and (
+                self.kv.num_free_pages < need or len(self.running) >= self.limits.max_num_seqs):
+            victims.append(self.running[-1].request_id)
+            self._preempt(self.running[-1])
+        return victims
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]) -> list[Request]:
         """Record a finished model step: advance computed tokens, cache full pages, append the sampled tokens,
