@@ -7,7 +7,6 @@ official client parses them unchanged.
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any, Literal
 
@@ -149,7 +148,7 @@ def chunk(rid: str, model: str, created: int, chat: bool, choices: list[dict[str
     return out
 
 
-def model_list(names: list[str], created: int | None = None) -> dict[str, Any]:
-    created = int(time.time()) if created is None else created
-    return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "mmjax"}
-                                       for n in names]}
+def model_list(name: str, created: int, **card: Any) -> dict[str, Any]:
+    """The served model's card; `card` adds vLLM's `max_model_len` and the like."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "mmjax",
+                                        **card}]}

@@ -314,3 +314,18 @@ def test_sigterm_drains_and_exits_0(server, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_bench_serving_server_mode(server, tmp_path):
+    from mmjax.tools import bench_serving
+
+    out = tmp_path / "sweep.json"
+    assert bench_serving.main(["--server", server["base"], "--rates", "20", "40", "--num-requests", "6",
+                               "--prompt-mu", "2.0", "--output-mu", "1.5", "--image-every", "3", "--slo-ttft", "0.5",
+                               "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert [r["rate"] for r in record["rates"]] == [20.0, 40.0] and out.with_suffix(".png").stat().st_size > 0
+    for row in record["rates"]:
+        assert row["completed"] + row["rejected_429"] == 6 and row["failed"] == 0
+        assert row["ttft_s"]["p50"] <= row["ttft_s"]["p90"] <= row["ttft_s"]["p99"] <= row["e2e_s"]["p99"]
+        assert row["output_tok_s"] > 0 and 0 <= row["goodput_req_s"] <= row["throughput_req_s"]
