@@ -16,8 +16,9 @@ import dataclasses
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
-from mmjax.config import PACKAGED_CONFIGS, load_config, to_yaml
+from mmjax.config import PACKAGED_CONFIGS, Config, load_config, to_yaml
 from mmjax.errors import CheckpointError, ConfigError, MmjaxError
 
 DEFAULT_CONFIG = PACKAGED_CONFIGS / "serve" / "tiny_shapes.yaml"
@@ -30,6 +31,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="YAML config (default: serve/tiny_shapes.yaml); repeat to merge several")
     parser.add_argument("--checkpoint", default="", help="run output folder or checkpoint to serve "
                                                          "(default: the config's train.output_dir)")
+    parser.add_argument("--random-init", action="store_true",
+                        help="serve the config's model with random weights and the config's dataset tokenizer "
+                             "(load tests: throughput does not depend on the weights' values)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. serve.port=8080 serve.max_num_seqs=32")
     return parser.parse_args(argv)
@@ -55,6 +59,16 @@ def model_name_of(ckpt: Path) -> str:
     return ckpt.resolve().name
 
 
+def random_model(cfg: Config) -> tuple[Config, Any, Any]:
+    """(config, randomly initialised model, the dataset's tokenizer) of `cfg`."""
+    from mmjax.data.pipeline import open_dataset
+    from mmjax.serving.load import build_model
+
+    _, tokenizer = open_dataset(cfg)
+    model = build_model(cfg, None, image_token_id=None if cfg.model.text_only else tokenizer.image_id)
+    return cfg, model, tokenizer
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -75,13 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     from mmjax.serving.load import load_for_serving
 
     try:
-        ckpt = checkpoint_dir(args.checkpoint or cfg.train.output_dir)
-        model_overrides = [o for o in args.overrides if o.startswith("model.")]
-        ckpt_cfg, model, tokenizer = load_for_serving(ckpt, None, overrides=model_overrides)
-        served = dataclasses.replace(ckpt_cfg, serve=cfg.serve)
+        if args.random_init:
+            served, model, tokenizer = random_model(cfg)
+            what, name = "random weights", cfg.serve.model_name or "random"
+        else:
+            ckpt = checkpoint_dir(args.checkpoint or cfg.train.output_dir)
+            model_overrides = [o for o in args.overrides if o.startswith("model.")]
+            ckpt_cfg, model, tokenizer = load_for_serving(ckpt, None, overrides=model_overrides)
+            served = dataclasses.replace(ckpt_cfg, serve=cfg.serve)
+            what, name = str(ckpt), cfg.serve.model_name or model_name_of(ckpt)
         engine = Engine(served, model, tokenizer)
-        name = cfg.serve.model_name or model_name_of(ckpt)
-        logging.getLogger(__name__).info("serving %s as %r on http://%s:%d", ckpt, name, cfg.serve.host,
+        logging.getLogger(__name__).info("serving %s as %r on http://%s:%d", what, name, cfg.serve.host,
                                          cfg.serve.port)
         return server.run(engine, tokenizer, cfg.serve, name)
     except ConfigError as e:
