@@ -145,6 +145,7 @@ def _sampling(state: ServerState, body: Any, n_prompt: int) -> Any:
 
 
 async def _generate(state: ServerState, body: Any, raw: Request, chat: bool) -> Response:
+    arrival = time.monotonic()
     sla = body.sla_class or state.serve.default_sla_class
     _check_available(state, sla)
     if body.model != state.model_name:
@@ -190,7 +191,7 @@ async def _generate(state: ServerState, body: Any, raw: Request, chat: bool) -> 
             state.metrics.rejected.labels(decision.reason, sla).inc()
             raise ApiError(429, decision.message, type="rate_limit_exceeded", code=decision.reason,
                            headers={"Retry-After": decision.retry_after})
-        gen = _Generation(state, body, rid, sub_ids, ids, q, chat, sla)
+        gen = _Generation(state, body, rid, sub_ids, ids, q, chat, sla, arrival)
         first = await gen.next_output(raw)
         if body.stream:
             handed_off = True
@@ -214,7 +215,7 @@ class _Generation:
     """The outputs of one HTTP request's choices, turned into an OpenAI response or SSE chunks."""
 
     def __init__(self, state: ServerState, body: Any, rid: str, sub_ids: list[str], prompt_ids: list[int],
-                 q: asyncio.Queue, chat: bool, sla: str) -> None:
+                 q: asyncio.Queue, chat: bool, sla: str, arrival: float) -> None:
         self.state, self.body, self.rid, self.chat, self.sla = state, body, rid, chat, sla
         self.q = q
         self.index = {s: i for i, s in enumerate(sub_ids)}
@@ -226,7 +227,7 @@ class _Generation:
         self.done: list[bool] = [False] * len(sub_ids)
         self.metrics: list[Any] = [None] * len(sub_ids)
         self.post_s = [0.0] * len(sub_ids)
-        self.arrival = time.monotonic()
+        self.arrival = arrival  # the HTTP request's, before parsing: end-to-end latency counts from here
         self.streams: list[Any] = [None] * len(sub_ids)
 
     async def next_output(self, raw: Request) -> Any:
@@ -307,6 +308,9 @@ class _Generation:
         out = first
         while True:
             if out is None:  # client went away: the caller's cleanup aborts the rest
+                for i, d in enumerate(self.done):
+                    if not d:
+                        self._record(i, status=499)
                 return {}
             i = self._absorb(out)
             if self.done[i]:
