@@ -650,3 +650,7 @@ def validate_serve(s: ServeConfig, model_max_len: int) -> None:
     need(s.max_num_seqs <= s.max_num_batched_tokens,
          f"serve.max_num_seqs={s.max_num_seqs} must be <= serve.max_num_batched_tokens={s.max_num_batched_tokens} "
          "(each running sequence takes at least one token of a step)")
+    need(0 <= s.port <= 65535, f"serve.port={s.port} must be in [0, 65535]")
+    for name in ("token_budget", "max_queue_wait_s", "interactive_ttft_s", "drain_timeout_s", "max_images_per_request"):
+        need(getattr(s, name) >= 0, f"serve.{name} must be >= 0, got {getattr(s, name)}")
+    need(s.max_queue_len >= 1, f"serve.max_queue_len={s.max_queue_len} must be >= 1 (the queue is bounded)")
