@@ -68,9 +68,27 @@ def write_run(root: Path, tiny) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    root = tmp_path_factory.mktemp("server")
-    run = write_run(root, tiny)
+def run_dir(tiny, tmp_path_factory):
+    return write_run(tmp_path_factory.mktemp("server"), tiny)
+
+
+@pytest.fixture(scope="module")
+def cli_server(run_dir):
+    """`python -m mmjax.serve` in a subprocess, started first so its start-up overlaps the other tests."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-m", "mmjax.serve", "--checkpoint", str(run_dir), *SERVE,
+                             f"serve.port={port}", "serve.model_name=tiny"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=run_dir.parent)
+    yield proc, f"http://127.0.0.1:{port}"
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(run_dir, cli_server):
+    root, run = run_dir.parent, run_dir
     port = free_port()
     cfg, model, tok = load_for_serving(run / "checkpoints", overrides=[*SERVE, f"serve.port={port}",
                                                                         f"serve.request_log={root / 'requests.jsonl'}"])
@@ -265,55 +283,51 @@ def test_interactive_preempts_batch(server):
 
 def test_disconnect_mid_stream_frees_pages(server):
     base = server["base"]
-    body = {"model": MODEL, "messages": user("w7 w8"), "max_tokens": 55, "stream": True, "ignore_eos": True}
+    aborted = "mmjax:request_success_total{finished_reason=abort,sla_class=interactive}"
+    before = metrics(base).get(aborted, 0)
+    # 16 choices of 55 tokens on 4 sequence slots: far from done when the client goes away
+    body = {"model": MODEL, "messages": user("w7 w8"), "max_tokens": 55, "n": 16, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", base + "/v1/chat/completions", json=body) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
         assert metrics(base)["mmjax:kv_cache_usage_perc"] > 0
     deadline = time.monotonic() + 10
-    while (m := metrics(base))["mmjax:kv_cache_usage_perc"] > 0 or m["mmjax:num_requests_running{sla_class=" \
-                                                                      "interactive}"] > 0:
+    running = "mmjax:num_requests_running{sla_class=interactive}"
+    waiting = "mmjax:num_requests_waiting{sla_class=interactive}"
+    while (m := metrics(base))["mmjax:kv_cache_usage_perc"] > 0 or m[running] > 0 or m[waiting] > 0:
         assert time.monotonic() < deadline, m
         time.sleep(0.02)
+    assert m[aborted] - before >= 8  # most of the 16 were aborted, not finished
     assert m["mmjax:num_compiles_after_warmup"] == 0
     assert m["mmjax:time_to_first_token_seconds_count{sla_class=interactive}"] > 0
     assert m["mmjax:prefix_cache_queries_total"] >= m["mmjax:prefix_cache_hits_total"] > 0
     assert httpx.get(base + "/health").status_code == 200
 
 
-def test_sigterm_drains_and_exits_0(server, tmp_path):
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen([sys.executable, "-m", "mmjax.serve", "--checkpoint", str(server["run"]), *SERVE,
-                             "serve.min_slot_bucket=4", f"serve.port={port}", "serve.model_name=tiny"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
-            try:
-                if httpx.get(base + "/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        # 16 choices of 58 tokens on 4 sequence slots: the stream still runs when SIGTERM arrives
-        body = {"model": MODEL, "messages": user("w7"), "max_tokens": 58, "n": 16, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            next(lines)
-            proc.send_signal(signal.SIGTERM)
-            time.sleep(0.2)
-            refused = httpx.post(base + "/v1/chat/completions", json={**body, "stream": False, "n": 1})
-            rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
-        assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
-        assert sorted(c["index"] for x in rest for c in x["choices"] if c["finish_reason"] == "length") == list(
-            range(16))
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+def test_sigterm_drains_and_exits_0(cli_server):
+    proc, base = cli_server
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
+        try:
+            if httpx.get(base + "/ready").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    # 16 choices of 58 tokens on 4 sequence slots: the stream still runs when SIGTERM arrives
+    body = {"model": MODEL, "messages": user("w7"), "max_tokens": 58, "n": 16, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        refused = httpx.post(base + "/v1/chat/completions", json={**body, "stream": False, "n": 1})
+        rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
+    assert sorted(c["index"] for x in rest for c in x["choices"] if c["finish_reason"] == "length") == list(
+        range(16))
+    assert proc.wait(60) == 0
 
 
 def test_bench_serving_server_mode(server, tmp_path):
@@ -329,3 +343,12 @@ def test_bench_serving_server_mode(server, tmp_path):
         assert row["completed"] + row["rejected_429"] == 6 and row["failed"] == 0
         assert row["ttft_s"]["p50"] <= row["ttft_s"]["p90"] <= row["ttft_s"]["p99"] <= row["e2e_s"]["p99"]
         assert row["output_tok_s"] > 0 and 0 <= row["goodput_req_s"] <= row["throughput_req_s"]
+
+
+def test_cli_errors(tmp_path, capsys):
+    from mmjax import serve
+
+    assert serve.main(["--checkpoint", str(tmp_path / "none")]) == 1
+    assert "no checkpoint at" in capsys.readouterr().err
+    assert serve.main(["serve.token_budget=-1"]) == 2
+    assert "serve.token_budget must be >= 0" in capsys.readouterr().err
