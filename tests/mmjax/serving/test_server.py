@@ -37,7 +37,8 @@ from mmjax.serving.load import load_for_serving
 from mmjax.serving.request import SamplingParams
 
 SERVE = ["serve.page_size=4", "serve.num_pages=48", "serve.max_num_batched_tokens=32", "serve.max_num_seqs=4",
-         "serve.min_token_bucket=32", "serve.min_slot_bucket=4", "serve.max_logprobs=3"]
+         "serve.min_token_bucket=32", "serve.min_slot_bucket=4", "serve.max_logprobs=3",
+         "serve.interactive_ttft_s=60"]  # a loaded CI machine must not turn into TTFT refusals (test_admission.py)
 MODEL = "tiny"
 ROOT = Path(__file__).resolve().parents[3]
 
