@@ -10,6 +10,7 @@ stream: whole for a plain response, as server-sent events for `stream=true`. A h
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -158,9 +159,8 @@ async def _generate(state: ServerState, body: Any, raw: Request, chat: bool) -> 
     seeds = [None if params.seed is None else params.seed + i for i in range(body.n)]
     q: asyncio.Queue = asyncio.Queue()
     service = state.service
-    streams = {s: service.open_stream(s, sla, len(ids)) for s in sub_ids}
-    for s in streams.values():
-        s.queue = q  # one queue for all choices of this HTTP request
+    for sub in sub_ids:
+        service.open_stream(sub, sla, len(ids), q)  # one queue for all choices of this HTTP request
 
     def admit_and_add() -> Any:
         n_queued, ahead, running = service.queue_state(sla)
@@ -171,7 +171,7 @@ async def _generate(state: ServerState, body: Any, raw: Request, chat: bool) -> 
         added = []
         try:
             for sub, seed in zip(sub_ids, seeds):
-                p = params if seed is None else _replace(params, seed=seed)
+                p = params if seed is None else dataclasses.replace(params, seed=seed)
                 service.add(ids, images, p, sub, sla, body.priority)
                 added.append(sub)
         except RequestError:
@@ -203,12 +203,6 @@ async def _generate(state: ServerState, body: Any, raw: Request, chat: bool) -> 
             for sub in sub_ids:
                 service.close_stream(sub)
             state.active -= 1
-
-
-def _replace(params: Any, **kw: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(params, **kw)
 
 
 class _Generation:

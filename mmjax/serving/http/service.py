@@ -80,10 +80,9 @@ class EngineService:
         """Run `fn()` on the engine thread without waiting (safe from a cancelled task's cleanup)."""
         self._commands.put((fn, concurrent.futures.Future()))
 
-    def open_stream(self, request_id: str, sla_class: str, prompt_tokens: int) -> Stream:
-        """Register where a request's outputs go; call on the event loop before adding it to the engine."""
-        stream = Stream(request_id, sla_class, prompt_tokens, asyncio.get_running_loop(), asyncio.Queue(),
-                        time.monotonic())
+    def open_stream(self, request_id: str, sla_class: str, prompt_tokens: int, q: asyncio.Queue) -> Stream:
+        """Register where a request's outputs go (`q`, on the running event loop); call before adding it."""
+        stream = Stream(request_id, sla_class, prompt_tokens, asyncio.get_running_loop(), q, time.monotonic())
         self._streams[request_id] = stream
         return stream
 

@@ -316,18 +316,26 @@ def test_sigterm_drains_and_exits_0(cli_server):
         except httpx.TransportError:
             pass
         time.sleep(0.1)
-    # 16 choices of 58 tokens on 4 sequence slots: the stream still runs when SIGTERM arrives
+    # three streams of 16 choices x 58 tokens on 4 sequence slots: SIGTERM arrives with most of them queued
     body = {"model": MODEL, "messages": user("w7"), "max_tokens": 58, "n": 16, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        next(lines)
+
+    def stream(_):
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as r:
+            return [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    with ThreadPoolExecutor(3) as pool:
+        jobs = [pool.submit(stream, k) for k in range(3)]
+        deadline = time.monotonic() + 60
+        while metrics(base)["mmjax:num_requests_waiting{sla_class=interactive}"] < 16:
+            assert time.monotonic() < deadline and not any(j.done() for j in jobs)
+            time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         refused = httpx.post(base + "/v1/chat/completions", json={**body, "stream": False, "n": 1})
-        rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        results = [j.result() for j in jobs]
     assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
-    assert sorted(c["index"] for x in rest for c in x["choices"] if c["finish_reason"] == "length") == list(
-        range(16))
+    for chunks in results:
+        assert sorted(c["index"] for x in chunks for c in x["choices"] if c["finish_reason"] == "length") == list(
+            range(16))
     assert proc.wait(60) == 0
 
 
