@@ -160,7 +160,7 @@ async def _generate(state: ServerState, body: Any, raw: Request, chat: bool) -> 
     q: asyncio.Queue = asyncio.Queue()
     service = state.service
     for sub in sub_ids:
-        service.open_stream(sub, sla, len(ids), q)  # one queue for all choices of this HTTP request
+        service.open_stream(sub, sla, q)  # one queue for all choices of this HTTP request
 
     def admit_and_add() -> Any:
         n_queued, ahead, running = service.queue_state(sla)
@@ -286,6 +286,7 @@ class _Generation:
         m = self.metrics[i]
         now = time.monotonic()
         rec: dict[str, Any] = {"request_id": f"{self.rid}-{i}", "sla_class": self.sla, "priority": self.body.priority,
+                               "user": self.body.user,
                                "status": status, "finish_reason": self.finish[i] or "abort",
                                "prompt_tokens": len(self.prompt_ids), "e2e_s": now - self.arrival}
         if m is not None:

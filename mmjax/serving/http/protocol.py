@@ -58,7 +58,7 @@ class _Common(BaseModel):
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # written to the request log
     ignore_eos: bool = False
     priority: int = Field(0, ge=-1000, le=1000)  # lower = more urgent, within the SLA class
     sla_class: SlaClass | None = None  # default: serve.default_sla_class
@@ -89,7 +89,6 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | list[int] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions

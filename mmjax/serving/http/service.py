@@ -32,14 +32,11 @@ class Stream:
 
     request_id: str
     sla_class: str
-    prompt_tokens: int
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    arrival: float
     last_token_time: float | None = None
-    itl: list[float] = dataclasses.field(default_factory=list)
-    scheduled: bool = False
-    error: str | None = None
+    itl: list[float] = dataclasses.field(default_factory=list)  # inter-token gaps, seconds
+    error: str | None = None  # why the engine thread ended it (queue timeout, device OOM)
 
 
 class EngineService:
@@ -80,9 +77,9 @@ class EngineService:
         """Run `fn()` on the engine thread without waiting (safe from a cancelled task's cleanup)."""
         self._commands.put((fn, concurrent.futures.Future()))
 
-    def open_stream(self, request_id: str, sla_class: str, prompt_tokens: int, q: asyncio.Queue) -> Stream:
+    def open_stream(self, request_id: str, sla_class: str, q: asyncio.Queue) -> Stream:
         """Register where a request's outputs go (`q`, on the running event loop); call before adding it."""
-        stream = Stream(request_id, sla_class, prompt_tokens, asyncio.get_running_loop(), q, time.monotonic())
+        stream = Stream(request_id, sla_class, asyncio.get_running_loop(), q)
         self._streams[request_id] = stream
         return stream
 
