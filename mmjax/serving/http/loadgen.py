@@ -3,8 +3,10 @@
 Each request is sent at its arrival time whatever happened to the earlier ones (open loop: a slow server
 builds a queue, as with real users). Prompts are random token ids through /v1/completions (exact lengths),
 or, with `image_every`, a chat message holding a random PNG and random words; outputs are forced to their
-drawn length (`ignore_eos`). TTFT, inter-token latency (ITL) and end-to-end latency are measured on the
-client from the server-sent events; goodput counts the requests that met the SLA (TTFT and mean ITL).
+drawn length (`ignore_eos`). Each request asks for logprobs, so every token arrives in a chunk of its own even
+when its text is held back or empty (random weights, a tokenizer smaller than the vocabulary). TTFT,
+inter-token latency (ITL) and end-to-end latency are measured on the client from the server-sent events;
+goodput counts the requests that met the SLA (TTFT and mean ITL).
 """
 
 from __future__ import annotations
@@ -77,9 +79,10 @@ def make_requests(spec: LoadSpec, card: dict[str, Any], rng: np.random.Generator
         if spec.image_every and k % spec.image_every == 0:
             words = " ".join(f"w{int(i)}" for i in rng.integers(0, 1000, max(1, p // 2)))
             content = [{"type": "image_url", "image_url": {"url": _png(rng)}}, {"type": "text", "text": words}]
-            out.append(("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": content}]}))
+            out.append(("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": content}],
+                                                  "logprobs": True, "top_logprobs": 0}))
         else:
-            out.append(("/v1/completions", {**common, "prompt": rng.integers(10, vocab, p).tolist()}))
+            out.append(("/v1/completions", {**common, "prompt": rng.integers(10, vocab, p).tolist(), "logprobs": 0}))
     return out
 
 
@@ -100,7 +103,9 @@ async def _one(client: httpx.AsyncClient, path: str, body: dict) -> Result:
                 if chunk.get("usage"):
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     res.output_tokens = chunk["usage"]["completion_tokens"]
-                has_token = any((c.get("delta") or {}).get("content") or c.get("text") for c in chunk["choices"])
+                # a token whose text is not final yet (or decodes to nothing) still has its logprob entry
+                has_token = any((c.get("delta") or {}).get("content") or c.get("text") or c.get("logprobs")
+                                for c in chunk["choices"])
                 if not has_token:
                     continue
                 now = time.perf_counter()
