@@ -86,7 +86,9 @@ def build_app(service: EngineService, tokenizer: Any, model_name: str, request_l
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         return JSONResponse(P.model_list(state.model_name, state.created, max_model_len=state.engine.max_model_len,
-                                          vocab_size=state.engine.model_cfg.vocab_size))
+                                          vocab_size=state.engine.model_cfg.vocab_size,
+                                          image_tokens=0 if state.engine.model_cfg.text_only else
+                                          state.engine.model_cfg.image_tokens))
 
     @app.post("/v1/chat/completions")
     async def chat(body: P.ChatRequest, raw: Request) -> Response:

@@ -24,6 +24,8 @@ import numpy as np
 
 from mmjax.serving.bench import LengthDistribution
 
+CHAT_OVERHEAD = 8  # template tokens around a chat message (role markers), a margin for the context check
+
 
 @dataclasses.dataclass(frozen=True)
 class LoadSpec:
@@ -76,8 +78,10 @@ def make_requests(spec: LoadSpec, card: dict[str, Any], rng: np.random.Generator
     for k, (p, o) in enumerate(lengths.sample(spec.num_requests, rng)):
         common = {"model": card["id"], "max_tokens": o, "temperature": 0.0, "stream": True, "ignore_eos": True,
                   "stream_options": {"include_usage": True}, "sla_class": spec.sla_class}
-        if spec.image_every and k % spec.image_every == 0:
-            words = " ".join(f"w{int(i)}" for i in rng.integers(0, 1000, max(1, p // 2)))
+        image_tokens = int(card.get("image_tokens", 0))
+        if spec.image_every and k % spec.image_every == 0 and image_tokens + CHAT_OVERHEAD < max_len - o:
+            # the image's tokens, then " a" (one token in common BPE vocabularies) up to the drawn length
+            words = " ".join(["a"] * max(1, p - image_tokens - CHAT_OVERHEAD))
             content = [{"type": "image_url", "image_url": {"url": _png(rng)}}, {"type": "text", "text": words}]
             out.append(("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": content}],
                                                   "logprobs": True, "top_logprobs": 0}))
@@ -155,7 +159,9 @@ def summarize(rate: float, results: list[Result], duration: float, spec: LoadSpe
     out_tok = sum(r.output_tokens for r in done)
     return {"rate": rate, "requests": len(results), "completed": len(done),
             "rejected_429": sum(r.status == 429 for r in results),
-            "failed": sum(not r.ok and r.status != 429 for r in results), "duration_s": duration,
+            "failed": sum(not r.ok and r.status != 429 for r in results),
+            "statuses": {str(s): sum(r.status == s for r in results) for s in sorted({r.status for r in results})},
+            "duration_s": duration,
             "throughput_req_s": len(done) / duration, "output_tok_s": out_tok / duration,
             "total_tok_s": (out_tok + sum(r.prompt_tokens for r in done)) / duration,
             "goodput_req_s": len(good) / duration, "slo_met": len(good) / max(len(results), 1),
