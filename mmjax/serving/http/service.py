@@ -126,7 +126,7 @@ class EngineService:
             log.exception("engine thread failed")
             self.failed = e
             for s in list(self._streams.values()):
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, RuntimeError(f"engine failed: {e}"))
+                _deliver(s, RuntimeError(f"engine failed: {e}"))
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -180,7 +180,7 @@ class EngineService:
                 s.last_token_time = now
             if out.finished:
                 self._streams.pop(out.request_id, None)
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, (out, s))
+            _deliver(s, (out, s))
 
     def _refresh(self) -> None:
         sched = self.engine.scheduler
@@ -193,3 +193,11 @@ class EngineService:
         self.snapshot = {**stats, **per, "ready": int(self.ready.is_set()), "oom_events": self.oom_events,
                          "free_pages": self.engine.kv.num_free_pages,
                          "compiles_after_warmup": self.engine.runner.num_compiles - self._compiles_at_ready}
+
+
+def _deliver(stream: Stream, item: Any) -> None:
+    """Hand an output to the stream's handler on its event loop; a closed loop (server shut down) drops it."""
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:
+        pass

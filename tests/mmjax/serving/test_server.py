@@ -325,18 +325,19 @@ def test_sigterm_drains_and_exits_0(cli_server):
     with ThreadPoolExecutor(3) as pool:
         jobs = [pool.submit(stream, k) for k in range(3)]
         deadline = time.monotonic() + 60
-        while metrics(base)["mmjax:num_requests_waiting{sla_class=interactive}"] < 16:
+        while metrics(base)["mmjax:num_requests_waiting{sla_class=interactive}"] < 3 * 16 - 4:  # all admitted
             assert time.monotonic() < deadline and not any(j.done() for j in jobs)
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        while httpx.get(base + "/ready").status_code == 200:  # until the signal handler ran
+            time.sleep(0.001)
         refused = httpx.post(base + "/v1/chat/completions", json={**body, "stream": False, "n": 1})
         results = [j.result() for j in jobs]
     assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
     for chunks in results:
         assert sorted(c["index"] for x in chunks for c in x["choices"] if c["finish_reason"] == "length") == list(
             range(16))
-    assert proc.wait(60) == 0
+    assert proc.wait(60) == 0, proc.stdout.read().decode()[-3000:]
 
 
 def test_bench_serving_server_mode(server, tmp_path):
