@@ -139,6 +139,14 @@ def metrics(base) -> dict:
     return out
 
 
+def hold(service):
+    """Stop the engine thread between two steps; returns the event that lets it go on."""
+    frozen, thaw = threading.Event(), threading.Event()
+    service.post(lambda: (frozen.set(), thaw.wait(30)))
+    assert frozen.wait(30)
+    return thaw
+
+
 def user(text):
     return [{"role": "user", "content": text}]
 
@@ -265,27 +273,20 @@ def test_interactive_preempts_batch(server):
     running = service.engine.scheduler.running
     num_batch = lambda: sum(r.priority >= 1_000_000 for r in list(running))  # noqa: E731
 
-    def hold():
-        """Stop the engine thread between two steps; returns the event that lets it go on."""
-        frozen, thaw = threading.Event(), threading.Event()
-        service.post(lambda: (frozen.set(), thaw.wait(30)))
-        assert frozen.wait(30)
-        return thaw
-
     def queued(n):
         deadline = time.monotonic() + 30
         while service._commands.qsize() < n:
             assert time.monotonic() < deadline
             time.sleep(0.001)
     with ThreadPoolExecutor(5) as pool:
-        thaw = hold()  # the four batch requests are added together, so all four run from the next step on
+        thaw = hold(service)  # the four batch requests are added together, so all four run from the next step on
         jobs = [pool.submit(c.chat.completions.create, messages=user(f"w{20 + i} w30"), **batch) for i in range(4)]
         queued(4)
         thaw.set()
         deadline = time.monotonic() + 30
         while num_batch() < 4:
             assert time.monotonic() < deadline and not any(j.done() for j in jobs)
-        thaw = hold()  # every sequence slot holds a batch request: an interactive one arrives now
+        thaw = hold(service)  # every sequence slot holds a batch request: an interactive one arrives now
         assert num_batch() == 4
         fast = pool.submit(c.chat.completions.create, model=MODEL, messages=user("w40"), max_tokens=3,
                            temperature=0, extra_body={"ignore_eos": True})
@@ -313,7 +314,9 @@ def test_disconnect_mid_stream_frees_pages(server):
     with httpx.stream("POST", base + "/v1/chat/completions", json=body) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
+        thaw = hold(server["service"])  # the client goes away while its requests hold pages
         assert metrics(base)["mmjax:kv_cache_usage_perc"] > 0
+    thaw.set()
     deadline = time.monotonic() + 10
     running = "mmjax:num_requests_running{sla_class=interactive}"
     waiting = "mmjax:num_requests_waiting{sla_class=interactive}"
