@@ -306,6 +306,19 @@ class SpeculativeConfig:
 class ServeConfig:
     """The serving engine (`mmjax.serving.engine`): KV pool, step budget, shape buckets, caches."""
 
+    # The HTTP server (`python -m mmjax.serve`, mmjax/serving/http): address, name, admission control, logs.
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = ""  # the id clients pass as `model`; "" = the checkpoint run's folder name
+    max_images_per_request: int = 4
+    token_budget: float = 0.0  # prompt + max_tokens per second admitted (token bucket of 1 s); 0 = unlimited
+    max_queue_len: int = 256  # requests waiting for their first step; more are refused (429)
+    max_queue_wait_s: float = 30.0  # a request predicted (or found) to wait longer is refused (429)
+    interactive_ttft_s: float = 2.0  # TTFT target of the `interactive` class: refused when predicted to miss
+    default_sla_class: Literal["interactive", "batch"] = "interactive"
+    request_log: str = ""  # JSON-lines file of per-request timings; "" = off
+    drain_timeout_s: float = 60.0  # SIGTERM: longest wait for running requests before exiting
+
     page_size: int = 16  # tokens per KV page (a power of two for the Pallas kernel)
     num_pages: int = 512  # KV pages in the pool, page 0 (the null page) included
     max_num_batched_tokens: int = 256  # token budget of one step (the largest token bucket)
@@ -705,3 +718,7 @@ def validate_serve(s: ServeConfig, model_max_len: int) -> None:
     need(s.max_num_seqs <= s.max_num_batched_tokens,
          f"serve.max_num_seqs={s.max_num_seqs} must be <= serve.max_num_batched_tokens={s.max_num_batched_tokens} "
          "(each running sequence takes at least one token of a step)")
+    need(0 <= s.port <= 65535, f"serve.port={s.port} must be in [0, 65535]")
+    for name in ("token_budget", "max_queue_wait_s", "interactive_ttft_s", "drain_timeout_s", "max_images_per_request"):
+        need(getattr(s, name) >= 0, f"serve.{name} must be >= 0, got {getattr(s, name)}")
+    need(s.max_queue_len >= 1, f"serve.max_queue_len={s.max_queue_len} must be >= 1 (the queue is bounded)")

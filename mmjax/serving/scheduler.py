@@ -119,6 +119,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_draft_tokens = 0  # speculative tokens verified, over every request
         self.num_accepted_tokens = 0  # of those, accepted
+        # A waiting request of a lower priority value takes pages and slots from less urgent running ones (the
+        # server's `interactive` class over `batch`); off, waiting requests never preempt running ones.
+        self.preempt_for_priority = False
 
     # -- requests ---------------------------------------------------------------------------------------------
 
@@ -243,6 +246,7 @@ class Scheduler:
         new: list[Request] = []
         resumed: list[str] = []
         now = self.clock()
+        room = self._make_room_for_urgent() if self.preempt_for_priority else []
 
         copies: list[tuple[int, int]] = []
         i = 0
@@ -315,8 +319,25 @@ class Scheduler:
         self._step += 1
         for request in self.running:
             request.spec_token_ids = []  # proposals are made afresh for every step
-        return SchedulerOutput(self._step, tuple(scheduled), tuple(new), tuple(resumed), tuple(preempted),
+        return SchedulerOutput(self._step, tuple(scheduled), tuple(new), tuple(resumed), (*room, *preempted),
                                tuple(finished), tuple(copies))
+
+    def _make_room_for_urgent(self) -> list[str]:
+        """Preempt running requests of a higher priority value than the head of the queue while it lacks the
+        pages for its prompt (or a sequence slot). Victims go back to the queue behind it, so it is admitted
+        in this step; requests of equal priority never preempt each other, so nothing ping-pongs."""
+        if not self.waiting:
+            return []
+        head = self.waiting[0]
+        _, num_cached = self.kv.get_computed_pages(head)
+        need = self.kv.pages_for(head.num_tokens) - num_cached // self.kv.page_size
+        victims: list[str] = []
+        while self.running and self.running[-1].priority > head.priority and (
+                self.kv.num_free_pages < need
+                or sum(map(self._seq_cost, self.running)) + self._seq_cost(head) > self.limits.max_num_seqs):
+            victims.append(self.running[-1].request_id)
+            self._preempt(self.running[-1])
+        return victims
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int | Sequence[int]],
                            candidates: Mapping[str, tuple[Sequence[int], Sequence[float]]] | None = None

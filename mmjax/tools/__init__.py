@@ -7,7 +7,8 @@
     python -m mmjax.tools.bench_data           loader throughput against data.num_workers
     python -m mmjax.tools.bench_checkpoint     checkpoint save/restore time and the training stall per save
     python -m mmjax.tools.bench_kernels        every fused kernel against XLA, cuDNN and torch SDPA
-    python -m mmjax.tools.bench_serving        offline serving: decode tok/s vs HBM roofline, TTFT, mixed load, HF peer
+    python -m mmjax.tools.bench_serving        offline serving: decode tok/s vs HBM roofline, TTFT, mixed load, HF peer;
+                                               --server URL: Poisson load on a running `mmjax.serve`, latency vs rate
     python -m mmjax.tools.bench_mgpu_bwd       Mosaic GPU flash-attention backward candidates (H100/H200)
     python -m mmjax.tools.sweep_attention      flash-attention tile sweep (GPU)
     python -m mmjax.tools.sweep_rows           launch-shape sweep of the row-wise kernels (GPU)

@@ -4,6 +4,11 @@
     python -m mmjax.tools.bench_serving --batches 1 8 --num-requests 50 serve.max_num_batched_tokens=4096
     python -m mmjax.tools.bench_serving --mode speculative     # speculation on/off at batch 1 and 8, beam k=4
     python -m mmjax.tools.bench_serving --sweep-quant none int8 fp8 int4 none:fp8 int8:fp8 --readme
+    python -m mmjax.tools.bench_serving --server http://127.0.0.1:8000 --rates 1 2 4 8   # a running server
+
+Server mode (`--server URL`) drives a running `python -m mmjax.serve` over HTTP instead: open-loop Poisson
+arrivals at each `--rates` value, seeded ShareGPT-like lengths (optionally images), and reports TTFT, ITL and
+end-to-end p50/p90/p99, throughput and goodput; writes the JSON and a latency-vs-rate plot (`--plot`).
 
 The model is `--config` with `model.text_only=true` and bf16 weights and compute; trailing `key=value` arguments
 override any config key. Prints the tables, writes docs/perf/results/serving-<date>.json (or `--out`) and, with
@@ -54,7 +59,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode only, per weight scheme and KV dtype (e.g. int8 fp8:fp8); see serving/bench_quant.py")
     p.add_argument("--quality", default="", help="eval_quant --out JSON to show beside the sweep")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. serve.page_size=32")
+    server = p.add_argument_group("server mode")
+    server.add_argument("--server", default="", help="base URL of a running mmjax server (selects server mode)")
+    server.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0], help="arrivals per second")
+    server.add_argument("--image-every", type=int, default=0, help="every k-th request carries an image")
+    server.add_argument("--slo-ttft", type=float, default=0.2, help="goodput: TTFT target (s)")
+    server.add_argument("--slo-itl", type=float, default=0.05, help="goodput: mean inter-token latency target (s)")
+    server.add_argument("--sla-class", default="interactive", choices=["interactive", "batch"])
+    server.add_argument("--prompt-mu", type=float, default=None, help="log-normal mu of prompt lengths")
+    server.add_argument("--output-mu", type=float, default=None, help="log-normal mu of output lengths")
+    server.add_argument("--plot", default="", help="latency-vs-rate PNG (default: the JSON path with .png)")
     args = p.parse_args(argv)
+    if args.server:
+        return server_main(args, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = ["model.text_only=true", "model.compute_dtype=bfloat16", "model.param_dtype=bfloat16",
                  "serve.max_num_batched_tokens=2048", *args.overrides]
@@ -137,6 +154,37 @@ def _sweep_quant(args, cfg, spec, params, command: str) -> int:
                                f"{record['device']}, {record['date']}; command: `{command}`\n\n{text}")
     print(text)
     print(f"wrote {out}")
+    return 0
+
+
+def server_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """Server mode: the Poisson sweep against `args.server`."""
+    import dataclasses
+
+    from mmjax.serving.http import loadgen
+
+    lengths = bench.LengthDistribution()
+    lengths = dataclasses.replace(lengths, **{k: v for k, v in (("prompt_mu", args.prompt_mu),
+                                                                ("output_mu", args.output_mu)) if v is not None})
+    spec = loadgen.LoadSpec(rates=tuple(args.rates), num_requests=args.num_requests, lengths=lengths,
+                            image_every=args.image_every, slo_ttft_s=args.slo_ttft, slo_itl_s=args.slo_itl,
+                            sla_class=args.sla_class, seed=args.seed)
+    record = loadgen.run_sweep(args.server, spec)
+    record["command"] = "python -m mmjax.tools.bench_serving " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    out = Path(args.out or f"docs/perf/results/serving-server-{datetime.date.today().isoformat()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    plot = args.plot or str(out.with_suffix(".png"))
+    loadgen.plot(record, plot)
+    for row in record["rates"]:
+        t, i, e = row["ttft_s"], row["itl_s"], row["e2e_s"]
+        fmt = lambda d: " ".join("-" if d[q] is None else f"{d[q] * 1e3:.0f}" for q in ("p50", "p90", "p99"))
+        print(f"rate {row['rate']:g}/s: {row['completed']}/{row['requests']} done, {row['rejected_429']} refused; "
+              f"TTFT ms {fmt(t)}; ITL ms {fmt(i)}; E2E ms {fmt(e)}; {row['output_tok_s']:.1f} out tok/s; "
+              f"goodput {row['goodput_req_s']:.2f} req/s")
+    print(f"p90 TTFT crosses {args.slo_ttft * 1e3:g} ms at: {record['ttft_p90_crossing']}")
+    print(f"wrote {out} and {plot}")
     return 0
 
 

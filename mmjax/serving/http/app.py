@@ -1,0 +1,384 @@
+"""The FastAPI app: OpenAI routes, health/readiness, /metrics, and the error JSON of every failure.
+
+`build_app(service, tokenizer, model_name)` wires handlers to an `EngineService`. A request is parsed and
+checked on the event loop (prompt ids, images, sampling parameters), then admitted and added on the engine
+thread in one command (so the queue state admission reads is current), and its outputs are read from its
+stream: whole for a plain response, as server-sent events for `stream=true`. A handler that goes away
+(client disconnect, cancelled stream) aborts its requests, which frees their KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from mmjax.serving.http import protocol as P
+from mmjax.serving.http.chat import parse_messages, render_chat
+from mmjax.serving.http.metrics import CONTENT_TYPE, ServerMetrics
+from mmjax.serving.http.protocol import ApiError
+from mmjax.serving.http.request_log import RequestLog
+from mmjax.serving.http.service import QUEUE_TIMEOUT, EngineService
+from mmjax.serving.request import RequestError
+
+
+class ServerState:
+    """What the handlers share: the engine service, tokenizer, metrics, request log, drain flag."""
+
+    def __init__(self, service: EngineService, tokenizer: Any, model_name: str, request_log: RequestLog) -> None:
+        self.service = service
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.serve = service.serve
+        self.engine = service.engine
+        self.metrics = ServerMetrics(lambda: service.snapshot)
+        self.request_log = request_log
+        self.draining = False
+        self.active = 0  # HTTP generation requests in flight (streams included until their last byte)
+        self.created = int(time.time())
+
+
+def build_app(service: EngineService, tokenizer: Any, model_name: str, request_log: RequestLog | None = None
+              ) -> FastAPI:
+    app = FastAPI(title="mmjax", docs_url=None, redoc_url=None)
+    state = ServerState(service, tokenizer, model_name, request_log or RequestLog(None))
+    app.state.mmjax = state
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid" or any(err.get("type") == "model_attributes_type" for err in errors):
+            return JSONResponse(P.error_body(f"invalid JSON body: {first.get('msg', 'malformed')}",
+                                             "invalid_request_error"), status_code=400)
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return JSONResponse(P.error_body(f"{loc}: {first.get('msg', 'invalid value')}", "invalid_request_error",
+                                         param=loc or None), status_code=422)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if service.failed is not None:
+            return JSONResponse(P.error_body(f"engine failed: {service.failed}", "server_error"), status_code=503)
+        if state.draining or not service.ready.is_set():
+            what = "draining" if state.draining else "warming up (compiling every bucket)"
+            return JSONResponse(P.error_body(f"not ready: {what}", "service_unavailable"), status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(P.model_list(state.model_name, state.created, max_model_len=state.engine.max_model_len,
+                                          vocab_size=state.engine.model_cfg.vocab_size,
+                                          image_tokens=0 if state.engine.model_cfg.text_only else
+                                          state.engine.model_cfg.image_tokens))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: P.ChatRequest, raw: Request) -> Response:
+        return await _generate(state, body, raw, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: P.CompletionRequest, raw: Request) -> Response:
+        return await _generate(state, body, raw, chat=False)
+
+    return app
+
+
+# -- one generation request ---------------------------------------------------------------------------------------
+
+
+def _check_available(state: ServerState, sla_class: str) -> None:
+    if state.draining:
+        state.metrics.rejected.labels("draining", sla_class).inc()
+        raise ApiError(503, "server is draining (shutting down); retry on another replica",
+                       type="service_unavailable", headers={"Retry-After": "5"})
+    if state.service.failed is not None or not state.service.ready.is_set():
+        raise ApiError(503, "server not ready (warming up); poll GET /ready", type="service_unavailable",
+                       headers={"Retry-After": "5"})
+
+
+def _prompt(state: ServerState, body: Any, chat: bool) -> tuple[list[int], list[bytes]]:
+    cfg = state.engine.model_cfg
+    if chat:
+        marker = getattr(state.tokenizer, "image_marker", "<image>")
+        turns, images = parse_messages(body.messages, marker, state.serve.max_images_per_request)
+        if images and cfg.text_only:
+            raise ApiError(400, "this model is text-only: it takes no images", param="messages")
+        return render_chat(state.tokenizer, turns, 0 if cfg.text_only else cfg.image_tokens), images
+    if isinstance(body.prompt, str):
+        return list(state.tokenizer.encode(body.prompt)), []
+    return list(body.prompt), []
+
+
+def _sampling(state: ServerState, body: Any, n_prompt: int) -> Any:
+    max_len = state.engine.max_model_len
+    if n_prompt >= max_len:
+        raise ApiError(400, f"This model's maximum context length is {max_len} tokens; the prompt has {n_prompt}",
+                       param="messages" if hasattr(body, "messages") else "prompt", code="context_length_exceeded")
+    requested = body.requested_max_tokens()
+    if requested is not None and n_prompt + requested > max_len:
+        raise ApiError(400, f"This model's maximum context length is {max_len} tokens; the request has "
+                            f"{n_prompt} prompt tokens + max_tokens={requested}; lower max_tokens",
+                       param="max_tokens", code="context_length_exceeded")
+    logprobs = body.num_logprobs()
+    if (logprobs or 0) > state.serve.max_logprobs:
+        raise ApiError(422, f"logprobs={logprobs} exceeds the server's maximum {state.serve.max_logprobs} "
+                            "(serve.max_logprobs)", param="top_logprobs" if hasattr(body, "messages") else "logprobs")
+    try:
+        return body.base_params(requested or max_len - n_prompt, logprobs)
+    except RequestError as e:
+        raise ApiError(422, str(e)) from None
+
+
+async def _generate(state: ServerState, body: Any, raw: Request, chat: bool) -> Response:
+    arrival = time.monotonic()
+    sla = body.sla_class or state.serve.default_sla_class
+    _check_available(state, sla)
+    if body.model != state.model_name:
+        raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{state.model_name}`",
+                       param="model", code="model_not_found")
+    ids, images = _prompt(state, body, chat)
+    params = _sampling(state, body, len(ids))
+    rid = P.new_id("chatcmpl" if chat else "cmpl")
+    sub_ids = [f"{rid}-{i}" for i in range(body.n)]
+    seeds = [None if params.seed is None else params.seed + i for i in range(body.n)]
+    q: asyncio.Queue = asyncio.Queue()
+    service = state.service
+    for sub in sub_ids:
+        service.open_stream(sub, sla, q)  # one queue for all choices of this HTTP request
+
+    def admit_and_add() -> Any:
+        n_queued, ahead, running = service.queue_state(sla)
+        decision = service.admission.decide(sla, len(ids) * body.n, params.max_tokens * body.n,
+                                            queue_len=n_queued, tokens_ahead=ahead, num_running=running)
+        if not decision.ok:
+            return decision
+        added = []
+        try:
+            for sub, seed in zip(sub_ids, seeds):
+                p = params if seed is None else dataclasses.replace(params, seed=seed)
+                service.add(ids, images, p, sub, sla, body.priority)
+                added.append(sub)
+        except RequestError:
+            for sub in added:
+                service.engine.abort(sub)
+            raise
+        return decision
+
+    state.active += 1
+    handed_off = False
+    try:
+        try:
+            decision = await service.call(admit_and_add)
+        except RequestError as e:
+            raise ApiError(400, str(e)) from None
+        if not decision.ok:
+            state.metrics.rejected.labels(decision.reason, sla).inc()
+            raise ApiError(429, decision.message, type="rate_limit_exceeded", code=decision.reason,
+                           headers={"Retry-After": decision.retry_after})
+        gen = _Generation(state, body, rid, sub_ids, ids, q, chat, sla, arrival)
+        first = await gen.next_output(raw)
+        if body.stream:
+            handed_off = True
+            return StreamingResponse(gen.sse(first), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return JSONResponse(await gen.whole(first, raw))
+    finally:
+        if not handed_off:
+            for sub in sub_ids:
+                service.close_stream(sub)
+            state.active -= 1
+
+
+class _Generation:
+    """The outputs of one HTTP request's choices, turned into an OpenAI response or SSE chunks."""
+
+    def __init__(self, state: ServerState, body: Any, rid: str, sub_ids: list[str], prompt_ids: list[int],
+                 q: asyncio.Queue, chat: bool, sla: str, arrival: float) -> None:
+        self.state, self.body, self.rid, self.chat, self.sla = state, body, rid, chat, sla
+        self.q = q
+        self.index = {s: i for i, s in enumerate(sub_ids)}
+        self.prompt_ids = prompt_ids
+        self.created = int(time.time())
+        self.text = [""] * len(sub_ids)
+        self.logprobs: list[list[tuple[str, float, list[tuple[str, float]]]]] = [[] for _ in sub_ids]
+        self.finish: list[str | None] = [None] * len(sub_ids)
+        self.done: list[bool] = [False] * len(sub_ids)
+        self.metrics: list[Any] = [None] * len(sub_ids)
+        self.post_s = [0.0] * len(sub_ids)
+        self.arrival = arrival  # the HTTP request's, before parsing: end-to-end latency counts from here
+        self.streams: list[Any] = [None] * len(sub_ids)
+
+    async def next_output(self, raw: Request) -> Any:
+        """The next engine output of any choice; raises ApiError when the request failed, None on disconnect."""
+        while True:
+            try:
+                out = await asyncio.wait_for(self.q.get(), timeout=0.5)
+                break
+            except TimeoutError:
+                if await raw.is_disconnected():
+                    return None
+        if isinstance(out, Exception):
+            raise ApiError(500, str(out), type="server_error")
+        out, stream = out
+        self.streams[self.index[out.request_id]] = stream
+        stream_error = stream.error if out.finished else None
+        if stream_error == QUEUE_TIMEOUT:
+            self.state.metrics.rejected.labels(QUEUE_TIMEOUT, self.sla).inc()
+            raise ApiError(429, f"request waited longer than serve.max_queue_wait_s={self.state.serve.max_queue_wait_s}"
+                                "s for its first step; retry later", type="rate_limit_exceeded", code=QUEUE_TIMEOUT,
+                           headers={"Retry-After": str(max(1, int(self.state.serve.max_queue_wait_s)))})
+        if stream_error == "oom":
+            raise ApiError(503, "the engine ran out of device memory on this request's step; retry",
+                           type="service_unavailable", headers={"Retry-After": "1"})
+        return out
+
+    def _absorb(self, out: Any) -> int:
+        """Record one engine output; returns its choice index."""
+        i = self.index[out.request_id]
+        t0 = time.perf_counter()
+        self.text[i] += out.new_text
+        if out.logprobs and self._num_logprobs() is not None:
+            decode = self.state.tokenizer.decode
+            for lp in out.logprobs:
+                self.logprobs[i].append((decode([lp.token]), float(lp.logprob),
+                                         [(decode([a]), float(b)) for a, b in zip(lp.top_ids, lp.top_logprobs)]))
+        self.post_s[i] += time.perf_counter() - t0
+        if out.finished:
+            self.done[i] = True
+            self.finish[i] = out.finish_reason
+            self.metrics[i] = out.metrics
+        return i
+
+    def _num_logprobs(self) -> int | None:
+        return self.body.num_logprobs()
+
+    def _choice_logprobs(self, entries: list, offset: int = 0) -> Any:
+        if self._num_logprobs() is None:
+            return None
+        return P.chat_logprobs(entries) if self.chat else P.completion_logprobs(entries, offset)
+
+    def _usage(self) -> dict[str, Any]:
+        gen = sum(m.num_generated_tokens for m in self.metrics if m is not None)
+        cached = max((m.num_cached_prompt_tokens for m in self.metrics if m is not None), default=0)
+        return P.usage(len(self.prompt_ids), gen, cached)
+
+    def _finish_reason(self, i: int) -> str:
+        return self.finish[i] if self.finish[i] in ("stop", "length") else "stop"
+
+    def _record(self, i: int, status: int = 200) -> None:
+        """Metrics and the request-log line of choice i (once, when it finished or was abandoned)."""
+        m = self.metrics[i]
+        now = time.monotonic()
+        rec: dict[str, Any] = {"request_id": f"{self.rid}-{i}", "sla_class": self.sla, "priority": self.body.priority,
+                               "user": self.body.user,
+                               "status": status, "finish_reason": self.finish[i] or "abort",
+                               "prompt_tokens": len(self.prompt_ids), "e2e_s": now - self.arrival}
+        if m is not None:
+            rec.update(cached_tokens=m.num_cached_prompt_tokens, generated_tokens=m.num_generated_tokens,
+                       queue_s=m.queue_s, ttft_s=m.time_to_first_token_s, prefill_s=m.prefill_s, decode_s=m.decode_s,
+                       postprocess_s=m.detokenize_s + self.post_s[i], preemptions=m.num_preemptions)
+        s = self.streams[i]
+        self.state.metrics.observe_finished(self.sla, rec, s.itl if s is not None else [])
+        self.state.request_log.write(rec)
+
+    # -- whole response -------------------------------------------------------------------------------------------
+
+    async def whole(self, first: Any, raw: Request) -> dict[str, Any]:
+        out = first
+        while True:
+            if out is None:  # client went away: the caller's cleanup aborts the rest
+                for i, d in enumerate(self.done):
+                    if not d:
+                        self._record(i, status=499)
+                return {}
+            i = self._absorb(out)
+            if self.done[i]:
+                self._record(i)
+            if all(self.done):
+                break
+            out = await self.next_output(raw)
+        choices = []
+        for i in range(len(self.text)):
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": self.text[i],
+                                                        "refusal": None, "tool_calls": []},
+                                "logprobs": self._choice_logprobs(self.logprobs[i]),
+                                "finish_reason": self._finish_reason(i)})
+            else:
+                choices.append({"index": i, "text": self.text[i], "logprobs": self._choice_logprobs(self.logprobs[i]),
+                                "finish_reason": self._finish_reason(i)})
+        make = P.chat_response if self.chat else P.completion_response
+        return make(self.rid, self.state.model_name, self.created, choices, self._usage())
+
+    # -- server-sent events ---------------------------------------------------------------------------------------
+
+    async def sse(self, first: Any) -> AsyncIterator[bytes]:
+        state = self.state
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        make = lambda choices, usage=None: _sse(P.chunk(self.rid, state.model_name, self.created, self.chat, choices,
+                                                          usage, with_usage_key=include_usage))
+        try:
+            if self.chat:
+                for i in range(len(self.text)):
+                    yield make([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}])
+            out = first
+            while out is not None:
+                before = len(self.logprobs[self.index[out.request_id]])
+                i = self._absorb(out)
+                t0 = time.perf_counter()
+                new_lps = self.logprobs[i][before:]
+                if out.new_text or new_lps or self.done[i]:
+                    lp = self._choice_logprobs(new_lps, len(self.text[i]) - len(out.new_text))
+                    fin = self._finish_reason(i) if self.done[i] else None
+                    if self.chat:
+                        yield make([{"index": i, "delta": {"content": out.new_text} if out.new_text else {},
+                                     "logprobs": lp, "finish_reason": fin}])
+                    else:
+                        yield make([{"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": fin}])
+                self.post_s[i] += time.perf_counter() - t0
+                if self.done[i]:
+                    self._record(i)
+                if all(self.done):
+                    break
+                out = await self._next_streaming()
+            if include_usage:
+                yield make([], self._usage())
+            yield b"data: [DONE]\n\n"
+        finally:
+            for sub in self.index:
+                state.service.close_stream(sub)
+            for i, d in enumerate(self.done):
+                if not d:
+                    self._record(i, status=499)  # client closed the connection
+            state.active -= 1
+
+    async def _next_streaming(self) -> Any:
+        item = await self.q.get()
+        if isinstance(item, Exception):
+            raise item
+        out, stream = item
+        self.streams[self.index[out.request_id]] = stream
+        return out
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

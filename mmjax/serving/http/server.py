@@ -1,0 +1,72 @@
+"""Run the app under uvicorn: warm-up on the engine thread while /health answers, SIGTERM drains.
+
+SIGTERM: stop admitting (503 on new requests, /ready 503), let running requests finish (at most
+`serve.drain_timeout_s`), then shut uvicorn down and return 0. A second SIGTERM or SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from mmjax.serving.http.app import build_app
+from mmjax.serving.http.request_log import RequestLog
+from mmjax.serving.http.service import EngineService
+
+log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM drains instead of closing in-flight streams."""
+
+    def __init__(self, config: uvicorn.Config, app_state: Any) -> None:
+        super().__init__(config)
+        self.app_state = app_state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self.app_state.draining:
+            self.drain()
+            return
+        super().handle_exit(sig, frame)
+
+    def drain(self) -> None:
+        """Refuse new requests, and exit once every admitted one has finished (or the drain timeout passed)."""
+        state = self.app_state
+        state.draining = True
+        log.info("draining: %d requests in flight", state.active)
+
+        def wait() -> None:
+            deadline = time.monotonic() + state.serve.drain_timeout_s
+            while time.monotonic() < deadline and (state.active > 0 or state.engine.has_unfinished()):
+                time.sleep(0.05)
+            self.should_exit = True
+
+        threading.Thread(target=wait, name="mmjax-drain", daemon=True).start()
+
+
+def make_server(engine: Any, tokenizer: Any, serve: Any, model_name: str, *, warmup: bool = True,
+                log_level: str = "info") -> tuple[DrainingServer, EngineService]:
+    """The uvicorn server of an engine (not started) and its engine service (started: it warms up now)."""
+    service = EngineService(engine, serve, warmup=warmup)
+    app = build_app(service, tokenizer, model_name, RequestLog(serve.request_log or None))
+    config = uvicorn.Config(app, host=serve.host, port=serve.port, log_level=log_level,
+                            timeout_graceful_shutdown=max(1, int(serve.drain_timeout_s)))
+    service.start()
+    return DrainingServer(config, app.state.mmjax), service
+
+
+def run(engine: Any, tokenizer: Any, serve: Any, model_name: str) -> int:
+    """Serve until shut down (SIGTERM drains first); 0 on a clean exit."""
+    server, service = make_server(engine, tokenizer, serve, model_name)
+    try:
+        server.run()
+    finally:
+        service.stop()
+        server.app_state.request_log.close()
+    return 0 if service.failed is None else 1

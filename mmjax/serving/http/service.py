@@ -1,0 +1,203 @@
+"""One engine thread steps the `Engine`; asyncio handlers talk to it through commands and per-request streams.
+
+The engine is not thread-safe, so every call into it (add, abort, step, stats) runs on this thread: handlers
+`call(fn)` and await the result. Each step's outputs go to the request's asyncio queue on the server's event
+loop. The thread warms up first (compiling every bucket) and only then reports ready; it also aborts
+requests that waited past `serve.max_queue_wait_s` without being scheduled, and keeps the snapshot the
+/metrics collector reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mmjax.serving.http.admission import CLASS_PRIORITY_OFFSET, CLASSES, Admission
+
+log = logging.getLogger(__name__)
+
+QUEUE_TIMEOUT = "queue_timeout"  # the reason a stream ends when its request waited too long
+
+
+@dataclasses.dataclass
+class Stream:
+    """Where a request's outputs go: its handler's queue gets (RequestOutput, Stream) pairs, or an Exception."""
+
+    request_id: str
+    sla_class: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    last_token_time: float | None = None
+    itl: list[float] = dataclasses.field(default_factory=list)  # inter-token gaps, seconds
+    error: str | None = None  # why the engine thread ended it (queue timeout, device OOM)
+
+
+class EngineService:
+    """Owns the engine thread. `start()`; `ready` is set after warm-up; `stop()` ends the thread."""
+
+    def __init__(self, engine: Any, serve: Any, *, warmup: bool = True) -> None:
+        self.engine = engine
+        self.serve = serve
+        self.admission = Admission(serve)
+        self.engine.scheduler.preempt_for_priority = True  # interactive arrivals preempt batch work
+        self._warmup = warmup
+        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
+        self._streams: dict[str, Stream] = {}
+        self._stop = threading.Event()
+        self.ready = threading.Event()
+        self.failed: BaseException | None = None
+        self._compiles_at_ready = 0
+        self.oom_events = 0
+        self.snapshot: dict[str, Any] = {"ready": 0}
+        self._thread = threading.Thread(target=self._run, name="mmjax-engine", daemon=True)
+
+    # -- called from the event loop ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the engine thread and await its result (or exception)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    def post(self, fn: Callable[[], Any]) -> None:
+        """Run `fn()` on the engine thread without waiting (safe from a cancelled task's cleanup)."""
+        self._commands.put((fn, concurrent.futures.Future()))
+
+    def open_stream(self, request_id: str, sla_class: str, q: asyncio.Queue) -> Stream:
+        """Register where a request's outputs go (`q`, on the running event loop); call before adding it."""
+        stream = Stream(request_id, sla_class, asyncio.get_running_loop(), q)
+        self._streams[request_id] = stream
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        """The handler is gone: abort the request if still live (frees its pages) and forget its stream."""
+        def close() -> None:
+            if self._streams.pop(request_id, None) is not None:
+                self.engine.abort(request_id)
+        self.post(close)
+
+    # -- engine thread only -----------------------------------------------------------------------------------
+
+    def add(self, prompt: Any, images: Any, params: Any, request_id: str, sla_class: str, priority: int) -> None:
+        """engine.add_request with the class folded into the scheduler priority (raises RequestError)."""
+        self.engine.add_request(prompt, images or None, params, request_id=request_id,
+                                priority=CLASS_PRIORITY_OFFSET[sla_class] + priority)
+
+    def queue_state(self, sla_class: str) -> tuple[int, int, int]:
+        """(queued requests, prompt tokens queued ahead of a new `sla_class` request, running requests)."""
+        waiting = self.engine.scheduler.waiting
+        ahead = 0
+        for r in waiting:
+            s = self._streams.get(r.request_id)
+            if sla_class == "batch" or (s is not None and s.sla_class == "interactive"):
+                ahead += r.num_tokens - r.num_computed_tokens
+        return len(waiting), ahead, len(self.engine.scheduler.running)
+
+    def _run(self) -> None:
+        try:
+            if self._warmup:
+                t0 = time.perf_counter()
+                n = self.engine.runner.warmup()
+                log.info("warm-up: %d compiles in %.1fs", n, time.perf_counter() - t0)
+            self._compiles_at_ready = self.engine.runner.num_compiles
+            self._refresh()
+            self.ready.set()
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished())
+                self._expire_waiting()
+                if self.engine.has_unfinished():
+                    self._step()
+                self._refresh()
+        except BaseException as e:  # noqa: BLE001 - reported through /ready and every open stream
+            log.exception("engine thread failed")
+            self.failed = e
+            for s in list(self._streams.values()):
+                _deliver(s, RuntimeError(f"engine failed: {e}"))
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            fn, future = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as e:  # noqa: BLE001 - handed to the awaiting handler
+                    future.set_exception(e)
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _expire_waiting(self) -> None:
+        limit = self.serve.max_queue_wait_s
+        now = time.monotonic()
+        for r in list(self.engine.scheduler.waiting):
+            s = self._streams.get(r.request_id)
+            if s is not None and r.first_scheduled_time is None and now - r.arrival_time > limit:
+                s.error = QUEUE_TIMEOUT
+                self.engine.abort(r.request_id)
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            self.oom_events += 1
+            log.error("engine step ran out of device memory; aborting the running requests: %s", e)
+            for r in list(self.engine.scheduler.running):
+                s = self._streams.get(r.request_id)
+                if s is not None:
+                    s.error = "oom"
+                self.engine.abort(r.request_id)
+            return
+        self.admission.observe_step(time.perf_counter() - t0)
+        now = time.monotonic()
+        for out in outputs:
+            s = self._streams.get(out.request_id)
+            if s is None:
+                continue
+            if out.new_token_ids:
+                if s.last_token_time is not None:
+                    s.itl.append(now - s.last_token_time)
+                s.last_token_time = now
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+            _deliver(s, (out, s))
+
+    def _refresh(self) -> None:
+        sched = self.engine.scheduler
+        stats = self.engine.stats()
+        per = {k: dict.fromkeys(CLASSES, 0) for k in ("running", "waiting")}
+        for key, reqs in (("running", sched.running), ("waiting", sched.waiting)):
+            for r in reqs:
+                s = self._streams.get(r.request_id)
+                per[key][s.sla_class if s else CLASSES[0]] += 1
+        self.snapshot = {**stats, **per, "ready": int(self.ready.is_set()), "oom_events": self.oom_events,
+                         "free_pages": self.engine.kv.num_free_pages,
+                         "compiles_after_warmup": self.engine.runner.num_compiles - self._compiles_at_ready}
+
+
+def _deliver(stream: Stream, item: Any) -> None:
+    """Hand an output to the stream's handler on its event loop; a closed loop (server shut down) drops it."""
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:
+        pass

@@ -1,0 +1,389 @@
+"""The OpenAI-compatible server, run for real on 127.0.0.1 and driven with the official `openai` client: chat with
+an image, streaming with usage, stop strings, n > 1, seeds, logprobs, greedy == the engine offline; every error
+status followed by a good request; overload 429s with Retry-After; interactive work preempting batch work; a
+disconnect returning its pages; SIGTERM draining a subprocess server to exit 0; /metrics parsing."""
+
+import base64
+import dataclasses
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from flax import nnx
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers
+
+from mmjax.config import Config, DataConfig, to_dict
+from mmjax.data.tokenizer import SPECIAL_TOKENS
+from mmjax.engine.checkpoint import FORMAT_VERSION, Checkpointer
+from mmjax.serving.engine import Engine
+from mmjax.serving.http.admission import Admission
+from mmjax.serving.http.server import make_server
+from mmjax.serving.load import load_for_serving
+from mmjax.serving.request import SamplingParams
+
+SERVE = ["serve.page_size=4", "serve.num_pages=48", "serve.max_num_batched_tokens=32", "serve.max_num_seqs=4",
+         "serve.min_token_bucket=32", "serve.min_slot_bucket=4", "serve.max_logprobs=3",
+         "serve.interactive_ttft_s=60"]  # a loaded CI machine must not turn into TTFT refusals (test_admission.py)
+MODEL = "tiny"
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_run(root: Path, tiny) -> Path:
+    """A run folder (checkpoints/3) of a tiny random MLLM whose config names a word-level tokenizer."""
+    words = {t: i for i, t in enumerate(SPECIAL_TOKENS.values())} | {f"w{i}": i for i in range(6, 64)}
+    tok = HFTokenizer(models.WordLevel(words, unk_token="w6"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (root / "tok").mkdir(parents=True)
+    tok.save(str(root / "tok" / "tokenizer.json"))
+    (root / "tok" / "tokenizer_config.json").write_text(json.dumps({f"{r}_token": t for r, t in
+                                                                    SPECIAL_TOKENS.items()}))
+    model_cfg = tiny["config"]()
+    model = tiny["model"](model_cfg, seed=11)
+    cfg = dataclasses.replace(Config(), model=model_cfg, data=DataConfig(tokenizer=str(root / "tok/tokenizer.json")))
+    writer = Checkpointer(root / "run" / "checkpoints", keep=0, async_save=False)
+    meta = {"format_version": FORMAT_VERSION, "kind": "params", "step": 3, "config": to_dict(cfg)}
+    writer.save_params(3, nnx.to_pure_dict(nnx.state(model, nnx.Param)), meta)
+    writer.close()
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny, tmp_path_factory):
+    return write_run(tmp_path_factory.mktemp("server"), tiny)
+
+
+@pytest.fixture(scope="module")
+def cli_server(run_dir):
+    """`python -m mmjax.serve` in a subprocess, started first so its start-up overlaps the other tests."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-m", "mmjax.serve", "--checkpoint", str(run_dir), *SERVE,
+                             "serve.max_num_seqs=1", "serve.min_slot_bucket=1", f"serve.port={port}",
+                             "serve.model_name=tiny"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=run_dir.parent)
+    yield proc, f"http://127.0.0.1:{port}"
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(run_dir, cli_server):
+    root, run = run_dir.parent, run_dir
+    port = free_port()
+    cfg, model, tok = load_for_serving(run / "checkpoints", overrides=[*SERVE, f"serve.port={port}",
+                                                                        f"serve.request_log={root / 'requests.jsonl'}"])
+    engine = Engine(cfg, model, tok)
+    # the engine's offline greedy answer to compare HTTP with, computed before the server owns the engine
+    prompt = [1, 4, 7, 8, 9, 10, 5]  # <|bos|> <|user|> w7 w8 w9 w10 <|assistant|>
+    engine.add_request(prompt, None, SamplingParams(max_tokens=12), request_id="offline")
+    offline = ""
+    while engine.has_unfinished():
+        offline += "".join(o.new_text for o in engine.step())
+    srv, service = make_server(engine, tok, cfg.serve, MODEL, log_level="warning")
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/ready").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    else:
+        raise TimeoutError("server not ready")
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    yield dict(base=base, client=client, service=service, state=srv.app_state, offline=offline, run=run,
+               log=root / "requests.jsonl", cfg=cfg, engine=engine)
+    srv.should_exit = True
+    thread.join(10)
+    service.stop()
+
+
+def png_data_url(seed=0) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (12, 12, 3), dtype=np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def metrics(base) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(base + "/metrics").text):
+        for s in fam.samples:
+            key = s.name + ("" if not s.labels else "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                            + "}")
+            out[key] = s.value
+    return out
+
+
+def hold(service):
+    """Stop the engine thread between two steps; returns the event that lets it go on."""
+    frozen, thaw = threading.Event(), threading.Event()
+    service.post(lambda: (frozen.set(), thaw.wait(30)))
+    assert frozen.wait(30)
+    return thaw
+
+
+def user(text):
+    return [{"role": "user", "content": text}]
+
+
+def test_greedy_chat_equals_offline_and_completions(server):
+    c = server["client"]
+    r = c.chat.completions.create(model=MODEL, messages=user("w7 w8 w9 w10"), max_tokens=12, temperature=0)
+    want_text = server["offline"]
+    assert r.choices[0].message.content == want_text and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == 7 and r.usage.completion_tokens == 12
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    # the same prompt through /v1/completions with token ids, and the prefix cache reported in usage
+    r2 = c.completions.create(model=MODEL, prompt=[1, 4, 7, 8, 9, 10, 5], max_tokens=12, temperature=0)
+    assert r2.choices[0].text == want_text and r2.usage.prompt_tokens_details.cached_tokens == 4
+    assert [m.id for m in c.models.list().data] == [MODEL]
+
+
+def test_chat_with_image_streaming_usage(server):
+    c = server["client"]
+    messages = [{"role": "system", "content": "w20"},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url()}},
+                                             {"type": "text", "text": "w9 w11"}]}]
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert whole.usage.prompt_tokens == 1 + 1 + 4 + 3 + 1  # bos, user, 4 image tokens, w20 w9 w11, assistant
+    # a local file:// image reads the same bytes
+    path = server["run"].parent / "im.png"
+    path.write_bytes(base64.b64decode(png_data_url().split(",", 1)[1]))
+    messages[1]["content"][0]["image_url"]["url"] = f"file://{path}"
+    again = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert again.choices[0].message.content == whole.choices[0].message.content
+
+
+def test_stop_n_seed_logprobs(server):
+    c = server["client"]
+    base = c.completions.create(model=MODEL, prompt="w7 w8 w9", max_tokens=10, temperature=0, extra_body={
+        "ignore_eos": True})
+    words = base.choices[0].text.split()
+    stop = words[2]
+    cut = c.completions.create(model=MODEL, prompt="w7 w8 w9", max_tokens=10, temperature=0, stop=[stop],
+                               extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+    assert base.choices[0].text.startswith(cut.choices[0].text.rstrip())
+    kw = dict(model=MODEL, messages=user("w12 w13"), max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    a = c.chat.completions.create(n=3, seed=7, **kw)
+    b = c.chat.completions.create(n=3, seed=7, **kw)
+    assert [x.index for x in a.choices] == [0, 1, 2]
+    assert [x.message.content for x in a.choices] == [x.message.content for x in b.choices]
+    assert len({x.message.content for x in a.choices}) > 1  # each choice draws its own tokens
+    assert a.usage.completion_tokens == 24
+    lp = c.chat.completions.create(model=MODEL, messages=user("w12"), max_tokens=4, temperature=0, logprobs=True,
+                                   top_logprobs=2)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy = most likely
+    lc = c.completions.create(model=MODEL, prompt="w12", max_tokens=3, temperature=0, logprobs=2)
+    assert len(lc.choices[0].logprobs.token_logprobs) == 3 and len(lc.choices[0].logprobs.top_logprobs[0]) == 2
+
+
+def test_errors_then_a_good_request(server):
+    base, c = server["base"], server["client"]
+    good = dict(model=MODEL, messages=user("w7"), max_tokens=2)
+    img = lambda url: dict(good, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "w7"}]}])
+    cases = [
+        (b"{not json", 400, "invalid JSON"),
+        (dict(good, model="gpt-4"), 404, "does not exist"),
+        (img("data:image/png;base64,@@@notbase64"), 400, "base64"),
+        (img("data:image/png;base64," + base64.b64encode(b"not an image").decode()), 400, "decode"),
+        (dict(good, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": png_data_url()}}] * 5}]), 400, "too many images"),
+        (dict(good, messages=user(" ".join(["w9"] * 70))), 400, "maximum context length"),
+        (dict(good, max_tokens=60, messages=user("w9 w9 w9 w9 w9")), 400, "maximum context length"),
+        (dict(good, temperature=-1), 422, "temperature"),
+        (dict(good, top_p=0), 422, "top_p"),
+        (dict(good, logprobs=True, top_logprobs=5), 422, "serve.max_logprobs"),
+        (dict(good, n=0), 422, "n"),
+    ]
+    for body, status, words in cases:
+        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {
+            "json": body}
+        r = httpx.post(base + "/v1/chat/completions", **kw)
+        assert r.status_code == status, (body if isinstance(body, bytes) else str(body)[:200], r.text)
+        err = r.json()["error"]
+        assert words in err["message"] and err["type"], err
+    assert c.chat.completions.create(**good).choices[0].finish_reason in ("stop", "length")
+
+
+def test_overload_429_with_retry_after_while_accepted_complete(server):
+    service, cfg = server["service"], server["cfg"]
+    saved = service.admission
+    service.admission = Admission(dataclasses.replace(cfg.serve, token_budget=60.0))  # one 60-token request a second
+    try:
+        body = dict(model=MODEL, messages=user("w7 w8"), max_tokens=40, extra_body={"ignore_eos": True})
+
+        def one(_):
+            try:
+                return server["client"].chat.completions.create(**body)
+            except openai.RateLimitError as e:
+                return e
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, range(8)))
+    finally:
+        service.admission = saved
+    ok = [r for r in results if not isinstance(r, Exception)]
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert ok and refused
+    assert all(r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40 for r in ok)
+    assert all(int(e.response.headers["retry-after"]) >= 1 and e.body["code"] == "token_budget" for e in refused)
+    m = metrics(server["base"])
+    assert m["mmjax:request_rejected_total{reason=token_budget,sla_class=interactive}"] == len(refused)
+
+
+def test_interactive_preempts_batch(server):
+    c, log, service = server["client"], server["log"], server["service"]
+    batch = dict(model=MODEL, max_tokens=50, temperature=0, extra_body={"ignore_eos": True, "sla_class": "batch"})
+    before = metrics(server["base"])["mmjax:num_preemptions_total"]
+    running = service.engine.scheduler.running
+    num_batch = lambda: sum(r.priority >= 1_000_000 for r in list(running))  # noqa: E731
+
+    def queued(n):
+        deadline = time.monotonic() + 30
+        while service._commands.qsize() < n:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+    with ThreadPoolExecutor(5) as pool:
+        thaw = hold(service)  # the four batch requests are added together, so all four run from the next step on
+        jobs = [pool.submit(c.chat.completions.create, messages=user(f"w{20 + i} w30"), **batch) for i in range(4)]
+        queued(4)
+        thaw.set()
+        deadline = time.monotonic() + 30
+        while num_batch() < 4:
+            assert time.monotonic() < deadline and not any(j.done() for j in jobs)
+        thaw = hold(service)  # every sequence slot holds a batch request: an interactive one arrives now
+        assert num_batch() == 4
+        fast = pool.submit(c.chat.completions.create, model=MODEL, messages=user("w40"), max_tokens=3,
+                           temperature=0, extra_body={"ignore_eos": True})
+        queued(1)
+        thaw.set()
+        fast = fast.result()
+        slow = [j.result() for j in jobs]
+    assert all(r.usage.completion_tokens == 50 for r in slow)
+    assert metrics(server["base"])["mmjax:num_preemptions_total"] > before
+    rec = [json.loads(x) for x in log.read_text().splitlines()]
+    at = [k for k, r in enumerate(rec) if r["request_id"].startswith(fast.id)][0]
+    mine, batch_recs = rec[at], [r for r in rec if r["sla_class"] == "batch"]
+    assert len(batch_recs) == 4 and all(r["sla_class"] == "batch" for r in rec[at + 1:])  # finished first
+    assert sum(r["preemptions"] for r in batch_recs) >= 1
+    assert mine["ttft_s"] < min(r["e2e_s"] for r in batch_recs)
+    assert {"queue_s", "prefill_s", "decode_s", "postprocess_s", "ttft_s", "e2e_s"} <= set(mine)
+
+
+def test_disconnect_mid_stream_frees_pages(server):
+    base = server["base"]
+    aborted = "mmjax:request_success_total{finished_reason=abort,sla_class=interactive}"
+    before = metrics(base).get(aborted, 0)
+    # 16 choices of 55 tokens on 4 sequence slots: far from done when the client goes away
+    body = {"model": MODEL, "messages": user("w7 w8"), "max_tokens": 55, "n": 16, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        thaw = hold(server["service"])  # the client goes away while its requests hold pages
+        assert metrics(base)["mmjax:kv_cache_usage_perc"] > 0
+    thaw.set()
+    deadline = time.monotonic() + 10
+    running = "mmjax:num_requests_running{sla_class=interactive}"
+    waiting = "mmjax:num_requests_waiting{sla_class=interactive}"
+    while (m := metrics(base))["mmjax:kv_cache_usage_perc"] > 0 or m[running] > 0 or m[waiting] > 0:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.02)
+    assert m[aborted] - before >= 8  # most of the 16 were aborted, not finished
+    assert m["mmjax:num_compiles_after_warmup"] == 0
+    assert m["mmjax:time_to_first_token_seconds_count{sla_class=interactive}"] > 0
+    assert m["mmjax:prefix_cache_queries_total"] >= m["mmjax:prefix_cache_hits_total"] > 0
+    assert httpx.get(base + "/health").status_code == 200
+
+
+def test_sigterm_drains_and_exits_0(cli_server):
+    proc, base = cli_server
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
+        try:
+            if httpx.get(base + "/ready").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    # two streams of 16 choices x 58 tokens, one sequence at a time: SIGTERM arrives with most of them queued
+    body = {"model": MODEL, "messages": user("w7"), "max_tokens": 58, "n": 16, "stream": True, "ignore_eos": True}
+
+    def stream(_):
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as r:
+            return [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(stream, k) for k in range(2)]
+        deadline = time.monotonic() + 60
+        while metrics(base)["mmjax:num_requests_waiting{sla_class=interactive}"] < 16 + 8:  # both admitted
+            assert time.monotonic() < deadline and not any(j.done() for j in jobs)
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        while httpx.get(base + "/ready").status_code == 200:  # until the signal handler ran
+            time.sleep(0.001)
+        refused = httpx.post(base + "/v1/chat/completions", json={**body, "stream": False, "n": 1})
+        results = [j.result() for j in jobs]
+    assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
+    for chunks in results:
+        assert sorted(c["index"] for x in chunks for c in x["choices"] if c["finish_reason"] == "length") == list(
+            range(16))
+    assert proc.wait(60) == 0, proc.stdout.read().decode()[-3000:]
+
+
+def test_bench_serving_server_mode(server, tmp_path):
+    from mmjax.tools import bench_serving
+
+    out = tmp_path / "sweep.json"
+    assert bench_serving.main(["--server", server["base"], "--rates", "20", "40", "--num-requests", "6",
+                               "--prompt-mu", "2.0", "--output-mu", "1.5", "--image-every", "3", "--slo-ttft", "0.5",
+                               "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert [r["rate"] for r in record["rates"]] == [20.0, 40.0] and out.with_suffix(".png").stat().st_size > 0
+    for row in record["rates"]:
+        assert row["completed"] + row["rejected_429"] == 6 and row["failed"] == 0
+        assert row["ttft_s"]["p50"] <= row["ttft_s"]["p90"] <= row["ttft_s"]["p99"] <= row["e2e_s"]["p99"]
+        assert row["output_tok_s"] > 0 and 0 <= row["goodput_req_s"] <= row["throughput_req_s"]
+
+
+def test_cli_errors(tmp_path, capsys):
+    from mmjax import serve
+
+    assert serve.main(["--checkpoint", str(tmp_path / "none")]) == 1
+    assert "no checkpoint at" in capsys.readouterr().err
+    assert serve.main(["serve.token_budget=-1"]) == 2
+    assert "serve.token_budget must be >= 0" in capsys.readouterr().err
