@@ -54,6 +54,7 @@ def write_run(root: Path, tiny) -> Path:
     words = {t: i for i, t in enumerate(SPECIAL_TOKENS.values())} | {f"w{i}": i for i in range(6, 64)}
     tok = HFTokenizer(models.WordLevel(words, unk_token="w6"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(list(SPECIAL_TOKENS.values()))  # the rendered template is tokenized as one string
     (root / "tok").mkdir(parents=True)
     tok.save(str(root / "tok" / "tokenizer.json"))
     (root / "tok" / "tokenizer_config.json").write_text(json.dumps({f"{r}_token": t for r, t in
