@@ -199,6 +199,7 @@ class DataConfig:
     pack_strategy: Literal["first_fit", "best_fit"] = "first_fit"
     pack_lookahead: int = 64  # examples held back while the current batch's rows still have room
     max_skip_fraction: float = 0.01  # share of bad records (skipped, counted) beyond which the run stops
+    verify_checksums: bool = False  # SHA-256 of every shard against its manifest at open (always when cheap)
     image_mode: Literal["pad", "crop"] = "pad"  # pad: letterbox, aspect kept; crop: resize shorter side, centre crop
     image_tiles: int = 0  # g >= 2: an image = a thumbnail + g x g tiles of it at g x image_size (1 + g^2 slots)
     pad_to_multiple: int = 1  # packed sequences start at multiples of this (8/16/128: kernel block alignment)

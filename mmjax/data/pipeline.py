@@ -204,7 +204,8 @@ def train_source(cfg: Config, files: ShapesFiles | DatasetFiles | None = None) -
                     f"(shard-window shuffle) or data.remote_cache_shards to {need}")
         return source
     files = files or ensure_builtin_dataset(cfg)
-    return ArrayRecordSource(list(files.train_paths), key="train shards")
+    return ArrayRecordSource(list(files.train_paths), key="train shards", expected=files.train_shards,
+                             rebuild=files.rebuild)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,7 +255,8 @@ def load_eval_examples(cfg: Config, tokenizer: Tokenizer, files: ShapesFiles | D
     if not files.eval_paths:
         return None
     if cfg.data.source == "builtin":
-        source: RecordSource = ArrayRecordSource(list(files.eval_paths), key="eval shards")
+        source: RecordSource = ArrayRecordSource(list(files.eval_paths), key="eval shards",
+                                                 expected=files.eval_shards, rebuild=files.rebuild)
     else:
         source = open_source(cfg, files.eval_paths, key="data.eval_paths")
     if len(source) < n:
