@@ -114,7 +114,7 @@ class Trainer:
                 batch = next(feed)
             with monitor.waiting_for("XLA to compile the train step"):
                 train_step = self._train_step.lower(self.state, batch).compile()
-            monitor.write(0, {})  # time/compile/train_step
+            monitor.write(start, {})  # time/compile/train_step
             monitor.training()
             for step in range(start + 1, cfg.train.steps + 1):
                 if step > start + 1:
