@@ -27,8 +27,8 @@ Worker processes seed Python's and numpy's global RNGs from `derive_seed(train.s
 
 Bad records (unreadable, malformed JSON, corrupt or missing image, too long) become skip markers in the
 workers, so every stream position yields exactly one element; the main process logs each with its id
-(once: later epochs count it without a warning), counts it (`data/skipped`), and raises `DataError` once more than `data.max_skip_fraction` of the records
-seen were bad.
+(once: later epochs count it without a warning), counts it (`data/skipped`), and raises `DataError` once
+more than `data.max_skip_fraction` of the records seen were bad.
 """
 
 from __future__ import annotations
