@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mmjax.config import PACKAGED_CONFIGS, load_config, to_yaml
 from mmjax.errors import ConfigError, MmjaxError
-from mmjax.observe.console import log_file_name, log_to_file, setup_console_logging
+from mmjax.observe.console import close_log_file, log_file_name, log_to_file, setup_console_logging
 
 DEFAULT_CONFIG = PACKAGED_CONFIGS / "tiny_shapes.yaml"
 
@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     except MmjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        close_log_file()
     if result:  # the last evaluation's scores
         print(json.dumps({k: round(v, 4) for k, v in result.items()}, indent=1))
     return 0

@@ -19,6 +19,7 @@ import numpy as np
 from mmjax.config import Config, to_yaml
 from mmjax.data.pipeline import load_eval_examples, make_train_dataset, open_dataset
 from mmjax.engine import checkpoint as ckpt
+from mmjax.engine.convert import save_tokenizer_files
 from mmjax.engine.evaluate import Evaluator, make_eval_engine, write_predictions
 from mmjax.engine.feed import DeviceFeed
 from mmjax.engine.init import create_train_state, model_setup
@@ -48,6 +49,9 @@ class Trainer:
         resume_from = ckpt.find_resume(cfg, self.checkpointer)
         self.monitor.phase("the dataset and tokenizer to be prepared")
         self.files, self.tokenizer = open_dataset(cfg)
+        if self.checkpointer is not None and jax.process_index() == 0:  # exports copy it from there
+            save_tokenizer_files(cfg.data.tokenizer or self.files.tokenizer_path,
+                                 self.checkpointer.directory / "tokenizer")
 
         self.monitor.phase("the model and optimizer state to be initialised")
         self.setup = model_setup(cfg, self.mesh, image_token_id=self.tokenizer.image_id)

@@ -75,8 +75,10 @@ def test_resume_is_bit_identical_through_the_cli(runs):
     want = losses(full)
     assert [s for s, _ in want] == list(range(1, 2 * N + 1))
     assert losses(split) == want  # both legs appended to one metrics.jsonl; equal floats, bit for bit
-    assert (sorted(os.listdir(split / "checkpoints"), key=int) == sorted(os.listdir(full / "checkpoints"), key=int)
-            == [str(N), str(2 * N)])
+    steps = lambda run: sorted((p for p in os.listdir(run / "checkpoints") if p.isdigit()), key=int)  # noqa: E731
+    assert steps(split) == steps(full) == [str(N), str(2 * N)]
+    assert sorted(os.listdir(split / "checkpoints")) == [str(N), str(2 * N), "tokenizer"]  # the run's, for export
+    assert (split / "checkpoints" / "tokenizer" / "tokenizer.json").is_file()
     a, b = saved_state(full / "checkpoints" / str(2 * N)), saved_state(split / "checkpoints" / str(2 * N))
     assert tree_equal(a, b) and int(b["step"]) == 2 * N
     meta = json.loads((split / "checkpoints" / str(2 * N) / "meta" / "metadata").read_text())
