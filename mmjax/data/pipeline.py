@@ -175,6 +175,9 @@ def make_train_dataset(cfg: Config, tokenizer: Tokenizer, *, process_index: int 
         raise ConfigError(f"train.global_batch_size={gbs} is not divisible by the {process_count} processes; "
                           f"use a multiple of {process_count}")
     d = cfg.data
+    if d.packing and d.max_images == 1 and not cfg.model.text_only:
+        log.info("data.packing=true with data.max_images=1: a row holds at most one image example (text-only ones "
+                 "fill the rest); raise data.max_images to pack several image examples per row")
     source = train_source(cfg, files)
     order = record_order(source, seed=cfg.train.seed, shuffle=d.shuffle, window=d.shuffle_window)
     encoder = ExampleEncoder.from_config(cfg, tokenizer)
