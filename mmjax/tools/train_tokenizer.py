@@ -14,6 +14,7 @@ import dataclasses
 import json
 import sys
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mmjax.config import PACKAGED_CONFIGS, Config, DataConfig, load_config
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                                      storage_options=options, cache_dir=args.cache_dir))
         source = open_source(cfg, args.input, key="--input")
         total = len(source) if args.max_records <= 0 else min(args.max_records, len(source))
-        with Progress(TextColumn("reading"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()) as bar:
+        with Progress(TextColumn("reading"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=Console(stderr=True)) as bar:  # stdout holds the JSON report alone
             task = bar.add_task("records", total=total)
             report = train_tokenizer_on(source, vocab_size, args.out, max_records=args.max_records,
                                         progress=lambda k: bar.advance(task, k))
