@@ -243,7 +243,15 @@ def test_sigkill_during_async_save_then_sigterm_saves_and_exits_0(runs, tmp_path
 
     # 2. resume=auto picks the last complete step; SIGTERM then finishes the step, saves, exits 0
     proc = _spawn(out, Path(cache), "checkpoint.every_steps=0", "train.resume=auto")
-    logged = lambda: [s for s, _ in losses(out) if s > last_complete]
+
+    def logged() -> list[int]:
+        """Steps the resumed run logged: the train lines after its start line (compile times at the resumed
+        step; until it opens metrics.jsonl, the file still holds the killed run's later steps)."""
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().split("\n")[:-1]]
+        start = next((i for i, r in enumerate(records)
+                      if r["step"] == last_complete and any(k.startswith("time/compile/") for k in r)), None)
+        return [] if start is None else [r["step"] for r in records[start:] if "train/loss" in r]
+
     _wait_for(lambda: any(s > last_complete + 1 for s in logged()), proc, "training to continue after resume")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0, proc.stderr.read()[-2000:]
