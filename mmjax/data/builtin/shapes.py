@@ -420,7 +420,7 @@ def _load_manifest(root: Path) -> ShapesFiles:
             train_shards=train,
             eval_shards=held,
         )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # an older manifest (names only)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # an older manifest (names only) lands here too
         raise DataError(f"dataset directory {root} is incomplete or corrupt ({type(e).__name__}: {e}); delete it "
                         "to regenerate") from e
     missing = [p for p in (*files.train_paths, *files.eval_paths, files.tokenizer_path, files.stats_path)

@@ -38,6 +38,8 @@ class ShardInfo:
 
     @classmethod
     def from_json(cls, entry: Mapping[str, Any]) -> ShardInfo:
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"shard entry {entry!r} has no record count (a manifest from an older mmjax)")
         size, digest = entry.get("bytes"), entry.get("sha256")
         return cls(str(entry["name"]), int(entry["records"]), None if size is None else int(size),
                    None if digest is None else str(digest))
