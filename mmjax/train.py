@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
+from pathlib import Path
 
 from mmjax.config import PACKAGED_CONFIGS, to_yaml
 from mmjax.errors import ConfigError, MmjaxError
+from mmjax.observe.console import close_log_file, log_file_name, log_to_file, setup_console_logging
 
 DEFAULT_CONFIG = PACKAGED_CONFIGS / "tiny_shapes.yaml"
 
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), end="")
         return 0
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_console_logging()  # details (Orbax, kernel choices) go to <train.output_dir>/train.log only
     # Grain's multiprocess prefetch reads absl flags; parse them once so worker pools can start.
     from absl import flags
 
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         setup_runtime(cfg)  # XLA flags and jax.distributed, before the backend starts
+        log_to_file(Path(cfg.train.output_dir) / log_file_name())
         result = Trainer(cfg).run()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -60,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     except MmjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(json.dumps({k: round(v, 4) for k, v in result.items()}, indent=1))
+    finally:
+        close_log_file()
+    if result:  # the last evaluation's scores
+        print(json.dumps({k: round(v, 4) for k, v in result.items()}, indent=1))
     return 0
 
 

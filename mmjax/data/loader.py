@@ -26,9 +26,9 @@ Worker processes seed Python's and numpy's global RNGs from `derive_seed(train.s
 (for third-party code that draws from them); mmjax itself draws nothing from global state.
 
 Bad records (unreadable, malformed JSON, corrupt or missing image, too long) become skip markers in the
-workers, so every stream position yields exactly one element; the main process logs each with its id,
-counts it (`data/skipped`), and raises `DataError` once more than `data.max_skip_fraction` of the records
-seen were bad.
+workers, so every stream position yields exactly one element; the main process logs each with its id
+(once: later epochs count it without a warning), counts it (`data/skipped`), and raises `DataError` once
+more than `data.max_skip_fraction` of the records seen were bad.
 """
 
 from __future__ import annotations
@@ -351,6 +351,7 @@ class PackingIterator(grain.DatasetIterator):
         self._pending: list[dict[str, Any]] = []  # unpacked from the current chunk, in stream order
         self._min_len = spec.seq_len
         self._last_skip = ""
+        self._warned: set[int] = set()  # hashes of the skip messages already logged (each bad record warns once)
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -402,8 +403,11 @@ class PackingIterator(grain.DatasetIterator):
             if bad:
                 self.stats.skipped += 1
                 self._last_skip = str(ex[SKIP_KEY])
-                log.warning("skipped bad record (%d of %d so far): %s", self.stats.skipped, self.stats.seen,
-                            self._last_skip)
+                key = hash(self._last_skip)
+                level = logging.DEBUG if key in self._warned else logging.WARNING  # later epochs: counted only
+                self._warned.add(key)
+                log.log(level, "skipped bad record (%d of %d so far): %s", self.stats.skipped, self.stats.seen,
+                        self._last_skip)
             if self.stats.skipped:
                 self._check_skips()
             if not bad:

@@ -176,6 +176,9 @@ def make_train_dataset(cfg: Config, tokenizer: Tokenizer, *, process_index: int 
         raise ConfigError(f"train.global_batch_size={gbs} is not divisible by the {process_count} processes; "
                           f"use a multiple of {process_count}")
     d = cfg.data
+    if d.packing and d.max_images == 1 and not cfg.model.text_only:
+        log.info("data.packing=true with data.max_images=1: a row holds at most one image example (text-only ones "
+                 "fill the rest); raise data.max_images to pack several image examples per row")
     source = train_source(cfg, files)
     order = record_order(source, seed=cfg.train.seed, shuffle=d.shuffle, window=d.shuffle_window)
     encoder = ExampleEncoder.from_config(cfg, tokenizer)
@@ -207,7 +210,8 @@ def train_source(cfg: Config, files: ShapesFiles | DatasetFiles | None = None) -
                     f"(shard-window shuffle) or data.remote_cache_shards to {need}")
         return source
     files = files or ensure_builtin_dataset(cfg)
-    return ArrayRecordSource(list(files.train_paths), key="train shards")
+    return ArrayRecordSource(list(files.train_paths), key="train shards", expected=files.train_shards,
+                             rebuild=files.rebuild)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,7 +231,7 @@ class EvalSet:
     image_valid: np.ndarray   # bool [E, N]
     answers: list[str]
     qtypes: list[str]
-    majority_answer: str      # most common training answer
+    majority_answer: str      # most common training answer (built-in); user data: most common eval answer
     baseline_majority: float  # exact-match accuracy of always answering majority_answer
 
     def __len__(self) -> int:
@@ -249,7 +253,8 @@ class EvalSet:
 
 
 def load_eval_examples(cfg: Config, tokenizer: Tokenizer, files: ShapesFiles | DatasetFiles) -> EvalSet | None:
-    """The first `eval.num_examples` held-out records as generation prompts plus reference answers.
+    """The first `eval.num_examples` held-out records (all of them if fewer) as generation prompts plus
+    reference answers.
 
     None for a user dataset without `data.eval_paths` (the run then trains without evaluation).
     """
@@ -257,12 +262,14 @@ def load_eval_examples(cfg: Config, tokenizer: Tokenizer, files: ShapesFiles | D
     if not files.eval_paths:
         return None
     if cfg.data.source == "builtin":
-        source: RecordSource = ArrayRecordSource(list(files.eval_paths), key="eval shards")
+        source: RecordSource = ArrayRecordSource(list(files.eval_paths), key="eval shards",
+                                                 expected=files.eval_shards, rebuild=files.rebuild)
     else:
         source = open_source(cfg, files.eval_paths, key="data.eval_paths")
-    if len(source) < n:
-        raise DataError(f"eval split {files.eval_paths} has {len(source)} records, fewer than "
-                        f"eval.num_examples={n}; lower eval.num_examples or raise data.num_eval")
+    if len(source) < n:  # eval.num_examples is an upper bound: a smaller eval set is scored whole
+        log.info("the eval set has %d records, fewer than eval.num_examples=%d: scoring all of them",
+                 len(source), n)
+        n = len(source)
     encoder = ExampleEncoder.from_config(cfg, tokenizer, generation=True)
     rows, ids, answers, qtypes = [], [], [], []
     for i in range(n):
@@ -277,7 +284,8 @@ def load_eval_examples(cfg: Config, tokenizer: Tokenizer, files: ShapesFiles | D
         answers.append(str(last.get("content", last.get("value", ""))).strip())
         qtypes.append(str(record.get("qtype", "")))
     stats = files.stats()
-    train_counts = Counter(stats.get("train_answer_counts") or answers)  # user data: the eval answers
+    # user data: the training answers are never scanned, so the eval set's own most common answer (docs/metrics.md)
+    train_counts = Counter(stats.get("train_answer_counts") or answers)
     majority = stats.get("majority_answer") or max(sorted(train_counts), key=lambda a: train_counts[a])
     baseline = sum(a == majority for a in answers) / max(1, len(answers))
     stacked = {k: np.stack([r[k] for r in rows]) for k in rows[0]} if rows else {}

@@ -6,7 +6,8 @@ missing or corrupt image, no conversation) are reported in the manifest and skip
 The output may be a local directory or any fsspec URL (shards are written locally, then uploaded).
 
     manifest.json: {"format": "mmjax-arrayrecord", "version": 1, "num_records": N,
-                    "shards": [{"name": "train-00000-of-00004.array_record", "records": 1250}, ...],
+                    "shards": [{"name": "train-00000-of-00004.array_record", "records": 1250,
+                                "bytes": 5242880, "sha256": "9f86d0..."}, ...],
                     "bad_records": B, "bad": [{"index": i, "reason": "record <id>: ..."}, ...]}
 """
 
@@ -27,6 +28,7 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from mmjax.data.image import decode_image
 from mmjax.data.sources.arrayrecord import MANIFEST, SUFFIX
 from mmjax.data.sources.base import RecordSource
+from mmjax.data.sources.manifest import describe_shard
 from mmjax.data.sources.storage import filesystem, is_remote
 from mmjax.errors import DataError
 
@@ -105,10 +107,13 @@ def prepare_dataset(source: RecordSource, out: str, *, num_shards: int = 0, reco
                         progress(1)
             finally:
                 writer.close()
+            info = describe_shard(local, name)  # what readers check every shard against
+            if info.records != count:
+                raise DataError(f"shard {name}: wrote {count} records but reading it back finds {info.records}")
             if remote:
                 fs.put_file(str(local), f"{root.rstrip('/')}/{name}")
                 local.unlink()
-            written.append({"name": name, "records": count})
+            written.append(info.to_json())
     manifest = {"format": "mmjax-arrayrecord", "version": 1, "num_records": sum(s["records"] for s in written),
                 "shards": written, "bad_records": len(bad), "bad": bad[:MAX_LISTED_BAD],
                 "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}

@@ -20,6 +20,7 @@ from mmjax.config import Config, to_yaml
 from mmjax.data.pipeline import load_eval_examples, make_train_dataset, open_dataset
 from mmjax.engine import checkpoint as ckpt
 from mmjax.engine.compiled import CompiledSteps
+from mmjax.engine.convert import save_tokenizer_files
 from mmjax.engine.evaluate import Evaluator, make_eval_engine, write_predictions
 from mmjax.engine.feed import DeviceFeed
 from mmjax.engine.init import create_train_state, model_setup
@@ -53,6 +54,9 @@ class Trainer:
             resume_from = converted_weights(cfg)
         self.monitor.phase("the dataset and tokenizer to be prepared")
         self.files, self.tokenizer = open_dataset(cfg)
+        if self.checkpointer is not None and jax.process_index() == 0:  # exports copy it from there
+            save_tokenizer_files(cfg.data.tokenizer or self.files.tokenizer_path,
+                                 self.checkpointer.directory / "tokenizer")
 
         self.monitor.phase("the model and optimizer state to be initialised")
         text_only_without_image = cfg.model.text_only and not self.tokenizer.has_image_token  # e.g. a Llama's
@@ -122,7 +126,7 @@ class Trainer:
             with monitor.waiting_for("XLA to compile the train step (every batch shape the loader announces)"):
                 train_step = CompiledSteps(self._train_step)  # one executable per bucket shape
                 train_step.warm_up(self.state, batch, getattr(loader, "batch_shapes", list)())
-            monitor.write(0, {})  # time/compile/train_step
+            monitor.write(start, {})  # time/compile/train_step
             monitor.training()
             for step in range(start + 1, cfg.train.steps + 1):
                 if step > start + 1:

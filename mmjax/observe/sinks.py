@@ -36,12 +36,34 @@ def _json_value(v: Any) -> Any:
 
 
 class JsonlSink:
-    """One JSON object per line: {"step": N, "<name>": value, ...}; flushed so a crash loses nothing."""
+    """One JSON object per line: {"step": N, "<name>": value, ...}; flushed so a crash loses nothing.
 
-    def __init__(self, path: str | Path):
+    A run that starts at `start_step` (a resume) first drops the records of later steps an earlier run
+    wrote after its last checkpoint: those steps are trained again and logged once more, not twice."""
+
+    def __init__(self, path: str | Path, start_step: int | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if start_step is not None and self.path.is_file():
+            self._drop_after(start_step)
         self._file = self.path.open("a")
+
+    def _drop_after(self, start_step: int) -> None:
+        kept, dropped = [], 0
+        for line in self.path.read_text().splitlines(keepends=True):
+            try:
+                step = json.loads(line)["step"] if line.endswith("\n") else None
+            except (ValueError, KeyError, TypeError):
+                step = None
+            if step is None or step > start_step:  # a replayed step, or a line cut short by a crash
+                dropped += 1
+            else:
+                kept.append(line)
+        if dropped:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(self.path)
+            log.info("%s: dropped %d records after step %d (those steps run again)", self.path, dropped, start_step)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": int(step), **{k: _json_value(v) for k, v in metrics.items()}}
@@ -180,7 +202,7 @@ def build_sinks(cfg: Config, output_dir: Path, total_steps: int, start_step: int
         elif not is_main_process:
             continue
         elif name == "jsonl":
-            sinks.append(JsonlSink(output_dir / "metrics.jsonl"))
+            sinks.append(JsonlSink(output_dir / "metrics.jsonl", start_step))
         elif name == "progress":
             sinks.append(ProgressSink(total_steps, start_step))
         elif name == "tensorboard":

@@ -2,6 +2,7 @@
 
     python -m mmjax.tools.convert_checkpoint   Hugging Face <-> mmjax checkpoints (also `mmjax-convert`)
     python -m mmjax.tools.prepare_data         LLaVA JSON / Parquet -> sharded ArrayRecord (`mmjax-prepare-data`)
+    python -m mmjax.tools.train_tokenizer      BPE tokenizer of the model's vocab size (`mmjax-train-tokenizer`)
     python -m mmjax.tools.plot_metrics         metrics.jsonl of one or more runs -> PNGs (`mmjax-plot`)
     python -m mmjax.tools.bench_train          train-step throughput, MFU, memory, profile summary
     python -m mmjax.tools.bench_data           loader throughput against data.num_workers

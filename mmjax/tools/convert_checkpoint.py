@@ -18,6 +18,7 @@ import logging
 import sys
 
 from mmjax.errors import MmjaxError
+from mmjax.observe.console import setup_console_logging
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ins.add_argument("--step", type=int)
     ins.add_argument("--json", action="store_true", help="print everything as JSON")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    setup_console_logging(logging.WARNING)
 
     from mmjax.engine import convert
 

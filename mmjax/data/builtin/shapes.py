@@ -53,6 +53,14 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 from PIL import Image
 
+from mmjax.data.sources.manifest import (
+    ShardInfo,
+    check_checksum,
+    check_records,
+    check_size,
+    describe_shard,
+    open_reader,
+)
 from mmjax.data.tokenizer import IMAGE_MARKER, TOKENIZER_FILE, train_bpe_tokenizer
 from mmjax.errors import ConfigError, DataError
 
@@ -87,6 +95,12 @@ class ShapesFiles:
     eval_paths: tuple[str, ...]
     tokenizer_path: str
     stats_path: str
+    train_shards: tuple[ShardInfo, ...] = ()  # what each shard was written as (checked when opened)
+    eval_shards: tuple[ShardInfo, ...] = ()
+
+    @property
+    def rebuild(self) -> str:
+        return f"delete {self.root} and the next run regenerates it"
 
     def stats(self) -> dict[str, Any]:
         return json.loads(Path(self.stats_path).read_text())
@@ -325,7 +339,16 @@ def ensure_shapes_dataset(cache_dir: str | os.PathLike, *, num_train: int, num_e
                   seed=seed, vocab_size=vocab_size, questions_per_image=questions_per_image)
     root = dataset_dir(cache_dir, **params)
     if root.exists():
-        return _load_manifest(root)
+        try:
+            return verify_dataset(_load_manifest(root))
+        except DataError as e:  # a damaged cache is rebuilt, never trained on
+            log.warning("built-in dataset cache is damaged, regenerating it: %s", e)
+            stale = root.parent / f".{root.name}.stale-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(root, stale)
+            except FileNotFoundError:  # another process moved it first
+                pass
+            shutil.rmtree(stale, ignore_errors=True)
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = root.parent / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -347,7 +370,7 @@ def ensure_shapes_dataset(cache_dir: str | os.PathLike, *, num_train: int, num_e
 def _build(out: Path, params: dict[str, Any]) -> None:
     texts: list[str] = []
     stats: dict[str, Any] = {"version": VERSION, "params": params}
-    manifest: dict[str, list[str]] = {}
+    manifest: dict[str, list[dict[str, Any]]] = {}
     for split, num, shards in [("train", params["num_train"], params["num_shards"]),
                                ("eval", params["num_eval"], 1)]:
         answers: Counter[str] = Counter()
@@ -372,7 +395,7 @@ def _build(out: Path, params: dict[str, Any]) -> None:
                             texts.append(answer)
             finally:
                 writer.close()
-        manifest[split] = names
+        manifest[split] = [describe_shard(out / name).to_json() for name in names]
         stats[f"{split}_answer_counts"] = dict(sorted(answers.items()))
         stats[f"{split}_qtype_counts"] = dict(sorted(qtypes.items()))
     train_counts = stats["train_answer_counts"]
@@ -386,17 +409,36 @@ def _build(out: Path, params: dict[str, Any]) -> None:
 def _load_manifest(root: Path) -> ShapesFiles:
     try:
         manifest = json.loads((root / MANIFEST).read_text())
+        train = tuple(ShardInfo.from_json(e) for e in manifest["train"])
+        held = tuple(ShardInfo.from_json(e) for e in manifest["eval"])
         files = ShapesFiles(
             root=str(root),
-            train_paths=tuple(str(root / n) for n in manifest["train"]),
-            eval_paths=tuple(str(root / n) for n in manifest["eval"]),
+            train_paths=tuple(str(root / e.name) for e in train),
+            eval_paths=tuple(str(root / e.name) for e in held),
             tokenizer_path=str(root / TOKENIZER_FILE),
             stats_path=str(root / STATS),
+            train_shards=train,
+            eval_shards=held,
         )
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataError(f"dataset directory {root} is incomplete or corrupt ({e}); delete it to regenerate") from e
+    except (OSError, ValueError, KeyError, TypeError) as e:  # an older manifest (names only) lands here too
+        raise DataError(f"dataset directory {root} is incomplete or corrupt ({type(e).__name__}: {e}); delete it "
+                        "to regenerate") from e
     missing = [p for p in (*files.train_paths, *files.eval_paths, files.tokenizer_path, files.stats_path)
                if not Path(p).is_file()]
     if missing:
         raise DataError(f"dataset directory {root} lacks {missing[0]}; delete the directory to regenerate")
+    return files
+
+
+def verify_dataset(files: ShapesFiles) -> ShapesFiles:
+    """`files` after checking every shard's size, record count and checksum against the manifest (the
+    dataset is small, so this costs milliseconds); DataError naming the first bad shard."""
+    for path, info in zip((*files.train_paths, *files.eval_paths), (*files.train_shards, *files.eval_shards)):
+        check_size(path, os.path.getsize(path), info, files.rebuild)
+        reader = open_reader(path, path)
+        try:
+            check_records(path, reader.num_records(), info, files.rebuild)
+        finally:
+            reader.close()
+        check_checksum(path, path, info, files.rebuild)
     return files

@@ -21,7 +21,8 @@ def open_source(cfg: Config, paths: Sequence[str], key: str = "data.paths") -> R
     d = cfg.data
     options = dict(d.storage_options)
     if d.source in ("arrayrecord", "builtin"):
-        return ArrayRecordSource(paths, options, cache_dir=d.cache_dir, cache_shards=d.remote_cache_shards, key=key)
+        return ArrayRecordSource(paths, options, cache_dir=d.cache_dir, cache_shards=d.remote_cache_shards, key=key,
+                                 verify_checksums=d.verify_checksums)
     if d.source == "parquet":
         return ParquetSource(paths, options, image_root=d.image_root, key=key)
     if d.source == "llava":

@@ -49,7 +49,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
              "float16": np.dtype(np.float16)}
 
-__all__ = ["import_hf", "export_hf", "export_params", "inspect_checkpoint", "ConversionError"]
+__all__ = ["import_hf", "export_hf", "export_params", "inspect_checkpoint", "save_tokenizer_files", "ConversionError"]
 
 
 def _np_dtype(name: str) -> np.dtype:
@@ -88,6 +88,20 @@ def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
             shutil.copy2(src / name, dst / name)
             copied.append(name)
     return copied
+
+
+def save_tokenizer_files(tokenizer_file: str | Path, dst: str | Path) -> list[str]:
+    """A run's tokenizer (its `tokenizer.json`, under that name, and the companion files beside it) into
+    `dst`: the `<checkpoint.dir>/tokenizer/` folder that `export_hf` and `export_params` copy by default."""
+    src, dst = Path(tokenizer_file), Path(dst)
+    folder = src if src.is_dir() else src.parent
+    main = folder / "tokenizer.json" if src.is_dir() else src
+    if not main.is_file():
+        return []
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = _copy_tokenizer(folder, dst) if folder.resolve() != dst.resolve() else []
+    shutil.copy2(main, dst / "tokenizer.json")
+    return sorted({*copied, "tokenizer.json"})
 
 
 def _fresh_dir(out: Path, what: str) -> None:

@@ -75,8 +75,10 @@ def test_resume_is_bit_identical_through_the_cli(runs):
     want = losses(full)
     assert [s for s, _ in want] == list(range(1, 2 * N + 1))
     assert losses(split) == want  # both legs appended to one metrics.jsonl; equal floats, bit for bit
-    assert (sorted(os.listdir(split / "checkpoints"), key=int) == sorted(os.listdir(full / "checkpoints"), key=int)
-            == [str(N), str(2 * N)])
+    steps = lambda run: sorted((p for p in os.listdir(run / "checkpoints") if p.isdigit()), key=int)  # noqa: E731
+    assert steps(split) == steps(full) == [str(N), str(2 * N)]
+    assert set(os.listdir(split / "checkpoints")) == {str(N), str(2 * N), "tokenizer"}  # the run's, for export
+    assert (split / "checkpoints" / "tokenizer" / "tokenizer.json").is_file()
     a, b = saved_state(full / "checkpoints" / str(2 * N)), saved_state(split / "checkpoints" / str(2 * N))
     assert tree_equal(a, b) and int(b["step"]) == 2 * N
     meta = json.loads((split / "checkpoints" / str(2 * N) / "meta" / "metadata").read_text())
@@ -129,6 +131,17 @@ def test_checkpoint_with_the_dropped_rng_field_still_resumes(runs, tmp_path):
     assert not hasattr(trainer.state, "rng") and tree_equal(trainer.state, state)
     trainer.run()
     assert int(trainer.state.step) == N + 1
+
+
+def test_export_has_the_runs_tokenizer_and_an_eval_less_end_prints_nothing(runs, tmp_path, capsys):
+    from mmjax.engine.convert import export_hf
+
+    _, split, common = runs
+    out = export_hf(split / "checkpoints", tmp_path / "hf", decoder_only=True)  # no --tokenizer
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
+    capsys.readouterr()
+    assert main(common + [f"train.output_dir={split}", f"train.steps={2 * N}"]) == 0  # nothing left to train
+    assert capsys.readouterr().out == ""  # no "{}" for a run that ran no evaluation
 
 
 def test_different_model_shape_is_refused_and_nothing_is_deleted(runs, tmp_path):
@@ -226,16 +239,20 @@ def test_sigkill_during_async_save_then_sigterm_saves_and_exits_0(runs, tmp_path
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(30) == -signal.SIGKILL
     last_complete = complete()[-1]
-    seen = len(losses(out))
+    killed_at = losses(out)[-1][0]  # the killed run logged steps past its last checkpoint
+    assert killed_at >= last_complete
 
     # 2. resume=auto picks the last complete step; SIGTERM then finishes the step, saves, exits 0
     proc = _spawn(out, Path(cache), "checkpoint.every_steps=0", "train.resume=auto")
-    logged = lambda: [s for s, _ in losses(out)[seen:]]
-    _wait_for(lambda: any(s > last_complete + 1 for s in logged()), proc, "training to continue after resume")
+    logged = lambda: [s for s, _ in losses(out) if s > last_complete]  # the killed run's later lines are dropped
+    _wait_for(lambda: any(s > max(killed_at, last_complete + 1) for s in logged()), proc,
+              "training to continue after resume")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0, proc.stderr.read()[-2000:]
     resumed = logged()
     assert resumed == list(range(last_complete + 1, resumed[-1] + 1))  # continued from the checkpoint, no gaps
+    # the steps the killed run had logged after its last checkpoint were dropped, not logged twice
+    assert [s for s, _ in losses(out)] == list(range(1, resumed[-1] + 1))
     assert complete()[-1] == resumed[-1]  # the final checkpoint is the step it stopped at
     assert not in_flight()
     state = saved_state(ckpts / str(resumed[-1]))

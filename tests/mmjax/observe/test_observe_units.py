@@ -177,3 +177,32 @@ def test_unknown_sink_and_bad_observe_keys_are_config_errors():
         load_config(None, ["observe.nan_policy=ignore"])
     with pytest.raises(ConfigError, match="observe.profile_steps"):
         load_config(None, ["observe.profile_steps=[[5,3]]"])
+
+
+def test_jsonl_resume_drops_replayed_steps(tmp_path):
+    from mmjax.observe.sinks import JsonlSink
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "train/loss": 1.0}) + "\n" for s in (0, 10, 20, 30))
+                    + '{"step": 40, "train/lo')  # the last line, cut short by a crash
+    sink = JsonlSink(path, start_step=20)  # resumed from the checkpoint of step 20: 30 and 40 are trained again
+    sink.write(30, {"train/loss": 2.0})
+    sink.close()
+    assert [(r["step"], r["train/loss"]) for r in map(json.loads, path.read_text().splitlines())] == [
+        (0, 1.0), (10, 1.0), (20, 1.0), (30, 2.0)]
+
+
+def test_console_shows_what_a_person_needs():
+    import logging
+
+    from mmjax.observe.console import ConsoleFilter
+
+    def shown(name, level, msg):
+        return ConsoleFilter().filter(logging.LogRecord(name, level, __file__, 1, msg, None, None))
+
+    assert shown("mmjax.engine.trainer", logging.INFO, "model: 0.2M parameters")
+    assert not shown("mmjax.kernels", logging.INFO, "attention impl=auto chose 'xla'")  # log file only
+    assert not shown("absl", logging.INFO, "Created BasePyTreeCheckpointHandler")  # Orbax details
+    assert not shown("absl", logging.WARNING, "Given directory is read only=/x")  # a checkpoint opened to read
+    assert shown("absl", logging.WARNING, "something else went wrong")
+    assert shown("jax._src.xla_bridge", logging.ERROR, "backend failed")
