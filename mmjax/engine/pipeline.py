@@ -13,10 +13,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
-from mmjax import kernels
 from mmjax.engine.steps import MODEL_INPUTS, split_micro_batches
 from mmjax.model.decoder import RESIDUAL
 from mmjax.model.layers import run_stack
@@ -42,7 +40,6 @@ def make_pipeline_loss(cfg, mesh) -> LossFn:
     """loss(model, batch, scale) -> (token-loss sum, loss-token count) through the configured pipeline."""
     plan = check_pipeline(cfg, mesh.shape["pipeline"])
     m = cfg.train.grad_accum_steps
-    loss_impl = cfg.model.loss_impl
 
     def loss(model: nnx.Module, batch: dict, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
         dec = model.decoder
@@ -70,13 +67,13 @@ def make_pipeline_loss(cfg, mesh) -> LossFn:
             targets, mask = loss_in
             hidden = nnx.merge(norm_gd, hp["norm"])(h)
             count = jnp.sum(mask)
-            if loss_impl != "xla":  # as steps.loss_sums: fused linear cross-entropy, no [b, S, vocab] logits
-                return kernels.linear_cross_entropy(hidden, hp["w"], targets, mask, w_layout=layout,
-                                                    impl=loss_impl), count
             spec = "bse,ve->bsv" if layout == "ve" else "bse,ev->bsv"
             logits = jnp.einsum(spec, hidden, hp["w"].astype(dec.compute_dtype), preferred_element_type=jnp.float32)
             logits = constrain(logits, ("batch", "length", "vocab"))
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+            # cross-entropy with the target logit picked by a one-hot product: XLA's SPMD partitioner aborts
+            # on the gather of take_along_axis inside a shard_map that leaves other mesh axes automatic
+            picked = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) == targets[..., None], logits, 0.0), axis=-1)
+            ce = jax.nn.logsumexp(logits, axis=-1) - picked
             return jnp.sum(ce * mask), count
 
         f = pipeline_loss(plan.schedule, stage_fn, head_fn, mesh)
