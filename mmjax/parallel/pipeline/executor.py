@@ -127,9 +127,12 @@ def run_schedule(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, stage_p
             c = dict(c, g_stage=g_stage, dx=jax.lax.dynamic_update_index_in_dim(c["dx"], new, micro, 0))
             return c, dx
 
+        def slot(valid, run, c, t):
+            return jax.lax.cond(valid, run, lambda c, t: (c, jnp.zeros_like(x0)), c, t)
+
         def tick(c, t):
-            c, send_x = jax.lax.cond(t["f_valid"] > 0, forward_slot, lambda c, t: (c, jnp.zeros_like(x0)), c, t)
-            c, send_g = jax.lax.cond(t["b_valid"] > 0, backward_slot, lambda c, t: (c, jnp.zeros_like(x0)), c, t)
+            c, send_x = slot(t["f_valid"] > 0, forward_slot, c, t)
+            c, send_g = slot(t["b_valid"] > 0, backward_slot, c, t)
             recv_x = jax.lax.ppermute(send_x, AXIS, [(j, (j + 1) % p) for j in range(p)])
             recv_g = jax.lax.ppermute(send_g.astype(x0.dtype), AXIS, [(j, (j - 1) % p) for j in range(p)])
             return dict(c, recv_x=recv_x, recv_g=recv_g), None

@@ -32,13 +32,14 @@ BASE = ["model.compute_dtype=float32", "train.global_batch_size=8", "train.grad_
         "model.vision.dim=64", "model.vision.mlp_dim=128"]
 
 LAYOUTS = {  # images + packed segments in every batch; tied embeddings unless said otherwise
-    "gpipe_pp2_fsdp2_tp2_zero3": ["mesh.data=1", "mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2",
-                                  "parallel.pipeline_schedule=gpipe", "parallel.pipeline_balance=even"],
-    "1f1b_pp4_data2_zero1_untied_cost": ["mesh.data=2", "mesh.pipeline=4", "parallel.zero_stage=1",
-                                         "model.text.tie_embeddings=false", "model.text.n_layers=6",
-                                         "parallel.pipeline_balance=cost"],
-    "interleaved2_pp2_seq2_tp2_ring_zero2": ["mesh.data=1", "mesh.pipeline=2", "mesh.sequence=2", "mesh.tensor=2",
-                                             "parallel.context_parallel=ring", "parallel.zero_stage=2",
+    # cost balance with the head as 2 layers: stages of 3 and 1 layers (a padded slot on rank 1)
+    "gpipe_pp2_fsdp2_tp2_zero3_cost": ["mesh.data=1", "mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                       "parallel.pipeline_schedule=gpipe", "parallel.pipeline_balance=cost"],
+    "1f1b_pp4_data2_zero1_even": ["mesh.data=2", "mesh.pipeline=4", "parallel.zero_stage=1",
+                                  "parallel.pipeline_balance=even"],
+    "interleaved2_pp2_seq2_tp2_allgather_zero2": ["mesh.data=1", "mesh.pipeline=2", "mesh.sequence=2",
+                                                  "mesh.tensor=2", "parallel.context_parallel=allgather",
+                                                  "parallel.zero_stage=2",
                                              "parallel.pipeline_schedule=interleaved_1f1b",
                                              "parallel.pipeline_virtual_stages=2"],
 }
@@ -92,6 +93,7 @@ def test_balance_counts_the_head():
     (["mesh.pipeline=2", "train.grad_accum_steps=4", "model.scan_layers=false"], "scan_layers=true"),
     (["mesh.pipeline=2", "train.grad_accum_steps=4", "parallel.pipeline_virtual_stages=2"], "interleaved_1f1b"),
     (["mesh.pipeline=2", "train.grad_accum_steps=4", "parallel.rules.batch=pipeline"], "owns"),
+    (["mesh.pipeline=2", "mesh.sequence=2", "train.grad_accum_steps=4"], "context_parallel=allgather"),
 ])
 def test_bad_layouts_fail_at_config_time(overrides, match):
     with pytest.raises(ConfigError, match=match):
