@@ -38,7 +38,7 @@ def to_stages(layers: dict, plan: PipelinePlan) -> dict:
 
 def make_pipeline_loss(cfg, mesh) -> LossFn:
     """loss(model, batch, scale) -> (token-loss sum, loss-token count) through the configured pipeline."""
-    plan = check_pipeline(cfg, mesh.shape["pipeline"])
+    plan = check_pipeline(cfg, mesh.shape["pipeline"], report=True)
     m = cfg.train.grad_accum_steps
 
     def loss(model: nnx.Module, batch: dict, scale: jax.Array) -> tuple[jax.Array, jax.Array]:

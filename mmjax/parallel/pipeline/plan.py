@@ -19,8 +19,9 @@ class PipelinePlan:
     layout: Layout
 
 
-def check_pipeline(cfg, p: int) -> PipelinePlan:
-    """Validate a pipeline of `p` ranks for `cfg` and return its plan; warns when the bubble is large."""
+def check_pipeline(cfg, p: int, report: bool = False) -> PipelinePlan:
+    """Validate a pipeline of `p` ranks for `cfg` and return its plan; `report` logs the layout and expected
+    bubble (a warning below 4p microbatches)."""
     par, m = cfg.parallel, cfg.train.grad_accum_steps
     v = par.pipeline_virtual_stages
     if v < 1:
@@ -48,7 +49,11 @@ def check_pipeline(cfg, p: int) -> PipelinePlan:
         raise ConfigError(f"parallel.pipeline_head_cost={par.pipeline_head_cost} must be >= 0")
     layout = make_layout(cfg.model.text.n_layers, p, v, par.pipeline_balance, par.pipeline_head_cost)
     schedule = make_schedule(par.pipeline_schedule, p, m, v)
-    if m < 4 * p:
+    if report:
+        log.info("pipeline: %s over %d ranks x %d chunks, %d microbatches, stages of %s layers, %d ticks, "
+                 "expected bubble %.1f%%, stash depth %d", schedule.name, p, v, m, list(layout.sizes),
+                 schedule.num_ticks, 100 * expected_bubble(p, m, v), schedule.stash_depth())
+    if report and m < 4 * p:
         log.warning("train.grad_accum_steps=%d microbatches over mesh.pipeline=%d ranks: expected bubble %.0f%% "
                     "of the step; >= %d microbatches bring it below %.0f%%", m, p, 100 * expected_bubble(p, m, v),
                     4 * p, 100 * expected_bubble(p, 4 * p, v))

@@ -206,5 +206,5 @@ def expected_bubble(p: int, m: int, v: int = 1) -> float:
 
 
 if __name__ == "__main__":  # python -m mmjax.parallel.pipeline.schedule: the grids shown in docs/parallelism.md
-    for s in (gpipe(4, 8), one_f_one_b(4, 8), interleaved_1f1b(4, 2, 8)):
+    for s in (gpipe(4, 8), one_f_one_b(4, 8), interleaved_1f1b(2, 2, 4)):
         print(s.grid(), end="\n\n")

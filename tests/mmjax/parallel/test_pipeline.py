@@ -12,6 +12,7 @@ import itertools
 import jax
 import numpy as np
 import pytest
+from test_layouts import FAST_COMPILE, IMAGE_ID, MODEL, make_batch, rel_err  # pytest puts this folder on sys.path
 
 from mmjax.config import load_config
 from mmjax.engine.feed import to_global_batch
@@ -23,8 +24,6 @@ from mmjax.parallel.mesh import make_mesh
 from mmjax.parallel.pipeline import schedule as sch
 from mmjax.parallel.pipeline.balance import balance, make_layout
 from mmjax.parallel.sharding import context_from_config
-
-from test_layouts import FAST_COMPILE, IMAGE_ID, MODEL, make_batch, rel_err  # pytest puts this folder on sys.path
 
 BASE = ["model.compute_dtype=float32", "train.global_batch_size=8", "train.grad_accum_steps=4",
         "optim.warmup_steps=0", "optim.schedule=constant", "optim.lr=1.0", "optim.eps=1.0", "train.steps=2",
