@@ -10,6 +10,7 @@ and feature at least once, not the full cross product (one compile per row of LA
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_layouts import FAST_COMPILE, IMAGE_ID, MODEL, make_batch, rel_err  # pytest puts this folder on sys.path
@@ -18,6 +19,7 @@ from mmjax.config import load_config
 from mmjax.engine.feed import to_global_batch
 from mmjax.engine.init import create_train_state, model_setup, state_shardings
 from mmjax.engine.optimizer import learning_rate_schedule, make_optimizer
+from mmjax.engine.precision import LossScale
 from mmjax.engine.steps import jit_train_step
 from mmjax.errors import ConfigError
 from mmjax.parallel.mesh import make_mesh
@@ -103,13 +105,22 @@ def test_bad_layouts_fail_at_config_time(overrides, match):
 
 
 def train_two_steps(overrides, devices=None, initial=None):
-    """(initial host state, final host state, [metrics of step 1, step 2])."""
+    """(initial host state, final host state, [metrics of step 1, step 2]).
+
+    The state starts with fp16's dynamic loss scaling (scale 2^10, growth every step) although the compute is
+    float32 (XLA:CPU has no float16 matmuls): the pipeline then runs its backward seeded with the scale and the
+    step unscales, as with float16, and both steps' scales must agree with pipeline=1."""
     cfg = load_config(MODEL, BASE + overrides)
     mesh = make_mesh(cfg, devices)
     setup = model_setup(cfg, mesh, IMAGE_ID)
     optimizer = make_optimizer(cfg)
     if initial is None:
-        state, shardings = create_train_state(cfg, mesh, setup, optimizer)
+        state, _ = create_train_state(cfg, mesh, setup, optimizer)
+        scale = LossScale(scale=jnp.asarray(1024.0, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
+                          skipped=jnp.zeros((), jnp.int32), growth_interval=1, factor=2.0)
+        state = state.replace(loss_scale=scale)
+        shardings = state_shardings(mesh, setup, optimizer, state)
+        state = jax.device_put(state, shardings)
     else:
         shardings = state_shardings(mesh, setup, optimizer, initial)
         state = jax.device_put(initial, shardings)
@@ -145,6 +156,7 @@ def test_pipeline_matches_pipeline_1(name, reference):
     initial, ref_state, ref_metrics = reference(model_keys)
     _, state, metrics = train_two_steps(overrides, initial=initial)
     for got, want in zip(metrics, ref_metrics):
+        assert got["train/loss_scale"] == want["train/loss_scale"] and got["train/skipped_steps"] == 0
         for key in ("train/loss", "train/grad_norm", "train/loss_tokens"):
             assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (key, got[key], want[key])
     leaves = jax.tree_util.tree_leaves_with_path(state.params)
@@ -152,6 +164,7 @@ def test_pipeline_matches_pipeline_1(name, reference):
         assert rel_err(got, want) <= 1e-5, (jax.tree_util.keystr(path), rel_err(got, want))
     for got, want in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(ref_state.opt_state), strict=True):
         assert rel_err(np.asarray(got, np.float64), np.asarray(want, np.float64)) <= 1e-5
+    assert float(state.loss_scale.scale) == 4096.0  # grew after each of the two finite steps
     moved = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(state.params),
                                                                jax.tree.leaves(initial.params)))
     assert moved > 1e-3
@@ -159,7 +172,6 @@ def test_pipeline_matches_pipeline_1(name, reference):
 
 def test_1f1b_temp_memory_is_flat_in_microbatches_while_gpipe_grows():
     """Compiled temporary memory of the executor alone (a tanh-MLP stage with wide residuals) for m = 8, 32."""
-    import jax.numpy as jnp
     from jax.sharding import AxisType, Mesh
 
     from mmjax.parallel.pipeline.executor import run_schedule
