@@ -70,17 +70,15 @@ def balance(n_layers: int, n_stages: int, head_cost: float) -> tuple[int, ...]:
                 out = cand
         return out
 
+    if n_stages == 1:
+        return (n_layers,)
     out = None
-    for last in range(1, n_layers - n_stages + 2):
-        if n_stages == 1:
-            cand = (n_layers + head_cost, (n_layers,))
-            out = cand
-            break
+    for last in range(1, n_layers - n_stages + 2):  # layers of the last stage, which also runs the head
         cost, sizes = best(n_layers - last, n_stages - 1)
-        spread = max(sizes + (last,)) - min(sizes + (last,))
-        cand = (max(cost, last + head_cost), sizes + (last,))
-        if out is None or cand[0] < out[0] - 1e-9 or (abs(cand[0] - out[0]) < 1e-9 and spread < out[2]):
-            out = (cand[0], cand[1], spread)
+        sizes = sizes + (last,)
+        cand = (max(cost, last + head_cost), sizes, max(sizes) - min(sizes))
+        if out is None or cand[0] < out[0] - 1e-9 or (abs(cand[0] - out[0]) < 1e-9 and cand[2] < out[2]):
+            out = cand
     return tuple(out[1])
 
 

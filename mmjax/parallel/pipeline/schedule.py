@@ -54,7 +54,6 @@ class Schedule:
 
     def check(self) -> None:
         """Every (stage, microbatch) runs F and B once; data arrive one tick before use; one F and one B per tick."""
-        p, v, m = self.p, self.v, self.m
         last = self.num_stages - 1
         when: dict[tuple[str, int, int], int] = {}
         for r, acts in enumerate(self.actions):
@@ -66,7 +65,7 @@ class Schedule:
                 slots.add((a.kind, a.tick))
                 when[key] = a.tick
         for s in range(last + 1):
-            for i in range(m):
+            for i in range(self.m):
                 f, b = when.get(("F", s, i)), when.get(("B", s, i))
                 if f is None or b is None:
                     raise ValueError(f"{self.name}: stage {s} microbatch {i} lacks a forward or backward")
@@ -76,7 +75,6 @@ class Schedule:
                     raise ValueError(f"{self.name}: B{s},{i} at tick {b} does not follow B{s + 1},{i} by one tick")
                 if b < f:
                     raise ValueError(f"{self.name}: B{s},{i} runs before its forward")
-        del p, v
 
     def stash_depth(self) -> int:
         """Most forward residuals any rank holds at once (microbatch-chunks awaiting their backward)."""
