@@ -40,6 +40,7 @@ def make_pipeline_loss(cfg, mesh) -> LossFn:
     """loss(model, batch, scale) -> (token-loss sum, loss-token count) through the configured pipeline."""
     plan = check_pipeline(cfg, mesh.shape["pipeline"], report=True)
     m = cfg.train.grad_accum_steps
+    ring = mesh.shape["sequence"] > 1 and cfg.parallel.context_parallel == "ring"
 
     def loss(model: nnx.Module, batch: dict, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
         dec = model.decoder
@@ -58,6 +59,8 @@ def make_pipeline_loss(cfg, mesh) -> LossFn:
 
             def body(layer, h, active):  # a padding slot (uneven stages) skips its layer
                 run = lambda h: layer(h, positions, segment_ids, block_ids)  # noqa: E731
+                if ring:  # its permutes must run on every device: no branch that differs across ranks
+                    return jnp.where(active > 0, run(h), h), None
                 return jax.lax.cond(active > 0, run, lambda h: h, h), None
 
             h = constrain(h, RESIDUAL)
@@ -76,7 +79,7 @@ def make_pipeline_loss(cfg, mesh) -> LossFn:
             ce = jax.nn.logsumexp(logits, axis=-1) - picked
             return jnp.sum(ce * mask), count
 
-        f = pipeline_loss(plan.schedule, stage_fn, head_fn, mesh)
+        f = pipeline_loss(plan.schedule, stage_fn, head_fn, mesh, masked=ring)
         stage_params = to_stages(layers_state.to_pure_dict(), plan)
         head_params = {"norm": norm_state.to_pure_dict(), "w": w}
         return f(stage_params, head_params, micro["x"], side, (micro["targets"], micro["loss_mask"]),

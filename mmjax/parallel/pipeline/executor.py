@@ -43,10 +43,14 @@ def _take(tree: Any, i) -> Any:
 
 
 def run_schedule(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, stage_params: Any, head_params: Any,
-                 x_mb: jax.Array, side_mb: Any, loss_mb: Any, seed: jax.Array, mesh) -> tuple:
+                 x_mb: jax.Array, side_mb: Any, loss_mb: Any, seed: jax.Array, mesh, masked: bool = False) -> tuple:
     """Run `schedule`'s forward and backward. `stage_params` leaves are [p, v, k, ...] (rank, chunk, layer);
     `x_mb` [m, ...] the first stage's inputs, `side_mb`/`loss_mb` per-microbatch trees [m, ...] for every
     stage / the head; `seed` the cotangent of the loss sum (the loss scale).
+
+    `masked` runs every slot on every rank and keeps the valid slots' results instead of branching with
+    `lax.cond`: for stages whose body has collective-permutes over another mesh axis (ring attention), which
+    every device must reach. Idle slots then cost compute: the bubble is that of an unconditional lock-step.
 
     Returns (loss sum, token count, d stage_params, d head_params, d x_mb)."""
     p, v = schedule.p, schedule.v
@@ -109,7 +113,10 @@ def run_schedule(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, stage_p
                 zero = jnp.zeros((), jnp.float32)
                 return zero, zero, jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(y)
 
-            total, count, d_head, dy = jax.lax.cond(last, head, no_head, y)
+            if masked:
+                total, count, d_head, dy = jax.tree.map(lambda a, b: jnp.where(last, a, b), head(y), no_head(y))
+            else:
+                total, count, d_head, dy = jax.lax.cond(last, head, no_head, y)
             c = dict(c, dout=c["dout"].at[slot].set(dy), total=c["total"] + total, count=c["count"] + count,
                      g_head=jax.tree.map(jnp.add, c["g_head"], d_head))
             return c, y
@@ -128,7 +135,11 @@ def run_schedule(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, stage_p
             return c, dx
 
         def slot(valid, run, c, t):
-            return jax.lax.cond(valid, run, lambda c, t: (c, jnp.zeros_like(x0)), c, t)
+            if not masked:
+                return jax.lax.cond(valid, run, lambda c, t: (c, jnp.zeros_like(x0)), c, t)
+            new, out = run(c, t)
+            keep = lambda a, b: jnp.where(valid, a, b)  # noqa: E731
+            return jax.tree.map(keep, new, c), keep(out, jnp.zeros_like(out))
 
         def tick(c, t):
             c, send_x = slot(t["f_valid"] > 0, forward_slot, c, t)
@@ -153,14 +164,14 @@ def run_schedule(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, stage_p
     return total, count, g_stage, g_head, dx[0]
 
 
-def pipeline_loss(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, mesh) -> Callable:
+def pipeline_loss(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, mesh, masked: bool = False) -> Callable:
     """f(stage_params, head_params, x_mb, side_mb, loss_mb, seed) -> (loss sum, token count), differentiable
     in its first three arguments through the executor's own backward (a `custom_vjp`).
 
     `seed` is the cotangent the caller will put on the loss sum (the loss scale); the gradients are computed
     with it inside the pipeline, so fp16 loss scaling protects the stages' backward exactly as without a
     pipeline, and the outer cotangent / seed (1 in a train step) only rescales them."""
-    run = functools.partial(run_schedule, schedule, stage_fn, head_fn, mesh=mesh)
+    run = functools.partial(run_schedule, schedule, stage_fn, head_fn, mesh=mesh, masked=masked)
 
     @jax.custom_vjp
     def f(stage_params, head_params, x_mb, side_mb, loss_mb, seed):

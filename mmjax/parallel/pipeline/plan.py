@@ -41,10 +41,6 @@ def check_pipeline(cfg, p: int, report: bool = False) -> PipelinePlan:
         if "pipeline" in targets:
             raise ConfigError(f"parallel.rules.{name} maps to `pipeline`, which the pipeline itself owns; "
                               "map it to another mesh axis")
-    if cfg.mesh.sequence != 1 and par.context_parallel == "ring":
-        # the ring's collective-permutes inside the stages deadlock (seen on the CPU backend); all-gather works
-        raise ConfigError("mesh.pipeline > 1 with mesh.sequence > 1 needs parallel.context_parallel=allgather "
-                          "(ring attention inside pipeline stages is not supported)")
     if par.pipeline_head_cost < 0:
         raise ConfigError(f"parallel.pipeline_head_cost={par.pipeline_head_cost} must be >= 0")
     layout = make_layout(cfg.model.text.n_layers, p, v, par.pipeline_balance, par.pipeline_head_cost)
