@@ -146,6 +146,7 @@ class MeshConfig:
     # of `sequence` and `tensor`, stay inside one. 1 = the whole axis is within a node.
     dcn_data: int = 1
     dcn_fsdp: int = 1
+    dcn_pipeline: int = 1  # how many of `pipeline`'s stages sit on different nodes/slices (stage hops cross DCN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +160,11 @@ class ParallelConfig:
     sequence_parallel: bool = False  # Megatron SP: norm/residual activations split over `tensor` along length
     context_parallel: Literal["allgather", "ring"] = "ring"  # attention when mesh.sequence > 1: allgather (KV) | ring
     load_balance: bool = True  # ring: zigzag causal layout so every sequence shard does equal work
+    # mesh.pipeline > 1 (docs/parallelism.md#pipeline-parallelism): microbatches = train.grad_accum_steps
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    pipeline_virtual_stages: int = 1  # v decoder chunks per pipeline rank (interleaved_1f1b only)
+    pipeline_balance: Literal["even", "cost"] = "cost"  # stage cut: equal layer counts, or equal cost
+    pipeline_head_cost: float = 2.0  # final norm + LM head + loss, in decoder layers, for the cost balance
     xla_flags_preset: Literal["none", "gpu_overlap"] = "none"  # gpu_overlap: latency-hiding scheduler, async comms
     xla_flags: str = ""  # extra XLA flags appended to XLA_FLAGS before the backend starts
 
@@ -655,10 +661,14 @@ def validate(cfg: Config) -> None:
          "train.resume is empty; use auto, never, a step number or a checkpoint path")
     validate_serve(cfg.serve, m.max_seq_len)
     sizes = {k: v for k, v in dataclasses.asdict(cfg.mesh).items() if not k.startswith("dcn_")}
-    need(cfg.mesh.dcn_data >= 1 and cfg.mesh.dcn_fsdp >= 1, "mesh.dcn_data and mesh.dcn_fsdp must be >= 1")
+    need(min(cfg.mesh.dcn_data, cfg.mesh.dcn_fsdp, cfg.mesh.dcn_pipeline) >= 1,
+         "mesh.dcn_data, mesh.dcn_fsdp and mesh.dcn_pipeline must be >= 1")
     need(list(sizes.values()).count(-1) <= 1,
          f"at most one mesh axis may be -1 (the rest of the devices), got {sizes}")
     need(all(s == -1 or s > 0 for s in sizes.values()), f"mesh sizes must be positive or -1, got {sizes}")
+    if cfg.mesh.pipeline > 1:
+        from mmjax.parallel.pipeline.plan import check_pipeline  # local: config stays importable without jax
+        check_pipeline(cfg, cfg.mesh.pipeline)
 
 
 def validate_buckets(cfg: Config) -> None:

@@ -39,7 +39,12 @@ def model_setup(cfg: Config, mesh: Mesh, image_token_id: int) -> ModelSetup:
         return nnx.split(model, nnx.Param)
 
     graphdef, abstract_params = nnx.eval_shape(lambda: build()[:2])
-    plan = sharding_plan(cfg, mesh, abstract_params, param_logical_axes(abstract_params))
+    names = param_logical_axes(abstract_params)
+    if mesh.shape["pipeline"] > 1 and cfg.model.text.n_layers % mesh.shape["pipeline"] == 0:
+        # each pipeline rank holds a contiguous share of the decoder layers (its stages' when stages are even)
+        names["decoder"]["layers"] = jax.tree.map(lambda n: ("stage", *n[1:]), names["decoder"]["layers"],
+                                                  is_leaf=lambda x: isinstance(x, tuple))
+    plan = sharding_plan(cfg, mesh, abstract_params, names)
     make_params = jax.jit(lambda: build()[1].to_pure_dict(), out_shardings=plan.params)
     return ModelSetup(graphdef, plan.params, make_params, plan)
 

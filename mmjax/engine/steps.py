@@ -58,19 +58,22 @@ def split_micro_batches(batch: Batch, accum_steps: int) -> Batch:
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, accum_steps: int,
-                    skip_nonfinite: bool = True, grad_shardings: Any = None
-                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+                    skip_nonfinite: bool = True, grad_shardings: Any = None,
+                    pipeline_loss: Callable | None = None) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """Build `train_step(state, batch) -> (state, metrics)`; jit it with donated state.
 
     Gradients are of the *sum* of token losses, divided once by the total token count, so any
     accumulation split gives the same update as one big batch. `skip_nonfinite=False`
     (`observe.nan_policy=warn`) applies updates even when gradients are not finite; fp16 loss scaling
     always skips them. `grad_shardings` (the ZeRO plan's) pins where gradients live, e.g.
-    reduce-scattered over the data-parallel group for ZeRO-2.
+    reduce-scattered over the data-parallel group for ZeRO-2. `pipeline_loss(model, batch, scale)`
+    (`engine.pipeline`) replaces `loss_sums` when the mesh has a pipeline: it runs the `accum_steps`
+    microbatches itself, so the step takes one gradient of the whole batch.
     """
 
     def scaled_loss(params: Any, batch: Batch, scale: jax.Array):
-        total, count = loss_sums(nnx.merge(graphdef, params), batch)
+        model = nnx.merge(graphdef, params)
+        total, count = loss_sums(model, batch) if pipeline_loss is None else pipeline_loss(model, batch, scale)
         return total * scale, (total, count)
 
     def grad_fn(params: Any, batch: Batch, scale: jax.Array):
@@ -80,7 +83,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         return grads, aux
 
     def gradients(params: Any, batch: Batch, scale: jax.Array):
-        if accum_steps == 1:
+        if accum_steps == 1 or pipeline_loss is not None:
             grads, (total, count) = grad_fn(params, batch, scale)
             return grads, total, count
         micro = split_micro_batches(batch, accum_steps)
@@ -145,6 +148,12 @@ def jit_train_step(cfg: Any, setup: Any, optimizer: optax.GradientTransformation
     `setup` is the `engine.init.ModelSetup`; the step is traced inside `sharding` (activation constraints,
     context parallelism, per-shard custom kernels), its state donated and pinned to `state_shardings`.
     """
+    pipeline = None
+    if sharding is not None and sharding.mesh.shape.get("pipeline", 1) > 1:
+        from mmjax.engine.pipeline import make_pipeline_loss  # local: it imports this module
+
+        pipeline = make_pipeline_loss(cfg, sharding.mesh)
     step = make_train_step(setup.graphdef, optimizer, schedule, cfg.train.grad_accum_steps,
-                           skip_nonfinite=cfg.observe.nan_policy != "warn", grad_shardings=setup.plan.grads)
+                           skip_nonfinite=cfg.observe.nan_policy != "warn", grad_shardings=setup.plan.grads,
+                           pipeline_loss=pipeline)
     return jax.jit(in_sharding_context(step, sharding), out_shardings=(state_shardings, None), donate_argnums=0)

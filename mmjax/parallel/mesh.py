@@ -58,7 +58,7 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
 
 
 def hybrid_grid(sizes: dict[str, int], dcn: dict[str, int], devices: list) -> np.ndarray:
-    """Device grid whose `dcn_*` factor of data/fsdp runs across granules (processes, or TPU slices)."""
+    """Device grid whose `dcn_*` factor of data/fsdp/pipeline runs across granules (processes, or TPU slices)."""
     for a, n in dcn.items():
         if sizes[a] % n:
             raise ConfigError(f"mesh.dcn_{a}={n} does not divide mesh.{a}={sizes[a]}")
@@ -105,5 +105,6 @@ def check_fits(cfg: Config, sizes: dict[str, int]) -> None:
         raise ConfigError(f"model.max_seq_len={cfg.model.max_seq_len} is not divisible by "
                           f"mesh.sequence={sizes['sequence']}")
     if sizes["pipeline"] != 1:
-        raise ConfigError("mesh.pipeline > 1 needs pipeline parallelism, which mmjax does not have yet; "
-                          "set mesh.pipeline=1")
+        from mmjax.parallel.pipeline.plan import check_pipeline
+
+        check_pipeline(cfg, sizes["pipeline"])

@@ -29,6 +29,7 @@ DEFAULT_RULES: dict[str, Any] = {
     "head_dim": None,
     "vocab": "tensor",
     "layers": None,
+    "stage": "pipeline",  # the decoder's layer axis when mesh.pipeline > 1 (engine.init renames it)
     # activations
     "batch": ("data", "fsdp"),
     "length": "sequence",
@@ -52,7 +53,7 @@ def resolve_rules(overrides: dict[str, Any] | None = None, *, sequence_parallel:
     for name, target in (overrides or {}).items():
         rules[name] = tuple(target) if isinstance(target, list) else target
     if zero_stage < 3:
-        for name in ("embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "layers"):
+        for name in ("embed", "mlp", "heads", "kv_heads", "head_dim", "vocab", "layers", "stage"):
             rules[name] = _without(rules.get(name), "fsdp")
     return rules
 

@@ -1,0 +1,88 @@
+"""The MLLM's train loss through a pipeline: placement of the model around the pipeline executor.
+
+Vision tower, projector and token embeddings run before the pipeline as plain GSPMD; the decoder stack is
+cut into stages (`parallel.pipeline.balance`); final norm, LM head and loss run in the last stage per
+microbatch and return token-loss sums, so the train step's normalisation, loss scaling, ZeRO and optimizer
+are the same as without a pipeline. Parameters stay in canonical layer order (checkpoints restore under
+any pipeline layout); each step gathers them into the [rank, chunk, slot] order the executor runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mmjax.engine.steps import MODEL_INPUTS, split_micro_batches
+from mmjax.model.decoder import RESIDUAL
+from mmjax.model.layers import run_stack
+from mmjax.parallel.pipeline.executor import pipeline_loss
+from mmjax.parallel.pipeline.plan import PipelinePlan, check_pipeline
+from mmjax.parallel.sharding import constrain
+
+LossFn = Callable[[nnx.Module, dict, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def to_stages(layers: dict, plan: PipelinePlan) -> dict:
+    """Canonical [L, ...] layer params -> {"layers": [p, v, slots, ...], "active": [p, v, slots]}."""
+    lay = plan.layout
+    idx, active = lay.index()
+    if lay.uniform:  # contiguous equal stages: a free reshape of the pipeline-sharded layer axis
+        stacked = jax.tree.map(lambda a: a.reshape(lay.p, 1, lay.slots, *a.shape[1:]), layers)
+    else:
+        stacked = jax.tree.map(lambda a: a[jnp.asarray(idx)], layers)
+    return {"layers": stacked, "active": jnp.asarray(active)}
+
+
+def make_pipeline_loss(cfg, mesh) -> LossFn:
+    """loss(model, batch, scale) -> (token-loss sum, loss-token count) through the configured pipeline."""
+    plan = check_pipeline(cfg, mesh.shape["pipeline"], report=True)
+    m = cfg.train.grad_accum_steps
+    ring = mesh.shape["sequence"] > 1 and cfg.parallel.context_parallel == "ring"
+
+    def loss(model: nnx.Module, batch: dict, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+        dec = model.decoder
+        x, block_ids = model.embed(*(batch.get(k) for k in MODEL_INPUTS[:1] + MODEL_INPUTS[3:]))
+        micro = split_micro_batches({"x": x, "positions": batch["positions"], "segment_ids": batch["segment_ids"],
+                                     "block_ids": block_ids, "targets": batch["targets"],
+                                     "loss_mask": batch["loss_mask"].astype(jnp.float32)}, m)
+        side = (micro["positions"], micro["segment_ids"], micro["block_ids"])
+        layers_gd, layers_state = nnx.split(dec.layers)
+        norm_gd, norm_state = nnx.split(dec.final_norm)
+        w, layout = dec.output_matrix()
+
+        def stage_fn(pc, h, side):
+            positions, segment_ids, block_ids = side
+            layers = nnx.merge(layers_gd, pc["layers"])
+
+            def body(layer, h, active):  # a padding slot (uneven stages) skips its layer
+                run = lambda h: layer(h, positions, segment_ids, block_ids)  # noqa: E731
+                if ring:  # its permutes must run on every device: no branch that differs across ranks
+                    return jnp.where(active > 0, run(h), h), None
+                return jax.lax.cond(active > 0, run, lambda h: h, h), None
+
+            h = constrain(h, RESIDUAL)
+            return run_stack(layers, body, h, pc["active"], scan=True, remat_policy=dec.remat)[0]
+
+        def head_fn(hp, h, loss_in):
+            targets, mask = loss_in
+            hidden = nnx.merge(norm_gd, hp["norm"])(h)
+            count = jnp.sum(mask)
+            spec = "bse,ve->bsv" if layout == "ve" else "bse,ev->bsv"
+            logits = jnp.einsum(spec, hidden, hp["w"].astype(dec.compute_dtype), preferred_element_type=jnp.float32)
+            logits = constrain(logits, ("batch", "length", "vocab"))
+            # cross-entropy with the target logit picked by a one-hot product: XLA's SPMD partitioner aborts
+            # on the gather of take_along_axis inside a shard_map that leaves other mesh axes automatic
+            picked = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) == targets[..., None], logits, 0.0), axis=-1)
+            ce = jax.nn.logsumexp(logits, axis=-1) - picked
+            return jnp.sum(ce * mask), count
+
+        f = pipeline_loss(plan.schedule, stage_fn, head_fn, mesh, masked=ring)
+        stage_params = to_stages(layers_state.to_pure_dict(), plan)
+        head_params = {"norm": norm_state.to_pure_dict(), "w": w}
+        return f(stage_params, head_params, micro["x"], side, (micro["targets"], micro["loss_mask"]),
+                 jnp.asarray(scale, jnp.float32))
+
+    return loss

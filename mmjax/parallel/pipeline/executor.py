@@ -1,0 +1,199 @@
+"""One lock-step SPMD executor for every schedule: forward and backward of a stage stack in one program.
+
+`shard_map` over the `pipeline` axis only (the other mesh axes stay with GSPMD inside a stage), a
+`lax.scan` over the schedule's ticks, a `lax.cond` for each tick's forward and backward slot, an explicit
+`jax.vjp` per (chunk, microbatch) whose residuals are stashed in the slot the schedule assigned and
+consumed by its backward, and two `ppermute`s per tick (+1 activations, -1 gradients, around the ring).
+The last stage runs the loss head right after its forward and keeps the head's input gradient for the
+stage's backward. `pipeline_loss` wraps the whole run in a `custom_vjp`, so an outer `jax.grad` sees a
+function (params, inputs) -> (token-loss sum, token count) whose gradients were computed inside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from mmjax.kernels import _sharding
+from mmjax.parallel.pipeline.schedule import Schedule
+
+AXIS = "pipeline"
+StageFn = Callable[[Any, jax.Array, Any], jax.Array]  # (chunk params [k, ...], x, side) -> y like x
+HeadFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, jax.Array]]  # (head params, y, loss in) -> (sum, count)
+
+
+def _stage_context():
+    """The active sharding context re-pointed at the mesh of the current trace (the `pipeline` axis manual),
+    so nested `shard_map`s and constraints inside a stage split over the other axes only."""
+    ctx = _sharding.current()
+    if ctx is None:
+        return None
+    kwargs = {f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx) if f.init and f.name != "mesh"}
+    return type(ctx)(mesh=jax.sharding.get_abstract_mesh(), **kwargs)
+
+
+def _take(tree: Any, i) -> Any:
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def run_schedule(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, stage_params: Any, head_params: Any,
+                 x_mb: jax.Array, side_mb: Any, loss_mb: Any, seed: jax.Array, mesh, masked: bool = False) -> tuple:
+    """Run `schedule`'s forward and backward. `stage_params` leaves are [p, v, k, ...] (rank, chunk, layer);
+    `x_mb` [m, ...] the first stage's inputs, `side_mb`/`loss_mb` per-microbatch trees [m, ...] for every
+    stage / the head; `seed` the cotangent of the loss sum (the loss scale).
+
+    `masked` runs every slot on every rank and keeps the valid slots' results instead of branching with
+    `lax.cond`: for stages whose body has collective-permutes over another mesh axis (ring attention), which
+    every device must reach. Idle slots then cost compute: the bubble is that of an unconditional lock-step.
+
+    Returns (loss sum, token count, d stage_params, d head_params, d x_mb)."""
+    p, v = schedule.p, schedule.v
+    tables = {k: jnp.asarray(t) for k, t in schedule.tables().items()}
+    outer_ctx = _sharding.current()
+
+    def body(tables, stage_params, head_params, x_mb, side_mb, loss_mb, seed):
+        with _sharding.use_sharding(outer_ctx):
+            ctx = _stage_context()
+        with _sharding.use_sharding(ctx):
+            return _body(tables, stage_params, head_params, x_mb, side_mb, loss_mb, seed)
+
+    def _body(tables, stage_params, head_params, x_mb, side_mb, loss_mb, seed):
+        rank = jax.lax.axis_index(AXIS)
+        tables = {k: t[:, 0] for k, t in tables.items()}
+        stage_params = jax.tree.map(lambda a: a[0], stage_params)  # [v, k, ...]
+        x0 = x_mb[0]
+
+        def fwd(pc, x, side):
+            return jax.vjp(lambda pc, x: stage_fn(pc, x, side), pc, x)
+
+        treedef_box = []
+
+        def residual_leaves(pc, x, side):
+            _, vjp_fn = fwd(pc, x, side)
+            leaves, treedef = jax.tree.flatten(vjp_fn)
+            treedef_box.append(treedef)
+            return leaves
+
+        res_shapes = jax.eval_shape(residual_leaves, _take(stage_params, 0), x0, _take(side_mb, 0))
+        treedef = treedef_box[0]
+        depth = schedule.stash_depth()
+        zeros = lambda shape, dtype: jnp.zeros(shape, dtype)  # noqa: E731
+        carry = dict(
+            recv_x=jnp.zeros_like(x0), recv_g=jnp.zeros_like(x0),
+            stash=[zeros((depth, *s.shape), s.dtype) for s in res_shapes],
+            dout=jnp.zeros((depth, *x0.shape), x0.dtype),
+            g_stage=jax.tree.map(jnp.zeros_like, stage_params),
+            g_head=jax.tree.map(jnp.zeros_like, head_params),
+            dx=jnp.zeros_like(x_mb),
+            total=jnp.zeros((), jnp.float32), count=jnp.zeros((), jnp.float32),
+        )
+
+        def forward_slot(c, t):
+            chunk, micro, slot = t["f_chunk"], t["f_micro"], t["f_slot"]
+            first = (chunk == 0) & (rank == 0)
+            last = (chunk == v - 1) & (rank == p - 1)
+            x = jnp.where(first, jax.lax.dynamic_index_in_dim(x_mb, micro, keepdims=False), c["recv_x"])
+            y, vjp_fn = fwd(_take(stage_params, chunk), x, _take(side_mb, micro))
+            leaves = jax.tree.leaves(vjp_fn)
+            c = dict(c, stash=[s.at[slot].set(leaf) for s, leaf in zip(c["stash"], leaves)])
+            loss_in = _take(loss_mb, micro)
+
+            def head(y):
+                (total, count), head_vjp = jax.vjp(lambda hp, y: head_fn(hp, y, loss_in), head_params, y)
+                d_head, dy = head_vjp((seed.astype(total.dtype), jnp.zeros_like(count)))
+                return total, count, d_head, dy.astype(y.dtype)
+
+            def no_head(y):
+                zero = jnp.zeros((), jnp.float32)
+                return zero, zero, jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(y)
+
+            if masked:
+                total, count, d_head, dy = jax.tree.map(lambda a, b: jnp.where(last, a, b), head(y), no_head(y))
+            else:
+                total, count, d_head, dy = jax.lax.cond(last, head, no_head, y)
+            c = dict(c, dout=c["dout"].at[slot].set(dy), total=c["total"] + total, count=c["count"] + count,
+                     g_head=jax.tree.map(jnp.add, c["g_head"], d_head))
+            return c, y
+
+        def backward_slot(c, t):
+            chunk, micro, slot = t["b_chunk"], t["b_micro"], t["b_slot"]
+            first = (chunk == 0) & (rank == 0)
+            last = (chunk == v - 1) & (rank == p - 1)
+            vjp_fn = jax.tree.unflatten(treedef, [s[slot] for s in c["stash"]])
+            gy = jnp.where(last, c["dout"][slot], c["recv_g"])
+            d_params, dx = vjp_fn(gy)
+            g_stage = jax.tree.map(lambda g, d: g.at[chunk].add(d), c["g_stage"], d_params)
+            old = jax.lax.dynamic_index_in_dim(c["dx"], micro, keepdims=False)
+            new = jnp.where(first, dx.astype(old.dtype), old)
+            c = dict(c, g_stage=g_stage, dx=jax.lax.dynamic_update_index_in_dim(c["dx"], new, micro, 0))
+            return c, dx
+
+        def slot(valid, run, c, t):
+            if not masked:
+                return jax.lax.cond(valid, run, lambda c, t: (c, jnp.zeros_like(x0)), c, t)
+            new, out = run(c, t)
+            keep = lambda a, b: jnp.where(valid, a, b)  # noqa: E731
+            return jax.tree.map(keep, new, c), keep(out, jnp.zeros_like(out))
+
+        def tick(c, t):
+            c, send_x = slot(t["f_valid"] > 0, forward_slot, c, t)
+            c, send_g = slot(t["b_valid"] > 0, backward_slot, c, t)
+            recv_x = jax.lax.ppermute(send_x, AXIS, [(j, (j + 1) % p) for j in range(p)])
+            recv_g = jax.lax.ppermute(send_g.astype(x0.dtype), AXIS, [(j, (j - 1) % p) for j in range(p)])
+            return dict(c, recv_x=recv_x, recv_g=recv_g), None
+
+        c, _ = jax.lax.scan(tick, carry, tables)
+        total = jax.lax.psum(c["total"], AXIS)
+        count = jax.lax.psum(c["count"], AXIS)
+        g_head = jax.lax.psum(c["g_head"], AXIS)
+        g_stage = jax.tree.map(lambda g: g[None], c["g_stage"])
+        return total, count, g_stage, g_head, c["dx"][None]
+
+    rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    stage_spec = jax.tree.map(lambda _: P(AXIS), stage_params)
+    in_specs = ({k: P(None, AXIS) for k in tables}, stage_spec, rep(head_params), P(), rep(side_mb), rep(loss_mb), P())
+    out_specs = (P(), P(), stage_spec, rep(head_params), P(AXIS))
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS}, check_vma=False)
+    total, count, g_stage, g_head, dx = fn(tables, stage_params, head_params, x_mb, side_mb, loss_mb, seed)
+    return total, count, g_stage, g_head, dx[0]
+
+
+def pipeline_loss(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, mesh, masked: bool = False) -> Callable:
+    """f(stage_params, head_params, x_mb, side_mb, loss_mb, seed) -> (loss sum, token count), differentiable
+    in its first three arguments through the executor's own backward (a `custom_vjp`).
+
+    `seed` is the cotangent the caller will put on the loss sum (the loss scale); the gradients are computed
+    with it inside the pipeline, so fp16 loss scaling protects the stages' backward exactly as without a
+    pipeline, and the outer cotangent / seed (1 in a train step) only rescales them."""
+    run = functools.partial(run_schedule, schedule, stage_fn, head_fn, mesh=mesh, masked=masked)
+
+    @jax.custom_vjp
+    def f(stage_params, head_params, x_mb, side_mb, loss_mb, seed):
+        total, count, *_ = run(stage_params, head_params, x_mb, side_mb, loss_mb, seed)
+        return total, count
+
+    def f_fwd(stage_params, head_params, x_mb, side_mb, loss_mb, seed):
+        total, count, g_stage, g_head, dx = run(stage_params, head_params, x_mb, side_mb, loss_mb, seed)
+        return (total, count), (g_stage, g_head, dx, seed, side_mb, loss_mb)
+
+    def f_bwd(res, cotangents):
+        g_stage, g_head, dx, seed, side_mb, loss_mb = res
+        ratio = cotangents[0] / seed
+        scale = lambda tree: jax.tree.map(lambda g: (g * ratio).astype(g.dtype), tree)  # noqa: E731
+        zero = lambda tree: jax.tree.map(_zero_cotangent, tree)  # noqa: E731
+        return scale(g_stage), scale(g_head), scale(dx), zero(side_mb), zero(loss_mb), jnp.zeros_like(seed)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def _zero_cotangent(x: jax.Array) -> jax.Array:
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return jnp.zeros(x.shape, jax.dtypes.float0)

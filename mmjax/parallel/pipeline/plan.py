@@ -1,0 +1,56 @@
+"""The pipeline a config asks for: its schedule and layer layout, and the checks that reject bad layouts
+at config time with one line naming the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from mmjax.errors import ConfigError
+from mmjax.parallel.pipeline.balance import Layout, make_layout
+from mmjax.parallel.pipeline.schedule import Schedule, expected_bubble, make_schedule
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    schedule: Schedule
+    layout: Layout
+
+
+def check_pipeline(cfg, p: int, report: bool = False) -> PipelinePlan:
+    """Validate a pipeline of `p` ranks for `cfg` and return its plan; `report` logs the layout and expected
+    bubble (a warning below 4p microbatches)."""
+    par, m = cfg.parallel, cfg.train.grad_accum_steps
+    v = par.pipeline_virtual_stages
+    if v < 1:
+        raise ConfigError(f"parallel.pipeline_virtual_stages={v} must be >= 1")
+    if v > 1 and par.pipeline_schedule != "interleaved_1f1b":
+        raise ConfigError(f"parallel.pipeline_virtual_stages={v} needs parallel.pipeline_schedule=interleaved_1f1b")
+    if m < p:
+        raise ConfigError(f"train.grad_accum_steps={m} (the pipeline's microbatches) is below mesh.pipeline={p}; "
+                          f"set train.grad_accum_steps >= {p} (>= {4 * p} keeps the bubble small)")
+    if par.pipeline_schedule == "interleaved_1f1b" and m % p:
+        raise ConfigError(f"interleaved_1f1b needs train.grad_accum_steps={m} divisible by mesh.pipeline={p}; "
+                          f"use {-(-m // p) * p}")
+    if not cfg.model.scan_layers:
+        raise ConfigError("mesh.pipeline > 1 splits the stacked decoder layers; set model.scan_layers=true")
+    for name, target in par.rules.items():
+        targets = target if isinstance(target, list) else [target]
+        if "pipeline" in targets:
+            raise ConfigError(f"parallel.rules.{name} maps to `pipeline`, which the pipeline itself owns; "
+                              "map it to another mesh axis")
+    if par.pipeline_head_cost < 0:
+        raise ConfigError(f"parallel.pipeline_head_cost={par.pipeline_head_cost} must be >= 0")
+    layout = make_layout(cfg.model.text.n_layers, p, v, par.pipeline_balance, par.pipeline_head_cost)
+    schedule = make_schedule(par.pipeline_schedule, p, m, v)
+    if report:
+        log.info("pipeline: %s over %d ranks x %d chunks, %d microbatches, stages of %s layers, %d ticks, "
+                 "expected bubble %.1f%%, stash depth %d", schedule.name, p, v, m, list(layout.sizes),
+                 schedule.num_ticks, 100 * expected_bubble(p, m, v), schedule.stash_depth())
+    if report and m < 4 * p:
+        log.warning("train.grad_accum_steps=%d microbatches over mesh.pipeline=%d ranks: expected bubble %.0f%% "
+                    "of the step; >= %d microbatches bring it below %.0f%%", m, p, 100 * expected_bubble(p, m, v),
+                    4 * p, 100 * expected_bubble(p, 4 * p, v))
+    return PipelinePlan(schedule, layout)

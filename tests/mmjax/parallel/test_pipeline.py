@@ -1,0 +1,229 @@
+"""Pipeline parallelism: schedules (pure Python) and the executor against pipeline=1.
+
+Each pipeline layout trains 2 optimizer steps from the same initial state as a one-device run with the
+same microbatches (train.grad_accum_steps) and must give the same losses, gradient norms and parameters
+(float32, rel <= 1e-5); with Adam eps=1 and lr=1 the first update is ~linear in the gradient, so matching
+parameters means matching gradients. The feature matrix is covered economically: every schedule, mesh
+and feature at least once, not the full cross product (one compile per row of LAYOUTS).
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_layouts import FAST_COMPILE, IMAGE_ID, MODEL, make_batch, rel_err  # pytest puts this folder on sys.path
+
+from mmjax.config import load_config
+from mmjax.engine.feed import to_global_batch
+from mmjax.engine.init import create_train_state, model_setup, state_shardings
+from mmjax.engine.optimizer import learning_rate_schedule, make_optimizer
+from mmjax.engine.precision import LossScale
+from mmjax.engine.steps import jit_train_step
+from mmjax.errors import ConfigError
+from mmjax.parallel.mesh import make_mesh
+from mmjax.parallel.pipeline import schedule as sch
+from mmjax.parallel.pipeline.balance import balance, make_layout
+from mmjax.parallel.sharding import context_from_config
+
+BASE = ["model.compute_dtype=float32", "train.global_batch_size=8", "train.grad_accum_steps=4",
+        "optim.warmup_steps=0", "optim.schedule=constant", "optim.lr=1.0", "optim.eps=1.0", "train.steps=2",
+        "model.text.n_layers=4", "model.vision.n_layers=1", "model.text.dim=64", "model.text.mlp_dim=128",
+        "model.vision.dim=64", "model.vision.mlp_dim=128"]
+
+LAYOUTS = {  # images + packed segments in every batch; tied embeddings unless said otherwise
+    # cost balance with the head as 2 layers: stages of 3 and 1 layers (a padded slot on rank 1)
+    "gpipe_pp2_fsdp2_tp2_zero3_cost": ["mesh.data=1", "mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                       "parallel.pipeline_schedule=gpipe", "parallel.pipeline_balance=cost"],
+    "1f1b_pp4_data2_zero1_even": ["mesh.data=2", "mesh.pipeline=4", "parallel.zero_stage=1",
+                                  "parallel.pipeline_balance=even"],
+    # ring attention: the executor runs every slot unconditionally (masked), as its permutes need every device
+    "interleaved2_pp2_seq2_tp2_ring_zero2": ["mesh.data=1", "mesh.pipeline=2", "mesh.sequence=2",
+                                             "mesh.tensor=2", "parallel.context_parallel=ring",
+                                             "parallel.zero_stage=2",
+                                             "parallel.pipeline_schedule=interleaved_1f1b",
+                                             "parallel.pipeline_virtual_stages=2"],
+}
+
+
+# ---------------------------------------------------------------------------------------------- schedules
+
+
+@pytest.mark.parametrize("p, m, v", [(p, m, v) for p, m, v in itertools.product([2, 3, 4], [4, 6, 8, 12], [1, 2, 3])])
+def test_bubble_fraction_matches_formula(p, m, v):
+    built = [sch.gpipe(p, m), sch.one_f_one_b(p, m)] if v == 1 else []
+    if m % p == 0:
+        built.append(sch.interleaved_1f1b(p, v, m))
+    for s in built:
+        for t_f, t_b in [(1.0, 1.0), (1.0, 2.0)]:
+            assert s.bubble_fraction(t_f, t_b) == pytest.approx((p - 1) / (s.v * m + p - 1), abs=1e-12), s.name
+
+
+def test_schedule_shapes():
+    p, m = 4, 16
+    one = sch.one_f_one_b(p, m)
+    warmup = [sum(1 for a in acts if a.kind == "F" and a.tick < min(b.tick for b in acts if b.kind == "B"))
+              for acts in one.actions]
+    assert warmup == [2 * (p - 1 - r) for r in range(p)]  # eager warm-up
+    assert one.stash_depth() == 2 * p - 1 and sch.gpipe(p, m).stash_depth() == m
+    assert sch.interleaved_1f1b(p, 2, m).stash_depth() == 3 * p - 1
+    assert sch.one_f_one_b(p, 32).stash_depth() == one.stash_depth()  # flat in m
+    grid = sch.interleaved_1f1b(2, 2, 4).grid().splitlines()
+    assert grid[1].startswith("rank 0 |") and "F0a" in grid[1] and "B3a" in grid[1]
+    for s in (sch.gpipe(3, 5), one, sch.interleaved_1f1b(2, 3, 4)):
+        t = s.tables()
+        assert t["f_valid"].sum() == t["b_valid"].sum() == p * 0 + s.p * s.v * s.m
+        assert t["f_slot"].max() < s.stash_depth()
+
+
+def test_balance_counts_the_head():
+    assert balance(4, 2, 2.0) == (3, 1)  # costs 3 | 1 + 2
+    assert balance(4, 2, 0.0) == (2, 2)
+    assert balance(32, 4, 2.0) == (9, 9, 7, 7)
+    lay = make_layout(4, 2, 2, "even", 2.0)
+    idx, active = lay.index()
+    assert idx[:, :, 0].tolist() == [[0, 2], [1, 3]] and active.all()  # stage s = chunk * p + rank
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["mesh.pipeline=2", "train.grad_accum_steps=1"], "train.grad_accum_steps >= 2"),
+    (["mesh.pipeline=2", "train.grad_accum_steps=4", "model.text.n_layers=3", "parallel.pipeline_balance=even"],
+     "pipeline_balance=cost"),
+    (["mesh.pipeline=2", "train.grad_accum_steps=3", "parallel.pipeline_schedule=interleaved_1f1b",
+      "parallel.pipeline_virtual_stages=2", "train.global_batch_size=6"], "divisible by mesh.pipeline"),
+    (["mesh.pipeline=2", "train.grad_accum_steps=4", "model.scan_layers=false"], "scan_layers=true"),
+    (["mesh.pipeline=2", "train.grad_accum_steps=4", "parallel.pipeline_virtual_stages=2"], "interleaved_1f1b"),
+    (["mesh.pipeline=2", "train.grad_accum_steps=4", "parallel.rules.batch=pipeline"], "owns"),
+])
+def test_bad_layouts_fail_at_config_time(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(MODEL, overrides)
+
+
+# ---------------------------------------------------------------------------------------------- executor
+
+
+def train_two_steps(overrides, devices=None, initial=None):
+    """(initial host state, final host state, [metrics of step 1, step 2]).
+
+    The state starts with fp16's dynamic loss scaling (scale 2^10, growth every step) although the compute is
+    float32 (XLA:CPU has no float16 matmuls): the pipeline then runs its backward seeded with the scale and the
+    step unscales, as with float16, and both steps' scales must agree with pipeline=1."""
+    cfg = load_config(MODEL, BASE + overrides)
+    mesh = make_mesh(cfg, devices)
+    setup = model_setup(cfg, mesh, IMAGE_ID)
+    optimizer = make_optimizer(cfg)
+    if initial is None:
+        state, _ = create_train_state(cfg, mesh, setup, optimizer)
+        scale = LossScale(scale=jnp.asarray(1024.0, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
+                          skipped=jnp.zeros((), jnp.int32), growth_interval=1, factor=2.0)
+        state = state.replace(loss_scale=scale)
+        shardings = state_shardings(mesh, setup, optimizer, state)
+        state = jax.device_put(state, shardings)
+    else:
+        shardings = state_shardings(mesh, setup, optimizer, initial)
+        state = jax.device_put(initial, shardings)
+    step = jit_train_step(cfg, setup, optimizer, learning_rate_schedule(cfg), shardings,
+                          context_from_config(cfg, mesh))
+    batches = [to_global_batch(make_batch(cfg, cfg.train.global_batch_size, seed=s), mesh) for s in (0, 1)]
+    compiled = step.lower(state, batches[0]).compile(FAST_COMPILE)
+    initial = jax.device_get(state)
+    metrics = []
+    for batch in batches:
+        state, m = compiled(state, batch)
+        metrics.append(jax.device_get(m))
+    return initial, jax.device_get(state), metrics
+
+
+@pytest.fixture(scope="module")
+def reference():
+    out = {}
+
+    def get(extra):
+        key = tuple(extra)
+        if key not in out:
+            out[key] = train_two_steps(["mesh.data=1", *extra], jax.devices()[:1])
+        return out[key]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_pipeline_matches_pipeline_1(name, reference):
+    overrides = LAYOUTS[name]
+    model_keys = [o for o in overrides if o.startswith("model.")]
+    initial, ref_state, ref_metrics = reference(model_keys)
+    _, state, metrics = train_two_steps(overrides, initial=initial)
+    for got, want in zip(metrics, ref_metrics):
+        assert got["train/loss_scale"] == want["train/loss_scale"] and got["train/skipped_steps"] == 0
+        for key in ("train/loss", "train/grad_norm", "train/loss_tokens"):
+            assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (key, got[key], want[key])
+    leaves = jax.tree_util.tree_leaves_with_path(state.params)
+    for (path, got), want in zip(leaves, jax.tree.leaves(ref_state.params), strict=True):
+        assert rel_err(got, want) <= 1e-5, (jax.tree_util.keystr(path), rel_err(got, want))
+    for got, want in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(ref_state.opt_state), strict=True):
+        assert rel_err(np.asarray(got, np.float64), np.asarray(want, np.float64)) <= 1e-5
+    assert float(state.loss_scale.scale) == 4096.0  # grew after each of the two finite steps
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(state.params),
+                                                               jax.tree.leaves(initial.params)))
+    assert moved > 1e-3
+
+
+def test_1f1b_temp_memory_is_flat_in_microbatches_while_gpipe_grows():
+    """Compiled temporary memory of the executor alone (a tanh-MLP stage with wide residuals) for m = 8, 32."""
+    from jax.sharding import AxisType, Mesh
+
+    from mmjax.parallel.pipeline.executor import run_schedule
+
+    p, b, d, hidden = 2, 4, 8, 512
+    mesh = Mesh(np.asarray(jax.devices()[:p]).reshape(1, 1, p, 1, 1), ("data", "fsdp", "pipeline", "sequence",
+                                                                         "tensor"), axis_types=(AxisType.Auto,) * 5)
+
+    def stage_fn(w, x, side):
+        return x + jnp.tanh(jnp.tanh(x @ w["a"][0]) @ w["b"][0])  # [b, hidden] residuals per microbatch
+
+    def head_fn(hp, y, loss_in):
+        return jnp.sum(y * hp), jnp.asarray(1.0, jnp.float32)
+
+    def temp_bytes(make, m):
+        params = {"a": jnp.ones((p, 1, 1, d, hidden)), "b": jnp.ones((p, 1, 1, hidden, d))}
+        fn = jax.jit(lambda params, x: run_schedule(make(p, m), stage_fn, head_fn, params, jnp.ones((d,)), x,
+                                                    jnp.zeros((m, 1)), jnp.zeros((m, 1)), 1.0, mesh))
+        compiled = fn.lower(params, jnp.ones((m, b, d))).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    one = [temp_bytes(sch.one_f_one_b, m) for m in (8, 32)]
+    gp = [temp_bytes(sch.gpipe, m) for m in (8, 32)]
+    residual = b * hidden * 4  # one microbatch's [b, hidden] float32 residual
+    assert gp[1] - gp[0] >= 24 * residual  # GPipe stashes every microbatch
+    assert one[1] - one[0] < 2 * residual, (one, gp)  # 1F1B: 2p - 1 slots whatever m
+
+
+def test_cli_pipeline_run_resumes_on_pipeline_1(tmp_path):
+    """`python -m mmjax.train mesh.pipeline=2 mesh.fsdp=2 mesh.tensor=2` trains (with its end-of-run eval, which
+    reads the pipeline-sharded params through plain GSPMD) and its checkpoint restores on pipeline=1 exactly."""
+    import orbax.checkpoint as ocp
+
+    from mmjax.engine.checkpoint import flat_leaves
+    from mmjax.engine.trainer import Trainer
+    from mmjax.train import DEFAULT_CONFIG, main
+
+    common = ["model.text.dim=64", "model.text.mlp_dim=128", "model.text.n_layers=2", "model.vision.dim=64",
+              "model.vision.mlp_dim=128", "model.vision.n_layers=1", "data.num_train=128", "data.num_eval=8",
+              "data.num_shards=2", "eval.num_examples=4", "eval.batch_size=4", "eval.max_new_tokens=2",
+              "train.global_batch_size=8", "train.grad_accum_steps=2", "optim.warmup_steps=1",
+              "observe.sinks=[jsonl]", "observe.log_every=1", f"data.cache_dir={tmp_path / 'cache'}"]
+    run = tmp_path / "pp"
+    assert main(common + ["mesh.data=1", "mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps=2",
+                          f"train.output_dir={run}"]) == 0
+    step_dir = run / "checkpoints" / "2"
+    saved = jax.device_get(ocp.StandardCheckpointer().restore(step_dir.absolute() / "state"))
+    cfg = load_config(DEFAULT_CONFIG, common + ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "train.steps=3",
+                                                f"train.output_dir={tmp_path / 'p1'}", f"train.resume={step_dir}"])
+    trainer = Trainer(cfg)
+    a, b = flat_leaves(trainer.state), flat_leaves(saved)
+    assert a.keys() == b.keys() and all(np.array_equal(np.asarray(jax.device_get(a[k])), np.asarray(b[k])) for k in a)
+    losses = [r for r in map(__import__("json").loads, (run / "metrics.jsonl").read_text().splitlines())
+              if "train/loss" in r]
+    assert [r["step"] for r in losses] == [1, 2] and all(np.isfinite(r["train/loss"]) for r in losses)
