@@ -47,10 +47,10 @@ ROLES = ("bos", "eos", "pad", "unk", "image", "user", "assistant")
 # The built-in datasets' template: <|bos|> <|user|> {user} <|assistant|> {answer} <|eos|> <|user|> ...
 SHAPES_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] == 'user' %}{{ user_token + message['content'] }}"
+    "{% if message['role'] in ('user', 'system') %}{{ user_token + message['content'] }}"
     "{% elif message['role'] == 'assistant' %}{{ assistant_token }}"
     "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
-    "{% else %}{{ raise_exception('role ' + message['role'] + ' is not user or assistant (human/gpt)') }}"
+    "{% else %}{{ raise_exception('role ' + message['role'] + ' is not system, user or assistant (human/gpt)') }}"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ assistant_token }}{% endif %}"
 )
 

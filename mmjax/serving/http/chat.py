@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mmjax.data.tokenizer import render_chat as tokenizer_render_chat
 from mmjax.errors import DataError
 from mmjax.serving.http.protocol import ApiError
 
@@ -22,33 +23,26 @@ ROLES = ("system", "user", "assistant")
 
 def render_chat(tokenizer: Any, turns: Sequence[dict[str, str]], image_tokens: int) -> list[int]:
     """Prompt ids of a conversation (`{"role", "content"}` with the tokenizer's image marker where each image
-    goes), ending ready for the assistant's answer."""
+    goes) rendered by the model's own chat template, ending ready for the assistant's answer. A template that
+    refuses a turn (e.g. a system message it has no place for) is a 400 naming its reason."""
     try:
-        ids, _ = tokenizer.encode_chat(list(turns), image_tokens, add_generation_prompt=True)
+        return tokenizer_render_chat(tokenizer, list(turns), image_tokens=image_tokens, add_generation_prompt=True)
     except DataError as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None
-    return ids
 
 
 def parse_messages(messages: Sequence[dict[str, Any]], marker: str, max_images: int
                    ) -> tuple[list[dict[str, str]], list[bytes]]:
-    """Turns for `render_chat` (system text folded into the next user turn: the template has no system role)
-    and the images' encoded bytes in order. Raises ApiError 400 on malformed content."""
+    """Turns for `render_chat` (system, user and assistant messages as given: the template decides what a
+    system message becomes) and the images' encoded bytes in order. Raises ApiError 400 on malformed content."""
     turns: list[dict[str, str]] = []
     images: list[bytes] = []
-    system: list[str] = []
     for i, msg in enumerate(messages):
         role = msg.get("role")
         if role not in ROLES:
             raise ApiError(400, f"messages[{i}].role={role!r}: expected one of {', '.join(ROLES)}",
                            param=f"messages[{i}].role")
-        text = _content(msg.get("content"), i, marker, images, max_images)
-        if role == "system":
-            system.append(text)
-            continue
-        if role == "user" and system:
-            text, system = "\n".join([*system, text]), []
-        turns.append({"role": role, "content": text})
+        turns.append({"role": role, "content": _content(msg.get("content"), i, marker, images, max_images)})
     if not turns or turns[-1]["role"] != "user":
         raise ApiError(400, "messages: the last message must be a user message", param="messages")
     return turns, images

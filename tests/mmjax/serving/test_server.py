@@ -178,7 +178,8 @@ def test_chat_with_image_streaming_usage(server):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
-    assert whole.usage.prompt_tokens == 1 + 1 + 4 + 3 + 1  # bos, user, 4 image tokens, w20 w9 w11, assistant
+    assert whole.usage.prompt_tokens == 1 + 2 + 1 + 4 + 2 + 1  # bos, user w20 (the system turn), user, 4 image tokens,
+    # w9 w11, assistant
     # a local file:// image reads the same bytes
     path = server["run"].parent / "im.png"
     path.write_bytes(base64.b64decode(png_data_url().split(",", 1)[1]))
