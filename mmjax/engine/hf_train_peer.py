@@ -16,22 +16,17 @@ import sys
 import time
 from typing import Any
 
+from mmjax.engine.peer_process import torch_and_device
+
 PREFIX = "HF_TRAIN_PEER_RESULT "
 
 
 def run(config: dict, batch: int, seq: int, steps: int = 12, warmup: int = 3, compile: bool = True,
         allow_cpu: bool = False, seed: int = 0, lr: float = 3e-4) -> dict[str, Any]:
-    try:
-        import torch
-        import transformers
-    except ImportError as e:
-        return {"skipped": f"torch/transformers not installed ({e})"}
-    if torch.cuda.is_available():
-        device = "cuda"
-    elif allow_cpu:
-        device = "cpu"
-    else:
-        return {"skipped": "no CUDA device for torch (--peer-on-cpu runs it on the CPU, tiny models only)"}
+    found = torch_and_device(allow_cpu, "--peer-on-cpu")
+    if isinstance(found, dict):
+        return found
+    torch, transformers, device = found
     torch.manual_seed(seed)
     hf_cfg = transformers.LlamaConfig(**{**config, "dtype": "float32", "torch_dtype": "float32", "use_cache": False})
     with torch.device(device):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 
 def run_peer_process(module: str, args: dict, result_prefix: str, timeout_s: float = 1800) -> dict:
@@ -22,3 +23,18 @@ def run_peer_process(module: str, args: dict, result_prefix: str, timeout_s: flo
         if line.startswith(result_prefix):
             return json.loads(line[len(result_prefix):])
     return {"skipped": f"failed (exit {proc.returncode}): {proc.stderr.strip()[-600:]}"}
+
+
+def torch_and_device(allow_cpu: bool, cpu_flag: str) -> tuple[Any, Any, str] | dict:
+    """(torch, transformers, "cuda" | "cpu") for a peer process, or {"skipped": why} where it cannot run:
+    torch or transformers missing, or no CUDA device and `allow_cpu` false (`cpu_flag` names the option)."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        return {"skipped": f"torch/transformers not installed ({e})"}
+    if torch.cuda.is_available():
+        return torch, transformers, "cuda"
+    if allow_cpu:
+        return torch, transformers, "cpu"
+    return {"skipped": f"no CUDA device for torch; {cpu_flag} runs the peer on the CPU (tiny models only)"}

@@ -16,22 +16,17 @@ import sys
 import time
 from typing import Any
 
+from mmjax.engine.peer_process import torch_and_device
+
 PREFIX = "HF_PEER_RESULT "  # mmjax.serving.bench.HF_RESULT_PREFIX
 
 
 def run(config: dict, batches: list[int], prompt_len: int, new_tokens: int, dtype: str = "bfloat16",
         allow_cpu: bool = False, seed: int = 0, num_beams: int = 1) -> dict[str, Any]:
-    try:
-        import torch
-        import transformers
-    except ImportError as e:
-        return {"skipped": f"torch/transformers not installed ({e})"}
-    if torch.cuda.is_available():
-        device = "cuda"
-    elif allow_cpu:
-        device = "cpu"
-    else:
-        return {"skipped": "no CUDA device for torch; --hf-on-cpu runs the peer on the CPU (tiny models only)"}
+    found = torch_and_device(allow_cpu, "--hf-on-cpu")
+    if isinstance(found, dict):
+        return found
+    torch, transformers, device = found
     torch.manual_seed(seed)
     hf_cfg = transformers.LlamaConfig(**config)
     with torch.device(device):

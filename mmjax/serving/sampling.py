@@ -144,6 +144,18 @@ def _row_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s, impl="threefry2x32"), n))(seed, step)
 
 
+def filtered_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """f32[N, V] logits the sampler draws from: divided by the temperature (greedy rows left as they are),
+    masked to top-k, top-p and min-p (-inf outside)."""
+    greedy = t.temperature <= 0.0
+    scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
+    needs_sort = jnp.any(~greedy & ((t.top_k > 0) | (t.top_p < 1.0)))
+    scaled = jax.lax.cond(needs_sort, lambda x: _top_k_top_p_mask(x, t.top_k, t.top_p), lambda x: x, scaled)
+    # min-p: keep p >= min_p * p_max, i.e. logit >= max + log(min_p) (masking above does not change the max)
+    floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(t.min_p)[:, None]
+    return jnp.where(scaled < floor, -jnp.inf, scaled)
+
+
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
 def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0) -> SampleResult:
     """One token per row of `logits` f32[S, V].
@@ -154,12 +166,7 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0) -> Samp
     logits = logits.astype(jnp.float32)
     penalised = apply_penalties(logits, t)
     greedy = t.temperature <= 0.0
-    scaled = penalised / jnp.where(greedy, 1.0, t.temperature)[:, None]
-    needs_sort = jnp.any(~greedy & ((t.top_k > 0) | (t.top_p < 1.0)))
-    scaled = jax.lax.cond(needs_sort, lambda x: _top_k_top_p_mask(x, t.top_k, t.top_p), lambda x: x, scaled)
-    # min-p: keep p >= min_p * p_max, i.e. logit >= max + log(min_p) (masking above does not change the max)
-    floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(t.min_p)[:, None]
-    scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
+    scaled = filtered_logits(penalised, t)
     drawn = jax.vmap(jax.random.categorical)(_row_keys(t.seed, t.step), scaled)
     tokens = jnp.where(greedy, jnp.argmax(penalised, axis=-1), drawn).astype(jnp.int32)
 

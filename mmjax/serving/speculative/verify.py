@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mmjax.serving.sampling import SamplingTensors, _row_keys, _top_k_top_p_mask
+from mmjax.serving.sampling import SamplingTensors, _row_keys, filtered_logits
 
 
 def processed_probs(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -22,11 +22,7 @@ def processed_probs(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     engine does not speculate for requests that use them)."""
     logits = logits.astype(jnp.float32)
     greedy = t.temperature <= 0.0
-    scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
-    needs_sort = jnp.any(~greedy & ((t.top_k > 0) | (t.top_p < 1.0)))
-    scaled = jax.lax.cond(needs_sort, lambda x: _top_k_top_p_mask(x, t.top_k, t.top_p), lambda x: x, scaled)
-    floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(t.min_p)[:, None]
-    scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
+    scaled = filtered_logits(logits, t)
     onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
     return jnp.where(greedy[:, None], onehot, jax.nn.softmax(scaled, axis=-1))
 
