@@ -31,6 +31,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # first: importing Orbax logs through absl, which installs an unfiltered root handler if none exists yet
+    setup_console_logging()  # details (Orbax, kernel choices) go to <train.output_dir>/train.log only
     try:
         from mmjax.engine.convert.init_from import load_run_config  # model.init_from=hf:PATH fills the model
 
@@ -43,7 +45,6 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), end="")
         return 0
 
-    setup_console_logging()  # details (Orbax, kernel choices) go to <train.output_dir>/train.log only
     # Grain's multiprocess prefetch reads absl flags; parse them once so worker pools can start.
     from absl import flags
 
