@@ -25,10 +25,10 @@ log = logging.getLogger(__name__)
 def eval_serve_config(cfg: Config, max_prompt_len: int) -> ServeConfig:
     """`cfg.serve` with the keys the user left at their defaults sized for evaluation: requests of
     `max_prompt_len + eval.max_new_tokens` tokens (at most `model.max_seq_len`), `eval.batch_size` of them at
-    once, the pool holding all of them (no preemption) and one step prefilling them all; no logprobs. Every
-    step pads to at least `eval.batch_size` slots and tokens, so as requests stop at EOS no smaller shapes
-    compile: a few shapes in all, compiled on the first evaluation (the old fixed-batch loop did the same
-    padded work)."""
+    once, the pool holding all of them (no preemption) and one step prefilling them all; no logprobs and no
+    beam-search candidates. Every step pads to at least `eval.batch_size` slots and tokens, so as requests stop
+    at EOS no smaller shapes compile: a few shapes in all, compiled on the first evaluation (the old fixed-batch
+    loop did the same padded work)."""
     default, serve = ServeConfig(), cfg.serve
     want = max_prompt_len + cfg.eval.max_new_tokens
     max_len = min(want, cfg.model.max_seq_len)
@@ -40,7 +40,7 @@ def eval_serve_config(cfg: Config, max_prompt_len: int) -> ServeConfig:
     seqs = serve.max_num_seqs if serve.max_num_seqs != default.max_num_seqs else cfg.eval.batch_size
     sized["num_pages"] = 1 + seqs * -(-model_len // serve.page_size)  # page 0 is the null page
     sized["max_num_batched_tokens"] = max(seqs * max_prompt_len, seqs)
-    sized["max_logprobs"] = 0
+    sized["max_logprobs"] = sized["max_beam_width"] = 0  # greedy answers: no top-k candidates per step
     sized["min_slot_bucket"] = sized["min_token_bucket"] = seqs
     return dataclasses.replace(serve, **{k: v for k, v in sized.items()
                                          if getattr(serve, k) == getattr(default, k)})

@@ -63,7 +63,7 @@ def test_eval_serve_config_sized_from_eval_settings(setup):
     cfg = setup[0]
     serve = eval_serve_config(cfg, 16)
     assert (serve.max_model_len, serve.max_num_seqs, serve.max_num_batched_tokens) == (19, 4, 64)
-    assert serve.min_slot_bucket == serve.min_token_bucket == 4 and serve.max_logprobs == 0
+    assert serve.min_slot_bucket == serve.min_token_bucket == 4 and serve.max_logprobs == serve.max_beam_width == 0
     assert serve.num_pages == 1 + 4 * 5  # 19 tokens = five pages of 4 per request, plus the null page
     user = eval_serve_config(load_config(None, TINY + ["serve.num_pages=100", "serve.max_num_seqs=2"]), 16)
     assert (user.num_pages, user.max_num_seqs, user.max_model_len) == (100, 2, 19)
