@@ -20,6 +20,7 @@ from typing import Any
 
 from mmjax.config import PACKAGED_CONFIGS, Config, load_config, to_yaml
 from mmjax.errors import CheckpointError, ConfigError, MmjaxError
+from mmjax.observe.console import setup_console_logging
 
 DEFAULT_CONFIG = PACKAGED_CONFIGS / "serve" / "tiny_shapes.yaml"
 
@@ -71,6 +72,7 @@ def random_model(cfg: Config) -> tuple[Config, Any, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    setup_console_logging()  # as training: warnings and mmjax's own lines, not Orbax's or the kernels' INFO
     try:
         cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
     except ConfigError as e:
@@ -79,7 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         from mmjax.serving.http import server
     except ImportError as e:

@@ -11,12 +11,11 @@ memory torch needs. Without torch, transformers or CUDA (and `allow_cpu` false) 
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from typing import Any
 
-from mmjax.engine.peer_process import torch_and_device
+from mmjax.engine.peer_process import peer_main, torch_and_device
 
 PREFIX = "HF_TRAIN_PEER_RESULT "
 
@@ -40,17 +39,19 @@ def run(config: dict, batch: int, seq: int, steps: int = 12, warmup: int = 3, co
         if device == "cuda":
             torch.cuda.synchronize()
 
-    def step() -> float:
+    def step() -> Any:
+        """One training step; returns the loss on the device (no host sync inside the timed loop)."""
         with torch.autocast(device_type=device, dtype=torch.bfloat16):
             loss = forward(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return loss.detach()
 
     t0 = time.perf_counter()
-    for _ in range(max(warmup, 1)):  # the first step compiles (torch.compile) and autotunes
-        first_loss = step()
+    first_loss = float(step())  # the first step compiles (torch.compile) and autotunes
+    for _ in range(warmup - 1):
+        step()
     sync()
     warmup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -67,11 +68,5 @@ def run(config: dict, batch: int, seq: int, steps: int = 12, warmup: int = 3, co
             "params": sum(p.numel() for p in model.parameters())}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = json.loads((argv or sys.argv[1:])[0])
-    print(PREFIX + json.dumps(run(**args)), flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(peer_main(run, PREFIX))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -38,3 +39,10 @@ def torch_and_device(allow_cpu: bool, cpu_flag: str) -> tuple[Any, Any, str] | d
     if allow_cpu:
         return torch, transformers, "cpu"
     return {"skipped": f"no CUDA device for torch; {cpu_flag} runs the peer on the CPU (tiny models only)"}
+
+
+def peer_main(run: Callable[..., dict], result_prefix: str, argv: list[str] | None = None) -> int:
+    """A peer module's entry point: `run(**<the JSON argument>)`, printed as one `result_prefix` line."""
+    args = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    print(result_prefix + json.dumps(run(**args)), flush=True)
+    return 0

@@ -11,12 +11,11 @@ transformers or CUDA (and `allow_cpu` false) the result is `{"skipped": why}`.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from typing import Any
 
-from mmjax.engine.peer_process import torch_and_device
+from mmjax.engine.peer_process import peer_main, torch_and_device
 
 PREFIX = "HF_PEER_RESULT "  # mmjax.serving.bench.HF_RESULT_PREFIX
 
@@ -61,11 +60,5 @@ def run(config: dict, batches: list[int], prompt_len: int, new_tokens: int, dtyp
             "rows": rows}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = json.loads((argv or sys.argv[1:])[0])
-    print(PREFIX + json.dumps(run(**args)), flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(peer_main(run, PREFIX))

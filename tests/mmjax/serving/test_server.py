@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -47,6 +48,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_ready(base: str, died: Callable[[], str], timeout: float = 120) -> None:
+    """Poll GET /ready until 200; `died()` returns the server's last output once it has exited ("" while up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        output = died()
+        assert not output, output
+        assert time.monotonic() < deadline, "server not ready"
+        try:
+            if httpx.get(base + "/ready").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
 
 
 def write_run(root: Path, tiny) -> Path:
@@ -106,16 +122,7 @@ def server(run_dir, cli_server):
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/ready").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    else:
-        raise TimeoutError("server not ready")
+    wait_ready(base, lambda: "")
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
     yield dict(base=base, client=client, service=service, state=srv.app_state, offline=offline, run=run,
                log=root / "requests.jsonl", cfg=cfg, engine=engine)
@@ -334,15 +341,7 @@ def test_disconnect_mid_stream_frees_pages(server):
 
 def test_sigterm_drains_and_exits_0(cli_server):
     proc, base = cli_server
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
-        try:
-            if httpx.get(base + "/ready").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
+    wait_ready(base, lambda: proc.stdout.read().decode()[-3000:] if proc.poll() is not None else "")
     # two streams of 16 choices x 58 tokens, one sequence at a time: SIGTERM arrives with most of them queued
     body = {"model": MODEL, "messages": user("w7"), "max_tokens": 58, "n": 16, "stream": True, "ignore_eos": True}
 
