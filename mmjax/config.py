@@ -332,7 +332,7 @@ class ServeConfig:
     max_num_seqs: int = 16  # sequences running at once (the largest slot bucket)
     max_model_len: int = 0  # prompt + output tokens of one request; 0 = model.max_seq_len
     min_token_bucket: int = 16  # smallest token bucket; buckets double up to max_num_batched_tokens
-    min_slot_bucket: int = 1  # smallest sequence-slot bucket; buckets double up to max_num_seqs
+    min_slot_bucket: int = 1  # fewest slots of a step shape: t padded tokens get min(max(t, this), max_num_seqs)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk per step; 0 = the budget alone

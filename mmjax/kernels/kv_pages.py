@@ -59,16 +59,24 @@ def quantize_rows(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return y.astype(dtype), scale
 
 
-def write_pages(pool, new: jax.Array, slot_mapping: jax.Array):
-    """`pool` with `new` [T, KV, D] written at the flat slots `slot_mapping` [T] (page * page_size + offset)."""
+def write_pages(pool, new: jax.Array, slot_mapping: jax.Array, layer: jax.Array | int | None = None):
+    """`pool` with `new` [T, KV, D] written at the flat slots `slot_mapping` [T] (page * page_size + offset).
+
+    With `layer`, `pool` is every layer's stack ([L, KV, P, page_size, D]) and only layer `layer` is written:
+    one scatter into the whole stack, which XLA does in place inside the layer loop (slicing a layer out and
+    writing it back would copy the layer's pool twice per step)."""
     data, scale = split_pages(pool)
-    kvh, p, page, d = data.shape
-    rows = new.transpose(1, 0, 2)  # [KV, T, D]
-    if scale is None:
-        return data.reshape(kvh, p * page, d).at[:, slot_mapping].set(rows.astype(data.dtype)).reshape(data.shape)
-    values, scales = quantize_rows(rows, data.dtype)
-    data = data.reshape(kvh, p * page, d).at[:, slot_mapping].set(values).reshape(data.shape)
-    scale = scale.reshape(kvh, p * page).at[:, slot_mapping].set(scales).reshape(scale.shape)
+    if layer is None:
+        data, scale = data[None], None if scale is None else scale[None]
+        out = write_pages(ScaledPages(data, scale) if scale is not None else data, new, slot_mapping, 0)
+        return ScaledPages(out.data[0], out.scale[0]) if scale is not None else out[0]
+    n_layers, kvh, p, page, d = data.shape
+    flat = data.reshape(n_layers, kvh, p * page, d)
+    if scale is None:  # index (layer, :, slots): the advanced dims come first, so the update is [T, KV, D]
+        return flat.at[layer, :, slot_mapping].set(new.astype(data.dtype)).reshape(data.shape)
+    values, scales = quantize_rows(new, data.dtype)
+    data = flat.at[layer, :, slot_mapping].set(values).reshape(data.shape)
+    scale = scale.reshape(n_layers, kvh, p * page).at[layer, :, slot_mapping].set(scales).reshape(scale.shape)
     return ScaledPages(data, scale)
 
 

@@ -90,15 +90,16 @@ class DecoderLayer(nnx.Module):
                          q_block_ids=block_ids, kv_block_ids=block_ids, impl=self.attention_impl)
         return self.finish(x, attn)
 
-    def paged(self, x, positions, k_pool, v_pool, meta: PagedMeta):
-        """Serving forward of a flat token batch (x [1,T,E], positions [1,T]) over a paged KV pool
-        ([KV, P, page_size, D]): writes this step's k, v at `meta.slot_mapping`, then ragged paged attention."""
+    def paged(self, x, positions, k_pool, v_pool, layer, meta: PagedMeta):
+        """Serving forward of a flat token batch (x [1,T,E], positions [1,T]) as layer `layer` of the stacked
+        paged KV pools ([L, KV, P, page_size, D]): writes this step's k, v at `meta.slot_mapping`, then ragged
+        paged attention. The pools stay whole (no per-layer slice), so XLA updates them in place."""
         q, k, v = self.qkv_proj(self.attn_norm(x), positions)
-        k_pool = kernels.kv_pages.write_pages(k_pool, k[0], meta.slot_mapping)  # quantizes into a ScaledPages pool
-        v_pool = kernels.kv_pages.write_pages(v_pool, v[0], meta.slot_mapping)
+        k_pool = kernels.kv_pages.write_pages(k_pool, k[0], meta.slot_mapping, layer)  # quantizes a ScaledPages pool
+        v_pool = kernels.kv_pages.write_pages(v_pool, v[0], meta.slot_mapping, layer)
         attn = kernels.ragged_paged_attention(
             q[0], k_pool, v_pool, meta.page_table, meta.query_start, meta.query_len, meta.context_len,
-            kv_block_ids=meta.kv_block_ids, q_block_ids=meta.q_block_ids)
+            kv_block_ids=meta.kv_block_ids, q_block_ids=meta.q_block_ids, layer=layer)
         return self.finish(x, attn[None]), (k_pool, v_pool)
 
 
@@ -168,8 +169,10 @@ class Decoder(nnx.Module):
         if block_ids is not None:
             meta = meta.replace(q_block_ids=block_ids[0])
 
-        def body(layer, h, pools):
-            return layer.paged(h, positions, *pools, meta)
+        def body(layer, carry, index):  # the pools ride in the carry: updated in place, never sliced per layer
+            h, pools = carry
+            return layer.paged(h, positions, *pools, index, meta), None
 
-        x, kv = run_stack(self.layers, body, constrain(x, RESIDUAL), kv, scan=self.scan)
+        layer_ids = jnp.arange(self.cfg.text.n_layers, dtype=jnp.int32)
+        (x, kv), _ = run_stack(self.layers, body, (constrain(x, RESIDUAL), kv), layer_ids, scan=self.scan)
         return self.logits(x[:, meta.logits_indices])[0], kv

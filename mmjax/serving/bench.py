@@ -87,6 +87,7 @@ class BenchSpec:
     lengths: LengthDistribution = LengthDistribution()
     hbm_gbps: float = PEAK_GBPS
     seed: int = 0
+    profile_steps: int = 0  # > 0: trace this many pure-decode steps at the largest batch (where time goes)
 
     @property
     def max_model_len(self) -> int:
@@ -175,6 +176,34 @@ def _timed(engine: Engine, lengths: Sequence[tuple[int, int]], rng: np.random.Ge
     """An untimed pass of the same shapes (compiles what the timed one needs), then the timed pass."""
     run_pass(engine, lengths, rng)
     return run_pass(engine, lengths, rng)
+
+
+def profile_decode(engine: Engine, batch: int, spec: BenchSpec, rng: np.random.Generator) -> dict:
+    """Trace `spec.profile_steps` pure-decode steps of `batch` requests: the device's busy/idle shares and top
+    kernels (`observe.profile`), next to the steps' wall time, so host overhead shows as device idle time."""
+    import tempfile
+
+    from mmjax.observe.profile import summarize_trace
+
+    n = spec.profile_steps
+    vocab = engine.model_cfg.vocab_size
+    for _ in range(batch):
+        engine.add_request(rng.integers(0, vocab, spec.prompt_len).tolist(),
+                           sampling_params=SamplingParams(max_tokens=n + 8, ignore_eos=True))
+    for _ in range(4 + -(-batch * spec.prompt_len // engine.runner.serve.max_num_batched_tokens)):
+        engine.step()  # prefill and the first decode steps, untraced
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            engine.step()
+        wall = time.perf_counter() - t0
+        jax.profiler.stop_trace()
+        summary = summarize_trace(trace_dir, steps=n)
+    while engine.has_unfinished():
+        engine.step()
+    summary.pop("trace_file", None)
+    return {"batch": batch, "steps": n, "wall_step_ms": 1e3 * wall / n, **summary}
 
 
 def _stats(xs: Sequence[float]) -> dict[str, float | None]:
@@ -296,6 +325,10 @@ def run_serving_bench(cfg: Config, spec: BenchSpec = BenchSpec(), *, params: dic
         phase(f"ttft {p}", lambda p=p: record["ttft"].append(bench_ttft(engine, p, spec.ttft_repeats, rng)))
     if spec.num_requests:
         phase("mixed", lambda: record.update(mixed=bench_mixed(engine, spec, rng)))
+    if spec.profile_steps:
+        for b in sorted({min(spec.batches), max(spec.batches)}):
+            phase(f"profile batch {b}", lambda b=b: record.setdefault("profile", []).append(
+                profile_decode(engine, b, spec, rng)))
     record["engine_stats"] = engine.stats()
     return record
 

@@ -141,7 +141,7 @@ class ModelRunner:
         self.page_size = serve.page_size
         self.max_pages = -(-max_model_len // serve.page_size)
         self.token_buckets = buckets(serve.min_token_bucket, serve.max_num_batched_tokens)
-        self.slot_buckets = buckets(serve.min_slot_bucket, serve.max_num_seqs)
+        self.max_slots = serve.max_num_seqs
         self.max_model_len = max_model_len
         self.num_logprobs = max(serve.max_logprobs, 2 * serve.max_beam_width)  # beam search's candidates
         self.spec_k = serve.speculative.num_tokens if serve.speculative.method != "none" else 0
@@ -168,6 +168,25 @@ class ModelRunner:
         self._step = jax.jit(in_sharding_context(self._step_fn, sharding), donate_argnums=(1,), out_shardings=rep)
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), out_shardings=rep)
         self._encode = jax.jit(in_sharding_context(self._encode_fn, sharding), out_shardings=rep)
+
+    def slots_for(self, tokens: int) -> int:
+        """Sequence slots of the step shape whose token bucket is `tokens`: as many as tokens (a step has at
+        least one token per sequence), at least `min_slot_bucket`, at most `max_num_seqs`. One slot count per
+        token bucket keeps the compiled shapes few (a server's warm-up compiles each); padding slots cost little,
+        since a step's logits and sampling are a small part of reading the weights."""
+        return min(max(tokens, self.serve.min_slot_bucket), self.max_slots)
+
+    @property
+    def step_shapes(self) -> list[tuple[int, int]]:
+        """Every (tokens, slots) shape a step can take; `warmup` compiles each."""
+        return [(t, self.slots_for(t)) for t in self.token_buckets]
+
+    def step_shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The (tokens, slots) shape a step of `num_tokens` tokens over `num_seqs` sequences pads to."""
+        t = pick_bucket(self.token_buckets, max(num_tokens, num_seqs))
+        if num_seqs > self.slots_for(t):
+            raise ValueError(f"{num_seqs} sequences exceed the step's {self.slots_for(t)} slots (max_num_seqs)")
+        return t, self.slots_for(t)
 
     def update_weights(self, state: Any) -> None:
         """Serve `state` from now on (e.g. the trainer's current parameters): same tree, shapes and dtypes, so
@@ -295,9 +314,7 @@ class ModelRunner:
             self._register(request)
         if not out.scheduled:
             return {}
-        n_tokens = out.num_scheduled_tokens
-        t = pick_bucket(self.token_buckets, n_tokens)
-        s = pick_bucket(self.slot_buckets, len(out.scheduled))
+        t, s = self.step_shape(out.num_scheduled_tokens, len(out.scheduled))
         batch = self._empty_batch(t, s)
         rows = None
         ps = self.page_size
@@ -358,18 +375,15 @@ class ModelRunner:
         return result
 
     def warmup(self) -> int:
-        """Compile every (token, slot) bucket (and the image encoder) with all-padding inputs; returns the
-        number of compiles. Padding writes only to the null page, so the pools' real pages are untouched."""
+        """Compile every step shape (and the image encoder) with all-padding inputs; returns the number of
+        compiles. Padding writes only to the null page, so the pools' real pages are untouched."""
         before = self.num_compiles
-        for t in self.token_buckets:
-            for s in self.slot_buckets:
-                if s > t:
-                    continue
-                batch = self._empty_batch(t, s)
-                if not self.text_only:
-                    batch["image_rows"] = self._zeros(t)
-                for history in (0, self.max_model_len):
-                    self._run(batch, SamplingTensors.from_requests([], s, history))
+        for t, s in self.step_shapes:
+            batch = self._empty_batch(t, s)
+            if not self.text_only:
+                batch["image_rows"] = self._zeros(t)
+            for history in (0, self.max_model_len):
+                self._run(batch, SamplingTensors.from_requests([], s, history))
         if self.serve.max_beam_width > 1:  # the beam forks' page copy
             zeros = np.zeros(self.serve.max_num_seqs, np.int32)
             self.pools = self._copy(self.pools, *self._put((zeros, zeros)))

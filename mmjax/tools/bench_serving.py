@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=d.num_requests, help="mixed workload size (0 = skip)")
     p.add_argument("--hbm-gbps", type=float, default=d.hbm_gbps, help="roofline bandwidth (measured H200 copy)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="trace this many decode steps at the smallest and largest batch (device idle, top kernels)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate peer")
     p.add_argument("--hf-on-cpu", action="store_true", help="run the HF peer on the CPU (tiny models only)")
     p.add_argument("--out", default="", help="JSON path (default docs/perf/results/serving-<date>.json)")
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     args.batches = args.batches or list(d.batches)
     spec = bench.BenchSpec(batches=tuple(args.batches), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                            ttft_prompts=tuple(args.ttft_prompts), ttft_repeats=args.ttft_repeats,
-                           num_requests=args.num_requests, hbm_gbps=args.hbm_gbps, seed=args.seed)
+                           num_requests=args.num_requests, hbm_gbps=args.hbm_gbps, seed=args.seed,
+                           profile_steps=args.profile_steps)
     params = None
     if args.checkpoint:
         params, _, _ = load_params(args.checkpoint)

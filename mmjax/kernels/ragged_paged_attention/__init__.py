@@ -2,7 +2,8 @@
 sequences (prefill chunks and single decode tokens together), each attending its own pages of a paged KV pool.
 
     out = ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
-                                 kv_block_ids=None, q_block_ids=None, max_query_len=None, impl="auto")
+                                 kv_block_ids=None, q_block_ids=None, max_query_len=None, layer=None,
+                                 impl="auto")
 
 * q [T, H, D]: T flattened query tokens. A sequence's queries are contiguous; tokens that belong to no
   sequence (bucket padding) get zero rows.
@@ -22,6 +23,9 @@ sequences (prefill chunks and single decode tokens together), each attending its
   split an image).
 * max_query_len (static int, optional): a bound on query_len, used only to pick the query tile (1 for a
   decode-only batch keeps the tile at 16 rows); results never depend on it.
+* layer (int or int32 scalar, optional): the pools are every layer's stack [L, KV, P, page_size, D] and
+  layer `layer` is read. A serving step's layer loop passes the whole stack and its index, so no layer's
+  pool is sliced out (a slice feeding a kernel is a copy of that layer's pool, every layer of every step).
 * Output [T, H, D] in q's dtype; query head h reads kv head h // (H // KV).
 
 The decode step of `kernels.paged_attention` is the special case query_len = 1, query_start = arange(S),
@@ -46,6 +50,7 @@ Tested on the CPU only (Pallas in interpret mode); the GPU test (`-m gpu`) has n
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from mmjax.kernels import _dispatch
@@ -91,7 +96,7 @@ def token_owner(t: int, query_start, query_len):
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
                                      kv_block_ids=None, q_block_ids=None, *, max_query_len=None, k_scale=None,
-                                     v_scale=None):
+                                     v_scale=None, layer=None):
     """The definition: every query token, as its own batch row, attends its sequence's dense cache.
 
     The mask is `make_mask` with segment 1 for owned queries and for keys below the context length (0
@@ -100,7 +105,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, page_table, query_star
     """
     del max_query_len  # a tiling hint
     t, h, d = q.shape
-    kvh, _, page_size, _ = k_pages.shape
+    kvh, _, page_size, _ = k_pages.shape[-4:]
     n_keys = page_table.shape[1] * page_size
     owner, owned = token_owner(t, query_start, query_len)
     ctx = context_len[owner]
@@ -113,40 +118,60 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, page_table, query_star
         blocks = dict(q_block_ids=q_block_ids[:, None], kv_block_ids=kv_block_ids[owner])
     mask = make_mask(q_seg, kv_seg, q_pos[:, None], kv_pos, causal=True, **blocks)  # [T, 1, L]
     pages = page_table[owner]  # [T, max_pages]
+    at = (lambda x: x[:, pages]) if layer is None else (lambda x: jnp.moveaxis(x[layer, :, pages], 2, 0))  # noqa: E731
     gather = lambda pool, scale: dequantize_pages(  # noqa: E731  [T, L, KV, D] float32 of the gathered pages
-        pool[:, pages], None if scale is None else scale[:, pages]).reshape(kvh, t, n_keys, d).transpose(1, 2, 0, 3)
+        at(pool), None if scale is None else at(scale)).reshape(kvh, t, n_keys, d).transpose(1, 2, 0, 3)
     k, v = gather(k_pages, k_scale), gather(v_pages, v_scale)
     f32 = lambda x: x.astype(jnp.float32)
     return attention_reference(f32(q[:, None]), f32(k), f32(v), mask)[:, 0].astype(q.dtype)
 
 
 def _pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len, kv_block_ids=None,
-            q_block_ids=None, *, max_query_len=None, k_scale=None, v_scale=None):
+            q_block_ids=None, *, max_query_len=None, k_scale=None, v_scale=None, layer=None):
     from mmjax.kernels.ragged_paged_attention.pallas import ragged_paged_attention_pallas
     return ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
                                          kv_block_ids, q_block_ids, max_query_len=max_query_len, k_scale=k_scale,
-                                         v_scale=v_scale)
+                                         v_scale=v_scale, layer=layer)
 
 
+_pallas.reads_stacked_pools = True  # takes `layer` itself; other implementations get the layer's slice
+
+
+ragged_paged_attention_reference.reads_stacked_pools = True
 OP.register("xla", ragged_paged_attention_reference, _dispatch.any_float, priority=0)
 OP.register("pallas", _pallas, pallas_pool_guard, priority=10)  # the paged decode kernel's limits
 
 
 def ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_len, context_len, *,
                            kv_block_ids=None, q_block_ids=None, max_query_len: int | None = None,
-                           impl: str = "auto"):
+                           layer: jax.Array | int | None = None, impl: str = "auto"):
     """Attention of a ragged batch of query tokens over a paged KV cache; see the module docstring."""
     (k_pages, k_scale), (v_pages, v_scale) = split_pages(k_pages), split_pages(v_pages)
-    check_inputs(q, k_pages, v_pages, page_table, query_start, query_len, context_len, kv_block_ids, q_block_ids)
+    stacked = layer is not None
+    if stacked and (k_pages.ndim != 5 or v_pages.ndim != 5):
+        raise ValueError(f"with layer=, k_pages and v_pages must be stacked [L, KV, P, page_size, D]; got "
+                         f"{k_pages.shape}, {v_pages.shape}")
+    one = (lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)) if stacked else (lambda x: x)  # noqa: E731
+    k_one, v_one = one(k_pages), one(v_pages)
+    check_inputs(q, k_one, v_one, page_table, query_start, query_len, context_len, kv_block_ids, q_block_ids)
     scaled = {}
     if k_scale is not None or v_scale is not None:
-        if k_scale is None or v_scale is None or k_scale.shape != k_pages.shape[:3] or v_scale.shape != k_scale.shape:
-            raise ValueError(f"a scaled pool needs k and v scales of shape {k_pages.shape[:3]} [KV, P, page_size]")
+        want = k_pages.shape[:-1]
+        if k_scale is None or v_scale is None or k_scale.shape != want or v_scale.shape != want:
+            raise ValueError(f"a scaled pool needs k and v scales of shape {want} "
+                             f"({'[L, KV, P, page_size]' if stacked else '[KV, P, page_size]'})")
         scaled = dict(k_scale=k_scale, v_scale=v_scale)
-    ctx = _dispatch.make_ctx(q.dtype, explicit=impl != "auto", head_dim=q.shape[-1], page_size=k_pages.shape[2],
+    ctx = _dispatch.make_ctx(q.dtype, explicit=impl != "auto", head_dim=q.shape[-1], page_size=k_one.shape[2],
                              kv_dtype=str(k_pages.dtype), has_blocks=kv_block_ids is not None,
                              **({"kv_scaled": True} if scaled else {}))
+    fn = OP.select(impl, ctx).fn
+    extra = {}
+    if stacked and getattr(fn, "reads_stacked_pools", False):
+        extra["layer"] = jnp.asarray(layer, jnp.int32)
+    elif stacked:
+        take = lambda x: None if x is None else jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)  # noqa: E731
+        k_pages, v_pages = take(k_pages), take(v_pages)
+        scaled = {name: take(x) for name, x in scaled.items()}
     i32 = lambda x: None if x is None else x.astype(jnp.int32)
-    return OP.select(impl, ctx).fn(q, k_pages, v_pages, i32(page_table), i32(query_start), i32(query_len),
-                                   i32(context_len), i32(kv_block_ids), i32(q_block_ids),
-                                   max_query_len=max_query_len, **scaled)
+    return fn(q, k_pages, v_pages, i32(page_table), i32(query_start), i32(query_len), i32(context_len),
+              i32(kv_block_ids), i32(q_block_ids), max_query_len=max_query_len, **scaled, **extra)

@@ -48,24 +48,27 @@ def num_blocks(t: int, n_slots: int, bq: int) -> int:
     return max(1, (t + min(n_slots, t) * (bq - 1)) // bq)
 
 
-def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_blocks: bool, has_scales: bool = False):
+def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_blocks: bool, kv_heads: int,
+            num_pages: int, has_scales: bool = False):
     ks_ref = vs_ref = None
     if has_scales:
         *refs, ks_ref, vs_ref, o_ref = refs
         refs = (*refs, o_ref)
     if has_blocks:
-        q_ref, k_ref, v_ref, pt_ref, seq_ref, hi_ref, ctx_ref, qpos_ref, qblk_ref, kvblk_ref, o_ref = refs
+        q_ref, k_ref, v_ref, layer_ref, pt_ref, seq_ref, hi_ref, ctx_ref, qpos_ref, qblk_ref, kvblk_ref, o_ref = refs
     else:
-        q_ref, k_ref, v_ref, pt_ref, seq_ref, hi_ref, ctx_ref, qpos_ref, o_ref = refs
+        q_ref, k_ref, v_ref, layer_ref, pt_ref, seq_ref, hi_ref, ctx_ref, qpos_ref, o_ref = refs
     q = q_ref[...]
     d = q.shape[-1]
     bk = pages_per_block * page_size
     seq, hi, ctx = seq_ref[0], hi_ref[0], ctx_ref[0]
     qpos = qpos_ref[...]
     qblk = qblk_ref[...] if has_blocks else None
+    # the pools are flat [layers * KV * P, page_size, D]: this program's (layer, kv head) starts at `base`
+    base = (layer_ref[0] * kv_heads + pl.program_id(1)) * num_pages
 
     def block(j, carry):
-        pages = pt_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
+        pages = base + pt_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
         k = k_ref[pages].reshape(bk, d)
         v = v_ref[pages].reshape(bk, d)
         if has_scales:  # a quantized pool: dequantize this key tile only
@@ -102,11 +105,19 @@ def _schedule(t, bq, nb, query_start, query_len, context_len):
 
 def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
                                   kv_block_ids=None, q_block_ids=None, *, max_query_len=None,
-                                  block_rows: int = BLOCK_ROWS, k_scale=None, v_scale=None):
+                                  block_rows: int = BLOCK_ROWS, k_scale=None, v_scale=None, layer=None):
     """Inputs as `ragged_paged_attention` (int32 indices; pool in q's dtype, D and page_size powers of two), or
-    a quantized pool with its float32 scales `k_scale` / `v_scale` [KV, P, page_size]."""
+    a quantized pool with its float32 scales `k_scale` / `v_scale` [KV, P, page_size]. With `layer` (an int32
+    scalar) the pools and scales carry a leading layers axis and that layer is read where it lies."""
     t, h, d = q.shape
-    kvh, n_pages, page_size, _ = k_pages.shape
+    if layer is None:
+        k_pages, v_pages = k_pages[None], v_pages[None]
+        k_scale, v_scale = (None, None) if k_scale is None else (k_scale[None], v_scale[None])
+        layer = jnp.zeros((), jnp.int32)
+    n_layers, kvh, n_pages, page_size, _ = k_pages.shape
+    # one flat page axis (a free reshape): the kernel offsets its page ids by (layer, kv head)
+    k_pages = k_pages.reshape(n_layers * kvh * n_pages, page_size, d)
+    v_pages = v_pages.reshape(n_layers * kvh * n_pages, page_size, d)
     n_slots, max_pages = page_table.shape
     g = h // kvh
     gp = next_pow2(g)
@@ -138,10 +149,11 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
     scalar = pl.BlockSpec((1,), lambda i, j: (i,))
     row_spec = pl.BlockSpec((None, rows), lambda i, j: (i, 0))
     head_block = pl.BlockSpec((None, None, rows, d), lambda i, j: (i, j, 0, 0))
-    pool = pl.BlockSpec((None, n_pages, page_size, d), lambda i, j: (j, 0, 0, 0))
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)
-    args = [qt, k_pages, v_pages, table, seq, hi, ctx.astype(jnp.int32), qpos]
-    specs = [head_block, pool, pool, whole(table), scalar, scalar, scalar, row_spec]
+    layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
+    args = [qt, k_pages, v_pages, layer, table, seq, hi, ctx.astype(jnp.int32), qpos]
+    specs = [head_block, whole(k_pages), whole(v_pages), whole(layer), whole(table), scalar, scalar, scalar,
+             row_spec]
     if has_blocks:
         kvblk = jnp.pad(kv_block_ids, ((0, 0), (0, (padded_pages - max_pages) * page_size)))
         qblk = jnp.where(row_ok[None, :], qblk_tok[:, row_tok], 0).astype(jnp.int32)
@@ -149,11 +161,12 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
         specs += [row_spec, whole(kvblk)]
     has_scales = k_scale is not None
     if has_scales:
-        scale_pool = pl.BlockSpec((None, n_pages, page_size), lambda i, j: (j, 0, 0))
-        args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
-        specs += [scale_pool, scale_pool]
+        flat = lambda x: x.astype(jnp.float32).reshape(n_layers * kvh * n_pages, page_size)  # noqa: E731
+        args += [flat(k_scale), flat(v_scale)]
+        specs += [whole(args[-2]), whole(args[-1])]
     kernel = functools.partial(_kernel, pages_per_block=pages_per_block, page_size=page_size,
-                               scale=1.0 / math.sqrt(d), has_blocks=has_blocks, has_scales=has_scales)
+                               scale=1.0 / math.sqrt(d), has_blocks=has_blocks, has_scales=has_scales,
+                               kv_heads=kvh, num_pages=n_pages)
     out = pl.pallas_call(
         kernel, grid=(nb, kvh), in_specs=specs, out_specs=head_block,
         out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype), interpret=_interpret(),

@@ -23,7 +23,7 @@ from flax import nnx
 from mmjax.config import ServeConfig, SpeculativeConfig
 from mmjax.serving.kv_manager import KVCacheManager
 from mmjax.serving.request import Request, RequestStatus
-from mmjax.serving.runner import ModelRunner, pick_bucket
+from mmjax.serving.runner import ModelRunner
 from mmjax.serving.sampling import SamplingTensors, _row_keys
 from mmjax.serving.speculative.verify import processed_probs
 
@@ -127,8 +127,7 @@ class DraftRunner(ModelRunner):
                 seeds: Mapping[str, int]) -> tuple[np.ndarray, np.ndarray]:
         """One draft step: per entry (request, tokens, start position, page table, draw index) -> the
         sampled token and its probabilities at the entry's last token."""
-        t = pick_bucket(self.token_buckets, sum(len(e[1]) for e in entries))
-        s = pick_bucket(self.slot_buckets, len(entries))
+        t, s = self.step_shape(sum(len(e[1]) for e in entries), len(entries))
         batch = self._empty_batch(t, s)
         ps, off = self.page_size, 0
         for i, (_, tokens, start, pages, _) in enumerate(entries):
@@ -153,13 +152,11 @@ class DraftRunner(ModelRunner):
 
     def warmup(self) -> int:
         before = self.num_compiles
-        for t in self.token_buckets:
-            for s in self.slot_buckets:
-                if s <= t:
-                    batch = self._empty_batch(t, s)
-                    if not self.text_only:
-                        batch["image_rows"] = self._zeros(t)
-                    self._run(batch, SamplingTensors.from_requests([], s, 0))
+        for t, s in self.step_shapes:
+            batch = self._empty_batch(t, s)
+            if not self.text_only:
+                batch["image_rows"] = self._zeros(t)
+            self._run(batch, SamplingTensors.from_requests([], s, 0))
         return self.num_compiles - before
 
 
@@ -218,7 +215,7 @@ class DraftProposer:
             for r in pending:
                 seq = self._seqs[r.request_id]
                 n = min(r.num_tokens - seq.num_computed_tokens, budget)
-                if n <= 0 or len(entries) >= self.runner.slot_buckets[-1]:
+                if n <= 0 or len(entries) >= self.runner.max_slots:
                     later.append(r)
                     continue
                 entries.append((r, r.token_ids(seq.num_computed_tokens, seq.num_computed_tokens + n),

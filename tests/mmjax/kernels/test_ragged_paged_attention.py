@@ -124,6 +124,25 @@ def test_decode_case_agrees_with_paged_attention():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, err_msg=impl)
 
 
+def _stacked(pool, layer, n_layers=3, seed=5):
+    """`pool` as layer `layer` of an [L, ...] stack whose other layers hold other values."""
+    others = np.random.default_rng(seed).standard_normal((n_layers, *pool.shape)).astype(np.float32)
+    return jnp.asarray(others, pool.dtype).at[layer].set(pool)
+
+
+def test_a_layer_of_stacked_pools_equals_that_layer_alone():
+    """`layer=` reads layer i of [L, KV, P, page, D] pools in place: the same as passing pools[i] (both impls)."""
+    args, blocks = make_case(8, 2, 16, 8, MIXED, pad_tokens=3, images=IMAGES, seed=9)
+    q, k, v, *rest = args
+    want = np.asarray(ragged_paged_attention_reference(*args, **blocks))
+    for impl in ("xla", "pallas"):
+        got = ragged_paged_attention(q, _stacked(k, 1), _stacked(v, 1, seed=6), *rest, **blocks, layer=jnp.int32(1),
+                                     impl=impl)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, err_msg=impl)
+    with pytest.raises(ValueError, match="stacked"):
+        ragged_paged_attention(q, k, v, *rest, layer=0, impl="xla")
+
+
 def test_pallas_bf16():
     args, _ = make_case(8, 2, 32, 16, MIXED, pad_tokens=2, dtype=jnp.bfloat16, seed=4)
     got = ragged_paged_attention(*args, impl="pallas")
@@ -181,10 +200,15 @@ def test_input_errors():
 @pytest.mark.parametrize("h,kvh,d", [(32, 8, 128), (16, 16, 64)])
 def test_pallas_gpu(h, kvh, d):
     """Real sizes, bf16, page_size 16: decode tokens, long prefill chunks with prior context, images, padding."""
-    slots = [(1, 777), (512, 512), (300, 2048), (0, 0), (1, 1), (64, 1500)] + [(1, 100 + 37 * i) for i in range(26)]
+    # the reference materialises every token's dense cache (T x 2064 keys x KV x D floats): T stays ~300
+    slots = [(1, 777), (128, 512), (100, 2048), (0, 0), (1, 1), (32, 1500)] + [(1, 100 + 37 * i) for i in range(26)]
     images = [(1, 100, 356, 3), (2, 1900, 1996, 1)]
-    args, blocks = make_case(h, kvh, d, 16, slots, pad_tokens=100, images=images, dtype=jnp.bfloat16, seed=11)
+    args, blocks = make_case(h, kvh, d, 16, slots, pad_tokens=16, images=images, dtype=jnp.bfloat16, seed=11)
     for kw in ({}, blocks):
         got = ragged_paged_attention(*args, **kw, impl="pallas")
         want = ragged_paged_attention_reference(*args, **kw)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+    q, k, v, *rest = args  # a layer of stacked pools (the serving step's layout)
+    got = ragged_paged_attention(q, _stacked(k, 2), _stacked(v, 2, seed=6), *rest, **blocks, layer=jnp.int32(2),
+                                 impl="pallas")
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
