@@ -343,6 +343,8 @@ class ServeConfig:
     max_logprobs: int = 5  # most top logprobs a request may ask for (every step computes this many)
     seed: int = 0  # draws the sampling seed of each request that gives none, so a run is reproducible
     max_beam_width: int = 4  # most beams a beam-search request may ask for (the step returns 2x this many candidates)
+    decode_steps: int = 1  # > 1: when every running request is decoding, run this many decode steps in one device
+    # call (tokens fed back on device; the host's per-step work is paid once per call; outputs come k at a time)
     speculative: SpeculativeConfig = SpeculativeConfig()
 
 
@@ -722,6 +724,7 @@ def validate_serve(s: ServeConfig, model_max_len: int) -> None:
     need(s.long_prefill_token_threshold >= 0, "serve.long_prefill_token_threshold must be >= 0 (0 = off)")
     need(0 <= s.max_logprobs <= 20, f"serve.max_logprobs={s.max_logprobs} must be in [0, 20]")
     need(0 <= s.max_beam_width <= 16, f"serve.max_beam_width={s.max_beam_width} must be in [0, 16]")
+    need(1 <= s.decode_steps <= 64, f"serve.decode_steps={s.decode_steps} must be in [1, 64]")
     sp = s.speculative
     need(1 <= sp.num_tokens <= 16, f"serve.speculative.num_tokens={sp.num_tokens} must be in [1, 16]")
     need(1 <= sp.ngram_min <= sp.ngram_max, f"serve.speculative.ngram_min={sp.ngram_min} / ngram_max="

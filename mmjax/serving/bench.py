@@ -148,6 +148,7 @@ class Pass:
 
     step_s: list[float]
     decode_step: list[bool]
+    step_tokens: list[int]  # tokens the step produced (a multi-step decode call: several per request)
     finished: dict[str, RequestOutput]
     total_s: float
     compiles: int  # runner compiles during the pass
@@ -162,14 +163,16 @@ def run_pass(engine: Engine, lengths: Sequence[tuple[int, int]], rng: np.random.
     for p, o in lengths:
         engine.add_request(rng.integers(0, vocab, p).tolist(),
                            sampling_params=SamplingParams(max_tokens=o, ignore_eos=True))
-    step_s, decode, finished = [], [], {}
+    step_s, decode, step_tokens, finished = [], [], [], {}
     while engine.has_unfinished():
         t0 = time.perf_counter()
         outputs = engine.step()
         step_s.append(time.perf_counter() - t0)
-        decode.append(len(outputs) == len(lengths) and all(len(o.token_ids) >= 2 for o in outputs))
+        decode.append(len(outputs) == len(lengths) and all(len(o.token_ids) > len(o.new_token_ids) for o in outputs))
+        step_tokens.append(sum(len(o.new_token_ids) for o in outputs))
         finished.update((o.request_id, o) for o in outputs if o.finished)
-    return Pass(step_s, decode, finished, time.perf_counter() - start, engine.runner.num_compiles - compiles)
+    return Pass(step_s, decode, step_tokens, finished, time.perf_counter() - start,
+                engine.runner.num_compiles - compiles)
 
 
 def _timed(engine: Engine, lengths: Sequence[tuple[int, int]], rng: np.random.Generator) -> Pass:
@@ -217,13 +220,15 @@ def bench_decode(engine: Engine, batch: int, spec: BenchSpec, weight_bytes: int,
     """`batch` requests of `prompt_len` tokens generating `new_tokens` each; decode rate over pure-decode steps."""
     run = _timed(engine, [(spec.prompt_len, spec.new_tokens)] * batch, rng)
     dec = [s for s, d in zip(run.step_s, run.decode_step) if d]
+    dec_tokens = sum(n for n, d in zip(run.step_tokens, run.decode_step) if d)
     decode_s = sum(dec)
-    tok_s = batch * len(dec) / decode_s if dec else None
+    tok_s = dec_tokens / decode_s if dec else None
     roof = roofline(weight_bytes, kv_bytes_per_token(engine), batch, spec.prompt_len + spec.new_tokens / 2,
                     spec.hbm_gbps)
     return {"batch": batch, "prompt_len": spec.prompt_len, "new_tokens": spec.new_tokens,
-            "decode_steps": len(dec), "decode_tok_s": tok_s,
-            "decode_step_ms": 1e3 * decode_s / len(dec) if dec else None,
+            "decode_steps": len(dec), "decode_tokens": dec_tokens, "decode_tok_s": tok_s,
+            "decode_step_ms": 1e3 * decode_s * batch / dec_tokens if dec else None,  # per token of each request
+            "decode_steps_per_call": engine.runner.decode_steps,
             "e2e_tok_s": batch * spec.new_tokens / run.total_s, "e2e_s": run.total_s, "steps": len(run.step_s),
             "roofline": roof, "fraction_of_roofline": None if tok_s is None else tok_s / roof["tok_s"],
             "compiles_during_timing": run.compiles}
@@ -347,7 +352,8 @@ def table(r: dict) -> str:
     hf_rows = {row["batch"]: row for row in hf.get("rows", [])}
     lines = [f"Decode: prompt {r['spec']['prompt_len']}, {r['spec']['new_tokens']} new tokens, greedy, EOS ignored; "
              f"roofline at {r['spec']['hbm_gbps']:.0f} GB/s from {r['model']['weight_bytes'] / 1e9:.3f} GB of "
-             f"weights + {r['model']['kv_bytes_per_token']} KV bytes per context token.",
+             f"weights + {r['model']['kv_bytes_per_token']} KV bytes per context token; "
+             f"serve.decode_steps={r['serve'].get('decode_steps', 1)} (step ms: per token of each request).",
              "",
              "| batch | decode tok/s | step ms | roofline tok/s | of roofline | e2e tok/s | HF decode tok/s "
              "| HF e2e tok/s | compiles while timed |",

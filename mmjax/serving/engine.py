@@ -104,12 +104,13 @@ class Engine:
         self.model_cfg = model_cfg
         self.max_model_len = serve.max_model_len or model_cfg.max_seq_len
         self.kv = KVCacheManager(serve.num_pages, serve.page_size, enable_prefix_caching=serve.enable_prefix_caching)
+        self.runner = ModelRunner((graphdef, state), serve, max_model_len=self.max_model_len, mesh=mesh,
+                                  sharding=sharding)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=serve.max_num_batched_tokens,
                                    max_num_seqs=serve.max_num_seqs, max_model_len=self.max_model_len,
                                    enable_chunked_prefill=serve.enable_chunked_prefill,
-                                   long_prefill_token_threshold=serve.long_prefill_token_threshold)
-        self.runner = ModelRunner((graphdef, state), serve, max_model_len=self.max_model_len, mesh=mesh,
-                                  sharding=sharding)
+                                   long_prefill_token_threshold=serve.long_prefill_token_threshold,
+                                   decode_steps=self.runner.decode_steps)
         self.image_token_id = self.runner.image_token_id
         # speculative decoding (serve.speculative): draft_model is an MLLM for method=draft (else its checkpoint)
         self.proposer = make_proposer(serve, max_model_len=self.max_model_len, seeds=self.runner.seeds,
@@ -279,8 +280,10 @@ class Engine:
                 text += live.detok.flush()
             live.detokenize_s += time.perf_counter() - start
             top = (request.sampling_params.logprobs or 0)
-            if tok.tokens:  # speculative: several tokens, each with its logprob
-                lps = [SampledToken(t, lp) for t, lp in zip(new, tok.token_logprobs)]
+            if tok.tokens:  # speculative or multi-step: several tokens, each with its logprob (multi-step: top-k)
+                ids = tok.token_top_ids or [()] * len(new)
+                tlps = tok.token_top_logprobs or [()] * len(new)
+                lps = [SampledToken(t, lp, i[:top], p[:top]) for t, lp, i, p in zip(new, tok.token_logprobs, ids, tlps)]
             else:
                 lps = [SampledToken(tok.token, tok.logprob, tok.top_ids[:top], tok.top_logprobs[:top])]
             outputs.append(self._output(live, list(new), lps, text))

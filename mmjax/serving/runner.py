@@ -63,6 +63,9 @@ class SampledToken:
     # a step that verified speculative tokens emits several: all of them (token is the first) and their logprobs
     tokens: tuple[int, ...] = ()
     token_logprobs: tuple[float, ...] = ()
+    # a multi-step decode's tokens each come with their own top-k (speculative ones carry none)
+    token_top_ids: tuple[tuple[int, ...], ...] = ()
+    token_top_logprobs: tuple[tuple[float, ...], ...] = ()
 
 
 def buckets(low: int, high: int) -> tuple[int, ...]:
@@ -167,6 +170,10 @@ class ModelRunner:
         rep = self._replicated
         self._step = jax.jit(in_sharding_context(self._step_fn, sharding), donate_argnums=(1,), out_shardings=rep)
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), out_shardings=rep)
+        # multi-step decode; not with speculative decoding (its steps verify drafts) nor in its draft runner
+        self.decode_steps = serve.decode_steps if serve.speculative.method == "none" else 1
+        self._multi = jax.jit(in_sharding_context(self._multi_step_fn, sharding), donate_argnums=(1,),
+                              out_shardings=rep)
         self._encode = jax.jit(in_sharding_context(self._encode_fn, sharding), out_shardings=rep)
 
     def slots_for(self, tokens: int) -> int:
@@ -224,6 +231,79 @@ class ModelRunner:
             logits = logits[jnp.arange(s), batch["num_draft"]]
         r = sample(logits, sampling, self.num_logprobs)
         return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs, *spec), pools
+
+    def _multi_step_fn(self, state, pools, batch, sampling):
+        """`decode_steps` decode steps in one call: slot i's token at position start[i] + j goes through the
+        model, its KV into the page table's slot, and the token sampled from it is slot i's input of step j + 1.
+        Slots stop after num_steps[i] steps (their later tokens write to the null page, their outputs are
+        ignored). Returns per-step [K, S] tokens, logprobs and top-k, and the pools."""
+        self.num_compiles += 1
+        model = nnx.merge(self.graphdef, state)
+        i32, ps = jnp.int32, self.page_size
+        s, t = batch["num_steps"].shape[0], batch["tokens"].shape[0]
+        slots = jnp.arange(s, dtype=i32)
+        pad_slots = NULL_PAGE * ps + jnp.arange(t, dtype=i32) % ps  # padding writes the null page
+        table = batch["page_table"]
+        history = sampling.output_ids.shape[1]
+
+        def one(carry, j):
+            tok, pools, out_ids = carry
+            active = j < batch["num_steps"]
+            pos = batch["start"] + j
+            page = jnp.take_along_axis(table, jnp.minimum(pos // ps, table.shape[1] - 1)[:, None], axis=1)[:, 0]
+            slot = jnp.where(active, page * ps + pos % ps, pad_slots[:s])
+            meta = PagedMeta(pad_slots.at[:s].set(slot), table, slots, active.astype(i32),
+                             jnp.where(active, pos + 1, 0), slots)
+            tokens = jnp.zeros(t, i32).at[:s].set(tok)
+            positions = jnp.zeros(t, i32).at[:s].set(jnp.where(active, pos, 0))
+            logits, pools = model.forward_paged(tokens[None], positions[None], pools, meta)
+            r = sample(logits, sampling.replace(step=sampling.step + j, output_ids=out_ids), self.num_logprobs)
+            if history:  # penalties see the tokens drawn so far in this call
+                at = jnp.minimum(sampling.step + j, history - 1)
+                out_ids = out_ids.at[slots, at].set(jnp.where(active, r.tokens, out_ids[slots, at]))
+            return (r.tokens, pools, out_ids), (r.tokens, r.logprobs, r.top_ids, r.top_logprobs)
+
+        carry = (batch["tokens"][:s], pools, sampling.output_ids)
+        (_, pools, _), outs = jax.lax.scan(one, carry, jnp.arange(self.decode_steps, dtype=i32))
+        return outs, pools
+
+    def _multi_batch(self, t: int, s: int) -> dict[str, np.ndarray]:
+        i32 = np.int32
+        return dict(tokens=np.zeros(t, i32), start=np.zeros(s, i32), num_steps=np.zeros(s, i32),
+                    page_table=np.full((s, self.max_pages), NULL_PAGE, i32))
+
+    @property
+    def multi_step_shapes(self) -> list[tuple[int, int]]:
+        """The step shapes a multi-step call can take (one token per running sequence); none when off."""
+        if self.decode_steps <= 1:
+            return []
+        most = pick_bucket(self.token_buckets, min(self.max_slots, self.token_buckets[-1]))
+        return [(t, s) for t, s in self.step_shapes if t <= most]
+
+    def _execute_multi(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run a multi-step decode (every entry has `num_steps` > 1 or is a 1-step tail of one)."""
+        t, s = self.step_shape(len(out.scheduled), len(out.scheduled))
+        batch = self._multi_batch(t, s)
+        for i, entry in enumerate(out.scheduled):
+            pages = np.asarray(entry.page_ids, np.int32)
+            batch["tokens"][i], batch["start"][i], batch["num_steps"][i] = entry.token_ids[-1], entry.start, \
+                entry.num_steps
+            batch["page_table"][i, :len(pages)] = pages
+        sampling = self._sampling([self._requests[e.request_id].request for e in out.scheduled], s)
+        batch, sampling = self._put((batch, sampling))
+        outs, self.pools = self._multi(self.state, self.pools, batch, sampling)
+        self.num_steps += 1
+        tokens, logprobs, top_ids, top_lp = (np.asarray(x) for x in outs)
+        result = {}
+        for i, entry in enumerate(out.scheduled):
+            k = entry.num_steps
+            result[entry.request_id] = SampledToken(
+                int(tokens[0, i]), float(logprobs[0, i]), tuple(int(x) for x in top_ids[0, i]),
+                tuple(float(x) for x in top_lp[0, i]), tokens=tuple(int(x) for x in tokens[:k, i]),
+                token_logprobs=tuple(float(x) for x in logprobs[:k, i]),
+                token_top_ids=tuple(tuple(int(x) for x in top_ids[j, i]) for j in range(k)),
+                token_top_logprobs=tuple(tuple(float(x) for x in top_lp[j, i]) for j in range(k)))
+        return result
 
     def _copy_fn(self, pools, src, dst):
         """Copy pages src -> dst in every layer's pools (a beam fork's shared last page; pads are 0 -> 0).
@@ -314,6 +394,8 @@ class ModelRunner:
             self._register(request)
         if not out.scheduled:
             return {}
+        if any(e.num_steps > 1 for e in out.scheduled):
+            return self._execute_multi(out)
         t, s = self.step_shape(out.num_scheduled_tokens, len(out.scheduled))
         batch = self._empty_batch(t, s)
         rows = None
@@ -384,6 +466,10 @@ class ModelRunner:
                 batch["image_rows"] = self._zeros(t)
             for history in (0, self.max_model_len):
                 self._run(batch, SamplingTensors.from_requests([], s, history))
+        for t, s in self.multi_step_shapes:
+            for history in (0, self.max_model_len):
+                batch, sampling = self._put((self._multi_batch(t, s), SamplingTensors.from_requests([], s, history)))
+                _, self.pools = self._multi(self.state, self.pools, batch, sampling)
         if self.serve.max_beam_width > 1:  # the beam forks' page copy
             zeros = np.zeros(self.serve.max_num_seqs, np.int32)
             self.pools = self._copy(self.pools, *self._put((zeros, zeros)))

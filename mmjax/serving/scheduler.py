@@ -41,6 +41,7 @@ class ScheduledRequest:
     samples: bool
     owner: str = ""  # a beam-search row: the request it belongs to (the runner returns top candidates)
     num_draft: int = 0  # the last num_draft of token_ids are speculative: verify them (see speculative/)
+    num_steps: int = 1  # > 1: a multi-step decode entry: sample this many tokens, each fed back on device
 
     @property
     def num_tokens(self) -> int:
@@ -104,11 +105,12 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 decode_steps: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = SchedulerLimits(max_num_batched_tokens, max_num_seqs, max_model_len, enable_chunked_prefill,
                                       long_prefill_token_threshold)
         self.kv = kv
         self.clock = clock
+        self.decode_steps = decode_steps
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests
         self.waiting: list[Request] = []  # sorted by (priority, arrival, insertion)
         self.running: list[Request] = []  # sorted the same way: the last one is preempted first
@@ -235,6 +237,20 @@ class Scheduler:
                    request.sampling_params.max_tokens - len(request.output_token_ids) - 1)
         return max(0, min(len(request.spec_token_ids), left))
 
+    def _multi_steps(self) -> int:
+        """Decode steps for this step's call: `decode_steps` when every running request is decoding one token
+        (no prefill, beam or speculative tokens), they fit the budget, and no waiting request could be admitted
+        now (a free sequence slot would admit it next step); else 1."""
+        k, running = self.decode_steps, self.running
+        if k <= 1 or not running or len(running) > self.limits.max_num_batched_tokens:
+            return 1
+        if self.waiting and sum(map(self._seq_cost, running)) < self.limits.max_num_seqs:
+            return 1
+        for r in running:
+            if r.beam is not None or r.spec_token_ids or r.num_tokens - r.num_computed_tokens != 1:
+                return 1
+        return k
+
     def _seq_cost(self, request: Request) -> int:
         return request.beam.seq_cost if request.beam is not None else 1
 
@@ -249,6 +265,7 @@ class Scheduler:
         room = self._make_room_for_urgent() if self.preempt_for_priority else []
 
         copies: list[tuple[int, int]] = []
+        steps = self._multi_steps()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -275,14 +292,18 @@ class Scheduler:
             if n == 0:  # its next image does not fit what is left of the budget
                 i += 1
                 continue
-            while self.kv.allocate_slots(request, n) is None:
+            # multi-step: KV room for the tokens fed back, within max_tokens and the model's length
+            k = max(1, min(steps, request.sampling_params.max_tokens - len(request.output_token_ids),
+                           self.limits.max_model_len - request.num_tokens + 1))
+            while self.kv.allocate_slots(request, max(n, k)) is None:
                 victim = self.running[-1]  # least urgent; never one already scheduled (those are before i)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                scheduled.append(self._entry(request, n, num_draft=drafts))
+                entry = self._entry(request, n, num_draft=drafts)
+                scheduled.append(dataclasses.replace(entry, num_steps=k) if k > 1 else entry)
                 budget -= n
                 i += 1
 
@@ -390,7 +411,9 @@ class Scheduler:
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
-            for token in tokens:
+            for index, token in enumerate(tokens):
+                if index and entry.num_steps > 1:  # multi-step: the previous token's KV was written on device
+                    request.num_computed_tokens += 1
                 request.output_token_ids.append(token)
                 status = self._stop_status(request, token)
                 if status is not None:
@@ -398,6 +421,9 @@ class Scheduler:
                     self._finish(request, status)
                     done.append(request)
                     break
+            else:
+                if entry.num_steps > 1:
+                    self.kv.cache_pages(request)
         for root in beams.values():
             if root.beam.step(self.kv, candidates or {}):
                 if root.first_token_time is None:

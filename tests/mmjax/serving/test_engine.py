@@ -155,6 +155,35 @@ def test_text_prompt_images_as_bytes_and_stop_string(setup):
         assert cut.finish_reason == "stop" and cut.stop_reason == text[1:3] and cut.text == text[:1]
 
 
+def test_multi_step_decode_equals_single_steps(setup):
+    """serve.decode_steps=4 (tokens fed back on device) gives each request the tokens and logprobs of one step
+    at a time: greedy with EOS, seeded top-p with top-k logprobs, penalties, stop tokens, max_tokens not a
+    multiple of 4; fewer device calls than tokens, no compile after warm-up, every page back."""
+    serve = dataclasses.replace(setup["cfg"].serve, decode_steps=4)
+    multi = Engine(dataclasses.replace(setup["cfg"], serve=serve), setup["model"], CharTokenizer(), warmup=True)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(4, 64, int(n)).tolist() for n in (5, 9, 3, 12, 7)]
+    params = [SamplingParams(max_tokens=11), SamplingParams(max_tokens=9, temperature=0.9, top_p=0.8, seed=3,
+                                                             logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=7, repetition_penalty=1.4, presence_penalty=0.5, ignore_eos=True),
+              SamplingParams(max_tokens=10, stop_token_ids=[int(prompts[3][0])], ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=1.2, seed=11, frequency_penalty=0.7, ignore_eos=True)]
+    outputs = []
+    for engine in (setup["engine"], multi):
+        llm = LLM.__new__(LLM)
+        llm.engine = engine
+        compiles, steps = engine.runner.num_compiles, engine.runner.num_steps
+        outputs.append(llm.generate(prompts, params))
+        assert engine.runner.num_compiles == compiles
+        assert engine.kv.num_free_pages == engine.kv.num_usable_pages
+    assert multi.runner.num_steps - steps < sum(len(o.token_ids) for o in outputs[1]) - len(prompts)
+    for one, many in zip(*outputs):
+        assert many.token_ids == one.token_ids and many.finish_reason == one.finish_reason
+        np.testing.assert_allclose([lp.logprob for lp in many.logprobs], [lp.logprob for lp in one.logprobs],
+                                   atol=1e-5)
+        assert [lp.top_ids for lp in many.logprobs] == [lp.top_ids for lp in one.logprobs]
+
+
 @pytest.mark.parametrize("override, message", [
     ("serve.page_size=12", "power of two"), ("serve.num_pages=1", "null page"),
     ("serve.max_num_seqs=512", "max_num_batched_tokens"), ("serve.max_model_len=100000", "model.max_seq_len"),
