@@ -7,7 +7,7 @@ kernels run per shard (`_sharding.py`); mmjax's trainer and evaluator enter it w
 """
 
 from mmjax.kernels import kv_pages
-from mmjax.kernels._sharding import MeshSharding, use_sharding
+from mmjax.kernels._sharding import MeshSharding, kv_head_axes, pool_spec, use_sharding
 from mmjax.kernels.attention import OP as _ATTENTION
 from mmjax.kernels.attention import attention
 from mmjax.kernels.bias_gelu import OP as _BIAS_GELU
@@ -24,7 +24,8 @@ from mmjax.kernels.ragged_paged_attention import ragged_paged_attention
 from mmjax.kernels.swiglu import OP as _SWIGLU
 from mmjax.kernels.swiglu import swiglu
 
-__all__ = ["kv_pages", "MeshSharding", "use_sharding", "attention", "paged_attention", "ragged_paged_attention",
+__all__ = ["kv_pages", "MeshSharding", "use_sharding", "kv_head_axes", "pool_spec", "attention", "paged_attention",
+           "ragged_paged_attention",
            "linear_cross_entropy", "rms_norm", "layer_norm", "bias_gelu", "swiglu", "OPS"]
 
 OPS = {"attention": _ATTENTION, "paged_attention": _PAGED_ATTENTION,

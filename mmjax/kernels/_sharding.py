@@ -96,3 +96,40 @@ def shard_attention(fn: Callable, q, k, v, **inputs):
     fn_sharded = shard_map(per_shard, ctx.mesh, (s4, s4, s4) + (s2,) * len(keys), s4)
     with use_sharding(None):  # the body is per shard: nothing in it may split over the mesh again
         return fn_sharded(q, k, v, *(arrays[key] for key in keys))
+
+
+def kv_head_axes(ctx: MeshSharding | None, kv_heads: int, q_heads: int) -> tuple[str, ...]:
+    """The context's head axes that split a paged KV pool of `kv_heads` heads (and the `q_heads` query heads
+    with it); () without a context, or when none divides."""
+    if ctx is None or ctx.mesh.size == 1:
+        return ()
+    return _dividing(ctx.head_axes, math.gcd(kv_heads, q_heads), dict(ctx.mesh.shape))
+
+
+def pool_spec(heads: tuple[str, ...], stacked: bool = True) -> P:
+    """PartitionSpec of a paged pool leaf (values or scales): split over `heads` on its KV dim, dim 1 of a
+    layer stack [L, KV, ...], dim 0 of one layer's pool [KV, ...]."""
+    return P(*([None] * stacked), _entry(heads))
+
+
+def shard_paged_attention(fn: Callable, q, pools: tuple, *, stacked: bool, **inputs):
+    """fn(q, *pools, **inputs) per kv-head shard under the active context (else called as is): q [T, H, D]
+    split on H, each pool leaf (`pool_spec`) on its KV dim, every other array input replicated. The token
+    batch is not split (every data replica computes the whole step)."""
+    ctx = active()
+    kv_heads = pools[0].shape[1 if stacked else 0]
+    heads = kv_head_axes(ctx, kv_heads, q.shape[1])
+    if not heads:
+        return fn(q, *pools, **inputs)
+    static = {key: val for key, val in inputs.items() if not hasattr(val, "shape")}
+    arrays = {key: val for key, val in inputs.items() if hasattr(val, "shape")}
+    keys = sorted(arrays)
+    q_spec = P(None, _entry(heads), None)
+    specs = [pool_spec(heads, stacked) for _ in pools]
+
+    def per_shard(q, *rest):
+        return fn(q, *rest[:len(pools)], **static, **dict(zip(keys, rest[len(pools):])))
+
+    fn_sharded = shard_map(per_shard, ctx.mesh, (q_spec, *specs) + (P(),) * len(keys), q_spec)
+    with use_sharding(None):
+        return fn_sharded(q, *pools, *(arrays[key] for key in keys))

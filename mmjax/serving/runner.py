@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from mmjax.config import ServeConfig
-from mmjax.kernels import MeshSharding
+from mmjax.kernels import MeshSharding, kv_head_axes, pool_spec
 from mmjax.model.decoder import PagedMeta
 from mmjax.parallel.sharding import in_sharding_context
 from mmjax.quant import quantize_state
@@ -157,10 +157,14 @@ class ModelRunner:
         pools = abstract.decoder.init_pools(serve.num_pages, serve.page_size, kv_dtype)
         if mesh is None and sharding is not None:
             mesh = sharding.mesh
-        # next to parameters placed on a mesh: pools, inputs and outputs replicated over it
+        # next to parameters placed on a mesh: inputs and outputs replicated over it; the pools split over the
+        # context's head axes on their kv-head dim (each device holds its heads' KV), else replicated too
         self._replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        if self._replicated is not None:
-            pools = jax.device_put(pools, self._replicated)
+        pool_sharding = None
+        if mesh is not None:
+            heads = kv_head_axes(sharding, self.model_cfg.text.n_kv_heads, self.model_cfg.text.n_heads)
+            pool_sharding = jax.sharding.NamedSharding(mesh, pool_spec(heads))
+            pools = jax.device_put(pools, pool_sharding)
         self.pools = pools
         self.image_cache = ImageCache(serve.image_cache_size)
         self.num_compiles = 0
@@ -168,12 +172,13 @@ class ModelRunner:
         self._requests: dict[str, _RequestState] = {}
         self._zero_rows: dict[int, jax.Array] = {}
         rep = self._replicated
-        self._step = jax.jit(in_sharding_context(self._step_fn, sharding), donate_argnums=(1,), out_shardings=rep)
-        self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), out_shardings=rep)
+        out = None if mesh is None else (rep, pool_sharding)  # (sampled outputs, pools)
+        self._step = jax.jit(in_sharding_context(self._step_fn, sharding), donate_argnums=(1,), out_shardings=out)
+        self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), out_shardings=pool_sharding)
         # multi-step decode; not with speculative decoding (its steps verify drafts) nor in its draft runner
         self.decode_steps = serve.decode_steps if serve.speculative.method == "none" else 1
         self._multi = jax.jit(in_sharding_context(self._multi_step_fn, sharding), donate_argnums=(1,),
-                              out_shardings=rep)
+                              out_shardings=out)
         self._encode = jax.jit(in_sharding_context(self._encode_fn, sharding), out_shardings=rep)
 
     def slots_for(self, tokens: int) -> int:

@@ -53,7 +53,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mmjax.kernels import _dispatch
+from mmjax.kernels import _dispatch, _sharding
 from mmjax.kernels.attention.reference import attention_reference, make_mask
 from mmjax.kernels.kv_pages import dequantize_pages, split_pages
 from mmjax.kernels.paged_attention import check_pool, pallas_pool_guard
@@ -173,5 +173,17 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_l
         k_pages, v_pages = take(k_pages), take(v_pages)
         scaled = {name: take(x) for name, x in scaled.items()}
     i32 = lambda x: None if x is None else x.astype(jnp.int32)
-    return fn(q, k_pages, v_pages, i32(page_table), i32(query_start), i32(query_len), i32(context_len),
-              i32(kv_block_ids), i32(q_block_ids), max_query_len=max_query_len, **scaled, **extra)
+    pools = (k_pages, v_pages, *(scaled[name] for name in ("k_scale", "v_scale") if name in scaled))
+
+    def call(q, k_pages, v_pages, *scales, **arrays):
+        return fn(q, k_pages, v_pages, arrays["page_table"], arrays["query_start"], arrays["query_len"],
+                  arrays["context_len"], arrays.get("kv_block_ids"), arrays.get("q_block_ids"),
+                  max_query_len=max_query_len, **dict(zip(("k_scale", "v_scale"), scales)),
+                  **({"layer": arrays["layer"]} if "layer" in arrays else {}))
+
+    arrays = dict(page_table=i32(page_table), query_start=i32(query_start), query_len=i32(query_len),
+                  context_len=i32(context_len), **extra)
+    if kv_block_ids is not None:
+        arrays.update(kv_block_ids=i32(kv_block_ids), q_block_ids=i32(q_block_ids))
+    # on a mesh whose head axes split the kv heads: one call per head shard, the pools never gathered
+    return _sharding.shard_paged_attention(call, q, pools, stacked=stacked and "layer" in extra, **arrays)

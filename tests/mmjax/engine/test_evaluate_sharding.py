@@ -5,6 +5,7 @@ swapped in without recompiling, and no cache computed with the old ones leaks in
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from mmjax import kernels
 from mmjax.config import load_config
@@ -92,6 +93,9 @@ def test_eval_traced_in_the_sharding_context_same_tokens_as_without_mesh(setup, 
     sharded = Evaluator(data, Tokenizer(), make_eval_engine(cfg, s.graphdef, params, Tokenizer(), data, mesh, ctx),
                         cfg.eval.batch_size, cfg.eval.max_new_tokens)
     got = sharded.generate(params)
+    pools = sharded.engine.runner.pools
+    assert pools[0].sharding.spec == P(None, "tensor")  # each device holds its kv heads' pages
+    assert pools[0].addressable_shards[0].data.shape[1] == cfg.model.text.n_kv_heads // 2
     kinds = {kind for kind, _ in seen}
     assert kinds == {"attention", "constrain"}
     assert all(c is ctx for _, c in seen)  # every trace inside the run's one context
