@@ -182,31 +182,36 @@ def _timed(engine: Engine, lengths: Sequence[tuple[int, int]], rng: np.random.Ge
 
 
 def profile_decode(engine: Engine, batch: int, spec: BenchSpec, rng: np.random.Generator) -> dict:
-    """Trace `spec.profile_steps` pure-decode steps of `batch` requests: the device's busy/idle shares and top
-    kernels (`observe.profile`), next to the steps' wall time, so host overhead shows as device idle time."""
+    """Trace `spec.profile_steps` pure-decode calls of `batch` requests (each `serve.decode_steps` token steps):
+    the device's busy/idle shares and top kernels (`observe.profile`) per token step, next to the wall time, so
+    host overhead shows as device idle time."""
     import tempfile
 
     from mmjax.observe.profile import summarize_trace
 
-    n = spec.profile_steps
+    n, k = spec.profile_steps, engine.runner.decode_steps
     vocab = engine.model_cfg.vocab_size
-    for _ in range(batch):
-        engine.add_request(rng.integers(0, vocab, spec.prompt_len).tolist(),
-                           sampling_params=SamplingParams(max_tokens=n + 8, ignore_eos=True))
-    for _ in range(4 + -(-batch * spec.prompt_len // engine.runner.serve.max_num_batched_tokens)):
-        engine.step()  # prefill and the first decode steps, untraced
+    ids = [engine.add_request(rng.integers(0, vocab, spec.prompt_len).tolist(),
+                              sampling_params=SamplingParams(max_tokens=(n + 8) * k + 8, ignore_eos=True))
+           for _ in range(batch)]
+    while not all(engine._live[rid].request.output_token_ids for rid in ids):
+        engine.step()  # prefill, untraced
+    for _ in range(2):
+        engine.step()  # the first decode calls, untraced
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
         t0 = time.perf_counter()
-        for _ in range(n):
-            engine.step()
+        tokens = sum(len(o.new_token_ids) for _ in range(n) for o in engine.step())
         wall = time.perf_counter() - t0
         jax.profiler.stop_trace()
-        summary = summarize_trace(trace_dir, steps=n)
+        summary = summarize_trace(trace_dir, steps=max(tokens // batch, 1))
+    for rid in ids:
+        engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
     summary.pop("trace_file", None)
-    return {"batch": batch, "steps": n, "wall_step_ms": 1e3 * wall / n, **summary}
+    return {"batch": batch, "calls": n, "token_steps": tokens // batch,
+            "wall_step_ms": 1e3 * wall * batch / max(tokens, 1), **summary}
 
 
 def _stats(xs: Sequence[float]) -> dict[str, float | None]:

@@ -379,6 +379,7 @@ def test_bench_serving_server_mode(server, tmp_path):
         assert row["completed"] + row["rejected_429"] == 6 and row["failed"] == 0
         assert row["ttft_s"]["p50"] <= row["ttft_s"]["p90"] <= row["ttft_s"]["p99"] <= row["e2e_s"]["p99"]
         assert row["output_tok_s"] > 0 and 0 <= row["goodput_req_s"] <= row["throughput_req_s"]
+        assert row["itl_s"]["p90"] <= row["e2e_s"]["p99"] and row["chunk_gap_s"]["p50"] is not None
 
 
 def test_cli_errors(tmp_path, capsys):
