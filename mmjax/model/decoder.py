@@ -35,6 +35,7 @@ class PagedMeta:
     logits_indices: jax.Array
     q_block_ids: jax.Array | None = None
     kv_block_ids: jax.Array | None = None
+    max_query_len: int | None = flax.struct.field(pytree_node=False, default=None)  # static tile hint (1: decode)
 
 
 class DecoderLayer(nnx.Module):
@@ -99,7 +100,8 @@ class DecoderLayer(nnx.Module):
         v_pool = kernels.kv_pages.write_pages(v_pool, v[0], meta.slot_mapping, layer)
         attn = kernels.ragged_paged_attention(
             q[0], k_pool, v_pool, meta.page_table, meta.query_start, meta.query_len, meta.context_len,
-            kv_block_ids=meta.kv_block_ids, q_block_ids=meta.q_block_ids, layer=layer)
+            kv_block_ids=meta.kv_block_ids, q_block_ids=meta.q_block_ids, max_query_len=meta.max_query_len,
+            layer=layer)
         return self.finish(x, attn[None]), (k_pool, v_pool)
 
 
