@@ -125,9 +125,10 @@ class ModelRunner:
     either empty or `max_model_len` long, so each (token, slot) bucket has two shapes, both compiled by
     `warmup()`. `num_compiles` counts traces of the step and of the image encoder: it stays put after warm-up.
 
-    On a `mesh` the pools, the host inputs and the sampled outputs are replicated over it (every process of a
-    multi-process run feeds the same inputs and reads every token), and the step and encoder are traced inside
-    `sharding` (the run's sharding context, the train step's), so the model's layouts follow its rules.
+    On a `mesh` the host inputs and the sampled outputs are replicated over it (every process of a multi-process
+    run feeds the same inputs and reads every token) and the pools are split over the context's head axes on
+    their kv-head dim; the step and encoder are traced inside `sharding` (the run's sharding context, the train
+    step's), so the model's layouts follow its rules.
     `update_weights` swaps in new parameters of the same shapes without recompiling.
     """
 

@@ -45,7 +45,7 @@ and token) is passed as k_pages / v_pages like an array: both implementations re
 the page table and dequantize what they gather (the Pallas kernel one key tile at a time in its loop); no
 full-precision copy of the pool is made. The Pallas kernel takes an e4m3 pool on sm89+ only.
 
-Tested on the CPU only (Pallas in interpret mode); the GPU test (`-m gpu`) has not run yet.
+Tested on the CPU (Pallas in interpret mode) and on an H200 (`pytest -m gpu`, bf16, a layer of stacked pools too).
 """
 
 from __future__ import annotations
