@@ -87,7 +87,7 @@ class BenchSpec:
     lengths: LengthDistribution = LengthDistribution()
     hbm_gbps: float = PEAK_GBPS
     seed: int = 0
-    profile_steps: int = 0  # > 0: trace this many pure-decode steps at the largest batch (where time goes)
+    profile_steps: int = 0  # > 0: trace this many decode calls at the smallest and largest batch
 
     @property
     def max_model_len(self) -> int:
@@ -194,8 +194,9 @@ def profile_decode(engine: Engine, batch: int, spec: BenchSpec, rng: np.random.G
     ids = [engine.add_request(rng.integers(0, vocab, spec.prompt_len).tolist(),
                               sampling_params=SamplingParams(max_tokens=(n + 8) * k + 8, ignore_eos=True))
            for _ in range(batch)]
-    while not all(engine._live[rid].request.output_token_ids for rid in ids):
-        engine.step()  # prefill, untraced
+    started: set[str] = set()
+    while len(started) < batch:  # prefill, untraced
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
     for _ in range(2):
         engine.step()  # the first decode calls, untraced
     with tempfile.TemporaryDirectory() as trace_dir:

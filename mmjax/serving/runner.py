@@ -303,12 +303,11 @@ class ModelRunner:
         result = {}
         for i, entry in enumerate(out.scheduled):
             k = entry.num_steps
+            ids = tuple(tuple(int(x) for x in top_ids[j, i]) for j in range(k))
+            lps = tuple(tuple(float(x) for x in top_lp[j, i]) for j in range(k))
             result[entry.request_id] = SampledToken(
-                int(tokens[0, i]), float(logprobs[0, i]), tuple(int(x) for x in top_ids[0, i]),
-                tuple(float(x) for x in top_lp[0, i]), tokens=tuple(int(x) for x in tokens[:k, i]),
-                token_logprobs=tuple(float(x) for x in logprobs[:k, i]),
-                token_top_ids=tuple(tuple(int(x) for x in top_ids[j, i]) for j in range(k)),
-                token_top_logprobs=tuple(tuple(float(x) for x in top_lp[j, i]) for j in range(k)))
+                int(tokens[0, i]), float(logprobs[0, i]), ids[0], lps[0], tokens=tuple(int(x) for x in tokens[:k, i]),
+                token_logprobs=tuple(float(x) for x in logprobs[:k, i]), token_top_ids=ids, token_top_logprobs=lps)
         return result
 
     def _copy_fn(self, pools, src, dst):
