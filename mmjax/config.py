@@ -165,6 +165,9 @@ class ParallelConfig:
     pipeline_virtual_stages: int = 1  # v decoder chunks per pipeline rank (interleaved_1f1b only)
     pipeline_balance: Literal["even", "cost"] = "cost"  # stage cut: equal layer counts, or equal cost
     pipeline_head_cost: float = 2.0  # final norm + LM head + loss, in decoder layers, for the cost balance
+    # step: FSDP weights gathered once per step, gradients reduced over data x fsdp once per step (holds a
+    # stage's whole weights and gradients per device); use: gathered at each use and reduced per microbatch
+    pipeline_weight_gather: Literal["step", "use"] = "step"
     xla_flags_preset: Literal["none", "gpu_overlap"] = "none"  # gpu_overlap: latency-hiding scheduler, async comms
     xla_flags: str = ""  # extra XLA flags appended to XLA_FLAGS before the backend starts
 

@@ -5,6 +5,8 @@ cut into stages (`parallel.pipeline.balance`); final norm, LM head and loss run 
 microbatch and return token-loss sums, so the train step's normalisation, loss scaling, ZeRO and optimizer
 are the same as without a pipeline. Parameters stay in canonical layer order (checkpoints restore under
 any pipeline layout); each step gathers them into the [rank, chunk, slot] order the executor runs.
+With `parallel.pipeline_weight_gather=step` (default) the batch axes are manual in the executor: FSDP
+weights gathered once per step, gradients reduced over data x fsdp once per step (`BatchSplit`).
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from mmjax.engine.steps import MODEL_INPUTS, split_micro_batches
 from mmjax.model.decoder import RESIDUAL
 from mmjax.model.layers import run_stack
-from mmjax.parallel.pipeline.executor import pipeline_loss
+from mmjax.parallel.pipeline.executor import AXIS, BatchSplit, pipeline_loss
 from mmjax.parallel.pipeline.plan import PipelinePlan, check_pipeline
+from mmjax.parallel.rules import rules_from_config, spec_axes
 from mmjax.parallel.sharding import constrain
+from mmjax.parallel.zero import ShardingPlan
 
 LossFn = Callable[[nnx.Module, dict, jax.Array], tuple[jax.Array, jax.Array]]
 
@@ -36,9 +41,35 @@ def to_stages(layers: dict, plan: PipelinePlan) -> dict:
     return {"layers": stacked, "active": jnp.asarray(active)}
 
 
-def make_pipeline_loss(cfg, mesh) -> LossFn:
-    """loss(model, batch, scale) -> (token-loss sum, loss-token count) through the configured pipeline."""
+def stage_spec(layer_spec: P) -> P:
+    """The spec of a stacked stage leaf [p, v, slots, ...] from its canonical [L, ...] leaf's spec."""
+    return P(AXIS, None, None, *tuple(layer_spec)[1:])
+
+
+def batch_split(cfg, mesh, shardings: ShardingPlan) -> BatchSplit | None:
+    """The executor's manual batch axes and the weight / gradient specs on them; None when the batch is not
+    split (one data-parallel rank) or `parallel.pipeline_weight_gather=use` leaves the axes to GSPMD."""
+    axes = tuple(a for a in spec_axes(rules_from_config(cfg).get("batch")) if mesh.shape.get(a, 1) > 1)
+    if not axes or cfg.parallel.pipeline_weight_gather != "step":
+        return None
+
+    def specs(tree: dict) -> tuple[dict, dict]:
+        dec = tree["decoder"]
+        head = {"norm": jax.tree.map(lambda s: s.spec, dec["final_norm"]),
+                "w": (dec["embedding"] if dec.get("lm_head") is None else dec["lm_head"]).spec}
+        stage = {"layers": jax.tree.map(lambda s: stage_spec(s.spec), dec["layers"]), "active": P(AXIS)}
+        return stage, head
+
+    stage_params, head_params = specs(shardings.params)
+    stage_grads, head_grads = specs(shardings.grads)
+    return BatchSplit(axes, stage_params, head_params, stage_grads, head_grads)
+
+
+def make_pipeline_loss(cfg, mesh, shardings: ShardingPlan) -> LossFn:
+    """loss(model, batch, scale) -> (token-loss sum, loss-token count) through the configured pipeline;
+    `shardings` (the ZeRO plan) says where the weights and their gradients live."""
     plan = check_pipeline(cfg, mesh.shape["pipeline"], report=True)
+    split = batch_split(cfg, mesh, shardings)
     m = cfg.train.grad_accum_steps
     ring = mesh.shape["sequence"] > 1 and cfg.parallel.context_parallel == "ring"
 
@@ -79,7 +110,7 @@ def make_pipeline_loss(cfg, mesh) -> LossFn:
             ce = jax.nn.logsumexp(logits, axis=-1) - picked
             return jnp.sum(ce * mask), count
 
-        f = pipeline_loss(plan.schedule, stage_fn, head_fn, mesh, masked=ring)
+        f = pipeline_loss(plan.schedule, stage_fn, head_fn, mesh, masked=ring, split=split)
         stage_params = to_stages(layers_state.to_pure_dict(), plan)
         head_params = {"norm": norm_state.to_pure_dict(), "w": w}
         return f(stage_params, head_params, micro["x"], side, (micro["targets"], micro["loss_mask"]),

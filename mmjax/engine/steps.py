@@ -152,7 +152,7 @@ def jit_train_step(cfg: Any, setup: Any, optimizer: optax.GradientTransformation
     if sharding is not None and sharding.mesh.shape.get("pipeline", 1) > 1:
         from mmjax.engine.pipeline import make_pipeline_loss  # local: it imports this module
 
-        pipeline = make_pipeline_loss(cfg, sharding.mesh)
+        pipeline = make_pipeline_loss(cfg, sharding.mesh, setup.plan)
     step = make_train_step(setup.graphdef, optimizer, schedule, cfg.train.grad_accum_steps,
                            skip_nonfinite=cfg.observe.nan_policy != "warn", grad_shardings=setup.plan.grads,
                            pipeline_loss=pipeline)

@@ -1,8 +1,12 @@
 """One lock-step SPMD executor for every schedule: forward and backward of a stage stack in one program.
 
-`shard_map` over the `pipeline` axis only (the other mesh axes stay with GSPMD inside a stage), a
-`lax.scan` over the schedule's ticks, a `lax.cond` for each tick's forward and backward slot, an explicit
-`jax.vjp` per (chunk, microbatch) whose residuals are stashed in the slot the schedule assigned and
+`shard_map` over the `pipeline` axis and, when a `BatchSplit` is given, the axes that split the batch
+(`data`, `fsdp`); `tensor` and `sequence` stay with GSPMD inside a stage. With the batch axes manual, each
+rank all-gathers its FSDP weight shards once per step, accumulates its weight gradients locally over every
+microbatch and reduces them over the batch axes once, after the last tick (reduce-scatter to the gradient's
+ZeRO split, all-reduce over the rest): the per-microbatch reductions GSPMD would insert in each backward slot
+are gone. Then a `lax.scan` over the schedule's ticks, a `lax.cond` for each tick's forward and backward
+slot, an explicit `jax.vjp` per (chunk, microbatch) whose residuals are stashed in the slot the schedule assigned and
 consumed by its backward, and two `ppermute`s per tick (+1 activations, -1 gradients, around the ring).
 The last stage runs the loss head right after its forward and keeps the head's input gradient for the
 stage's backward. `pipeline_loss` wraps the whole run in a `custom_vjp`, so an outer `jax.grad` sees a
@@ -22,19 +26,78 @@ from jax.sharding import PartitionSpec as P
 
 from mmjax.kernels import _sharding
 from mmjax.parallel.pipeline.schedule import Schedule
+from mmjax.parallel.rules import spec_axes
 
 AXIS = "pipeline"
 StageFn = Callable[[Any, jax.Array, Any], jax.Array]  # (chunk params [k, ...], x, side) -> y like x
 HeadFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, jax.Array]]  # (head params, y, loss in) -> (sum, count)
 
 
-def _stage_context():
-    """The active sharding context re-pointed at the mesh of the current trace (the `pipeline` axis manual),
-    so nested `shard_map`s and constraints inside a stage split over the other axes only."""
+@dataclasses.dataclass(frozen=True)
+class BatchSplit:
+    """The mesh axes that split the batch, made manual in the executor, and where the weights and their
+    gradients live on them: PartitionSpecs (full, as in the train state) per leaf of the stage parameters
+    [p, v, k, ...], the head parameters and their gradients (the ZeRO plan's `grads`)."""
+
+    axes: tuple[str, ...]
+    stage_params: Any
+    head_params: Any
+    stage_grads: Any
+    head_grads: Any
+
+
+def _manual_entries(spec: P, axes: tuple[str, ...], ndim: int) -> list[tuple[str, ...]]:
+    """Per dimension, the axes of `spec` among the manual `axes` (the rest stay with GSPMD)."""
+    entries = tuple(spec) + (None,) * (ndim - len(spec))
+    return [tuple(a for a in spec_axes(e) if a in axes) for e in entries]
+
+
+def _manual_spec(spec: P, axes: tuple[str, ...], ndim: int) -> P:
+    return P(*(e[0] if len(e) == 1 else (e or None) for e in _manual_entries(spec, axes, ndim)))
+
+
+def _gather(x: jax.Array, spec: P, axes: tuple[str, ...]) -> jax.Array:
+    """A weight's shards over the manual axes all-gathered into the whole (over those axes) array."""
+    for dim, on in enumerate(_manual_entries(spec, axes, x.ndim)):
+        if on:
+            x = jax.lax.all_gather(x, on, axis=dim, tiled=True)
+    return x
+
+
+def _reduce(g: jax.Array, spec: P, axes: tuple[str, ...]) -> jax.Array:
+    """A rank's partial gradient summed over the batch axes: reduce-scattered onto the dimensions `spec` splits
+    over them, all-reduced over the others."""
+    if not jnp.issubdtype(g.dtype, jnp.inexact):  # an integer input's (unused) gradient
+        return g
+    rest = list(axes)
+    for dim, on in enumerate(_manual_entries(spec, axes, g.ndim)):
+        if on:
+            g = jax.lax.psum_scatter(g, on, scatter_dimension=dim, tiled=True)
+            rest = [a for a in rest if a not in on]
+    return jax.lax.psum(g, tuple(rest)) if rest else g
+
+
+def _without_axes(rules: dict[str, Any], drop: set[str]) -> dict[str, Any]:
+    out = {}
+    for name, target in rules.items():
+        kept = tuple(a for a in spec_axes(target) if a not in drop)
+        out[name] = kept[0] if len(kept) == 1 else (kept or None)
+    return out
+
+
+def _stage_context(manual: set[str]):
+    """The active sharding context re-pointed at the mesh of the current trace (`pipeline` and the `manual`
+    batch axes manual there) with those axes taken out of its rules, so constraints and nested `shard_map`s
+    inside a stage split over the other axes only."""
     ctx = _sharding.current()
     if ctx is None:
         return None
     kwargs = {f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx) if f.init and f.name != "mesh"}
+    if "rules" in kwargs:
+        kwargs["rules"] = _without_axes(kwargs["rules"], manual)
+    for name in ("batch_axes", "head_axes"):
+        if name in kwargs:
+            kwargs[name] = tuple(a for a in kwargs[name] if a not in manual)
     return type(ctx)(mesh=jax.sharding.get_abstract_mesh(), **kwargs)
 
 
@@ -43,7 +106,8 @@ def _take(tree: Any, i) -> Any:
 
 
 def run_schedule(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, stage_params: Any, head_params: Any,
-                 x_mb: jax.Array, side_mb: Any, loss_mb: Any, seed: jax.Array, mesh, masked: bool = False) -> tuple:
+                 x_mb: jax.Array, side_mb: Any, loss_mb: Any, seed: jax.Array, mesh, masked: bool = False,
+                 split: BatchSplit | None = None) -> tuple:
     """Run `schedule`'s forward and backward. `stage_params` leaves are [p, v, k, ...] (rank, chunk, layer);
     `x_mb` [m, ...] the first stage's inputs, `side_mb`/`loss_mb` per-microbatch trees [m, ...] for every
     stage / the head; `seed` the cotangent of the loss sum (the loss scale).
@@ -52,20 +116,27 @@ def run_schedule(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, stage_p
     `lax.cond`: for stages whose body has collective-permutes over another mesh axis (ring attention), which
     every device must reach. Idle slots then cost compute: the bubble is that of an unconditional lock-step.
 
+    `split` (a `BatchSplit`) makes the batch axes manual too: the inputs' batch dimension (dim 1 of the
+    [m, batch, ...] trees) is split over them, weights gathered once, gradients reduced once (module doc).
+
     Returns (loss sum, token count, d stage_params, d head_params, d x_mb)."""
     p, v = schedule.p, schedule.v
     tables = {k: jnp.asarray(t) for k, t in schedule.tables().items()}
     outer_ctx = _sharding.current()
+    batch_axes = split.axes if split is not None else ()
 
     def body(tables, stage_params, head_params, x_mb, side_mb, loss_mb, seed):
         with _sharding.use_sharding(outer_ctx):
-            ctx = _stage_context()
+            ctx = _stage_context(set(batch_axes))
         with _sharding.use_sharding(ctx):
             return _body(tables, stage_params, head_params, x_mb, side_mb, loss_mb, seed)
 
     def _body(tables, stage_params, head_params, x_mb, side_mb, loss_mb, seed):
         rank = jax.lax.axis_index(AXIS)
         tables = {k: t[:, 0] for k, t in tables.items()}
+        if split is not None:  # FSDP shards gathered once for the whole step
+            stage_params = jax.tree.map(lambda a, s: _gather(a, s, batch_axes), stage_params, split.stage_params)
+            head_params = jax.tree.map(lambda a, s: _gather(a, s, batch_axes), head_params, split.head_params)
         stage_params = jax.tree.map(lambda a: a[0], stage_params)  # [v, k, ...]
         x0 = x_mb[0]
 
@@ -149,29 +220,43 @@ def run_schedule(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, stage_p
             return dict(c, recv_x=recv_x, recv_g=recv_g), None
 
         c, _ = jax.lax.scan(tick, carry, tables)
-        total = jax.lax.psum(c["total"], AXIS)
-        count = jax.lax.psum(c["count"], AXIS)
+        every = (AXIS, *batch_axes)
+        total = jax.lax.psum(c["total"], every)
+        count = jax.lax.psum(c["count"], every)
         g_head = jax.lax.psum(c["g_head"], AXIS)
         g_stage = jax.tree.map(lambda g: g[None], c["g_stage"])
+        if split is not None:  # the step's one gradient reduction over the batch axes
+            g_stage = jax.tree.map(lambda g, s: _reduce(g, s, batch_axes), g_stage, split.stage_grads)
+            g_head = jax.tree.map(lambda g, s: _reduce(g, s, batch_axes), g_head, split.head_grads)
         return total, count, g_stage, g_head, c["dx"][None]
 
-    rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
-    stage_spec = jax.tree.map(lambda _: P(AXIS), stage_params)
-    in_specs = ({k: P(None, AXIS) for k in tables}, stage_spec, rep(head_params), P(), rep(side_mb), rep(loss_mb), P())
-    out_specs = (P(), P(), stage_spec, rep(head_params), P(AXIS))
-    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS}, check_vma=False)
+    specs = lambda tree, full: jax.tree.map(  # noqa: E731
+        lambda a, s: _manual_spec(s, (AXIS, *batch_axes), a.ndim), tree, full)
+    rows = P(None, batch_axes or None)  # [m, batch, ...] inputs: rows over the batch axes
+    if split is None:
+        stage_in = stage_out = jax.tree.map(lambda _: P(AXIS), stage_params)
+        head_in = head_out = jax.tree.map(lambda _: P(), head_params)
+    else:
+        stage_in, stage_out = specs(stage_params, split.stage_params), specs(stage_params, split.stage_grads)
+        head_in, head_out = specs(head_params, split.head_params), specs(head_params, split.head_grads)
+    per_row = lambda tree: jax.tree.map(lambda _: rows, tree)  # noqa: E731
+    in_specs = ({k: P(None, AXIS) for k in tables}, stage_in, head_in, rows, per_row(side_mb), per_row(loss_mb), P())
+    out_specs = (P(), P(), stage_out, head_out, P(AXIS, *rows))
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS, *batch_axes},
+                       check_vma=False)
     total, count, g_stage, g_head, dx = fn(tables, stage_params, head_params, x_mb, side_mb, loss_mb, seed)
     return total, count, g_stage, g_head, dx[0]
 
 
-def pipeline_loss(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, mesh, masked: bool = False) -> Callable:
+def pipeline_loss(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, mesh, masked: bool = False,
+                  split: BatchSplit | None = None) -> Callable:
     """f(stage_params, head_params, x_mb, side_mb, loss_mb, seed) -> (loss sum, token count), differentiable
     in its first three arguments through the executor's own backward (a `custom_vjp`).
 
     `seed` is the cotangent the caller will put on the loss sum (the loss scale); the gradients are computed
     with it inside the pipeline, so fp16 loss scaling protects the stages' backward exactly as without a
     pipeline, and the outer cotangent / seed (1 in a train step) only rescales them."""
-    run = functools.partial(run_schedule, schedule, stage_fn, head_fn, mesh=mesh, masked=masked)
+    run = functools.partial(run_schedule, schedule, stage_fn, head_fn, mesh=mesh, masked=masked, split=split)
 
     @jax.custom_vjp
     def f(stage_params, head_params, x_mb, side_mb, loss_mb, seed):

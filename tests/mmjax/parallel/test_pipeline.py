@@ -8,6 +8,7 @@ and feature at least once, not the full cross product (one compile per row of LA
 """
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -36,12 +37,14 @@ LAYOUTS = {  # images + packed segments in every batch; tied embeddings unless s
     # cost balance with the head as 2 layers: stages of 3 and 1 layers (a padded slot on rank 1)
     "gpipe_pp2_fsdp2_tp2_zero3_cost": ["mesh.data=1", "mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2",
                                        "parallel.pipeline_schedule=gpipe", "parallel.pipeline_balance=cost"],
-    "1f1b_pp4_data2_zero1_even": ["mesh.data=2", "mesh.pipeline=4", "parallel.zero_stage=1",
+    # the batch axes manual in the executor (BatchSplit): gradients reduce-scattered once per step (ZeRO-3 above,
+    # ZeRO-2 here) or all-reduced (replicated leaves)
+    "1f1b_pp4_data2_zero2_even": ["mesh.data=2", "mesh.pipeline=4", "parallel.zero_stage=2",
                                   "parallel.pipeline_balance=even"],
     # ring attention: the executor runs every slot unconditionally (masked), as its permutes need every device
-    "interleaved2_pp2_seq2_tp2_ring_zero2": ["mesh.data=1", "mesh.pipeline=2", "mesh.sequence=2",
+    "interleaved2_pp2_seq2_tp2_ring_zero1": ["mesh.data=1", "mesh.pipeline=2", "mesh.sequence=2",
                                              "mesh.tensor=2", "parallel.context_parallel=ring",
-                                             "parallel.zero_stage=2",
+                                             "parallel.zero_stage=1",
                                              "parallel.pipeline_schedule=interleaved_1f1b",
                                              "parallel.pipeline_virtual_stages=2"],
 }
@@ -198,6 +201,73 @@ def test_1f1b_temp_memory_is_flat_in_microbatches_while_gpipe_grows():
     residual = b * hidden * 4  # one microbatch's [b, hidden] float32 residual
     assert gp[1] - gp[0] >= 24 * residual  # GPipe stashes every microbatch
     assert one[1] - one[0] < 2 * residual, (one, gp)  # 1F1B: 2p - 1 slots whatever m
+
+
+def loop_collectives(hlo: str) -> dict[str, int]:
+    """Collectives in the compiled while loops' bodies (and every computation they call), by kind."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$", line)
+        if head:
+            name = head.group(1)
+            comps[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name:
+            comps[name].append(line)
+    todo, seen = re.findall(r"while\(.*?body=%?([\w.\-]+)", hlo), set()
+    while todo:
+        comp = todo.pop()
+        if comp in seen or comp not in comps:
+            continue
+        seen.add(comp)
+        for line in comps[comp]:
+            todo += re.findall(r"(?:calls|to_apply|body|condition|\w+_computation)=%?([\w.\-]+)", line)
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                todo += [ref.strip().lstrip("%") for ref in group.split(",")]
+    kinds = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute")
+    return {k: sum(bool(re.search(rf"\b{k}(-start)?\(", line)) for c in seen for line in comps[c]) for k in kinds}
+
+
+def test_batch_split_reduces_gradients_once_per_step():
+    """pipeline=2 x fsdp=2 with FSDP-sharded stage weights: with the batch axes manual (`BatchSplit`) the tick
+    loop holds no gradient reduction or weight gather (one of each per step, outside it) and gives the same
+    loss and gradients as leaving them to GSPMD, which reduces in every backward slot."""
+    from jax.sharding import AxisType, Mesh, NamedSharding
+
+    from mmjax.parallel.pipeline.executor import BatchSplit, run_schedule
+
+    p, m, b, d, hidden = 2, 4, 4, 8, 16
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(1, 2, p, 1, 1), ("data", "fsdp", "pipeline", "sequence",
+                                                                         "tensor"), axis_types=(AxisType.Auto,) * 5)
+    P = jax.sharding.PartitionSpec
+    spec = {"a": P("pipeline", None, None, "fsdp", None), "b": P("pipeline", None, None, None, "fsdp")}
+    grads = {"a": P("pipeline", None, None, None, "fsdp"), "b": spec["b"]}  # a ZeRO-2-like split for one leaf
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = {"a": jax.random.normal(keys[0], (p, 1, 1, d, hidden)),
+              "b": jax.random.normal(keys[1], (p, 1, 1, hidden, d))}
+    params = jax.device_put(params, {n: NamedSharding(mesh, s) for n, s in spec.items()})
+    x = jax.random.normal(keys[2], (m, b, d))
+
+    def stage_fn(w, x, side):
+        return x + jnp.tanh(jnp.tanh(x @ w["a"][0]) @ w["b"][0])
+
+    def head_fn(hp, y, loss_in):
+        return jnp.sum(jnp.tanh(y) * hp), jnp.asarray(y.shape[0], jnp.float32)
+
+    runs = {}
+    for name, split in (("gspmd", None), ("split", BatchSplit(("fsdp",), spec, P(), grads, P()))):
+        fn = jax.jit(lambda params, x, split=split: run_schedule(
+            sch.one_f_one_b(p, m), stage_fn, head_fn, params, jnp.linspace(-1, 1, d), x, jnp.zeros((m, b)),
+            jnp.zeros((m, b)), 1.0, mesh, split=split))
+        compiled = fn.lower(params, x).compile()
+        runs[name] = (jax.device_get(compiled(params, x)), loop_collectives(compiled.as_text()))
+    (want, gspmd), (got, split) = runs["gspmd"], runs["split"]
+    for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert rel_err(np.asarray(a), np.asarray(b_)) <= 1e-5
+    assert split["all-reduce"] == split["reduce-scatter"] == split["all-gather"] == 0, split
+    assert split["collective-permute"] >= 2  # the pipeline's own sends stay in the loop
+    assert gspmd["all-reduce"] + gspmd["reduce-scatter"] > 0, gspmd  # what the split takes out of the loop
 
 
 def test_cli_pipeline_run_resumes_on_pipeline_1(tmp_path):
