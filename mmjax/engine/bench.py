@@ -77,7 +77,7 @@ def run_train_bench(cfg: Config, *, steps: int = 20, warmup: int = 3, profile_st
     setup = model_setup(cfg, mesh, image_token_id=image_token_id(cfg))
     optimizer, schedule = make_optimizer(cfg), learning_rate_schedule(cfg)
     state, shardings = create_train_state(cfg, mesh, setup, optimizer)
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    n_params = setup.num_params
     step_fn = jit_train_step(cfg, setup, optimizer, schedule, shardings, context_from_config(cfg, mesh))
     host = synthetic_batch(cfg, cfg.train.global_batch_size, cfg.train.seed)
     batch = to_global_batch(host, mesh)

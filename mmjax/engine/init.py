@@ -13,12 +13,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mmjax.config import Config
 from mmjax.engine.precision import initial_loss_scale
+from mmjax.engine.stage_storage import StageStorage, stage_storage
 from mmjax.engine.state import TrainState
 from mmjax.model import MLLM
 from mmjax.model.layers import param_logical_axes, resolve_dtype
@@ -31,6 +33,15 @@ class ModelSetup:
     param_shardings: Any  # pure dict of NamedSharding, same tree as the params
     make_params: Callable[[], Any]  # jitted: returns the sharded pure-dict params
     plan: ShardingPlan | None = None  # ZeRO stage: where gradients and optimizer state live
+    num_params: int = 0  # in canonical layout (no pipeline padding rows)
+    # a pipeline's stage-order layer storage (None: the state is in canonical layout), and the setup of the
+    # same model in canonical layout: shardings that checkpoints restore into and that evaluation reads
+    storage: StageStorage | None = None
+    canonical: ModelSetup | None = None
+
+    @property
+    def in_canonical(self) -> ModelSetup:
+        return self.canonical if self.canonical is not None else self
 
 
 def model_setup(cfg: Config, mesh: Mesh, image_token_id: int) -> ModelSetup:
@@ -39,14 +50,28 @@ def model_setup(cfg: Config, mesh: Mesh, image_token_id: int) -> ModelSetup:
         return nnx.split(model, nnx.Param)
 
     graphdef, abstract_params = nnx.eval_shape(lambda: build()[:2])
+    shapes = abstract_params.to_pure_dict()
     names = param_logical_axes(abstract_params)
-    if mesh.shape["pipeline"] > 1 and cfg.model.text.n_layers % mesh.shape["pipeline"] == 0:
-        # each pipeline rank holds a contiguous share of the decoder layers (its stages' when stages are even)
-        names["decoder"]["layers"] = jax.tree.map(lambda n: ("stage", *n[1:]), names["decoder"]["layers"],
-                                                  is_leaf=lambda x: isinstance(x, tuple))
-    plan = sharding_plan(cfg, mesh, abstract_params, names)
-    make_params = jax.jit(lambda: build()[1].to_pure_dict(), out_shardings=plan.params)
-    return ModelSetup(graphdef, plan.params, make_params, plan)
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    storage = stage_storage(cfg, mesh)
+    p = mesh.shape["pipeline"]
+    on_stages = jax.tree.map(lambda n: ("stage", *n[1:]), names["decoder"]["layers"],
+                             is_leaf=lambda x: isinstance(x, tuple))
+    if p > 1 and cfg.model.text.n_layers % p == 0:
+        # canonical layout: each pipeline rank holds a contiguous share of the decoder layers
+        canonical_names = {**names, "decoder": {**names["decoder"], "layers": on_stages}}
+    else:
+        canonical_names = names
+    canonical_plan = sharding_plan(cfg, mesh, shapes, canonical_names)
+    make_canonical = jax.jit(lambda: build()[1].to_pure_dict(), out_shardings=canonical_plan.params)
+    canonical = ModelSetup(graphdef, canonical_plan.params, make_canonical, canonical_plan, num_params)
+    if storage is None:
+        return canonical
+    # stage-order storage: rows split over `pipeline`, each rank's own layers (engine.stage_storage)
+    storage_shapes = storage.params(shapes, storage.abstract_layers)
+    plan = sharding_plan(cfg, mesh, storage_shapes, {**names, "decoder": {**names["decoder"], "layers": on_stages}})
+    make_params = jax.jit(lambda: storage.params_to_storage(build()[1].to_pure_dict()), out_shardings=plan.params)
+    return ModelSetup(graphdef, plan.params, make_params, plan, num_params, storage, canonical)
 
 
 def create_train_state(cfg: Config, mesh: Mesh, setup: ModelSetup,

@@ -3,8 +3,8 @@
 Vision tower, projector and token embeddings run before the pipeline as plain GSPMD; the decoder stack is
 cut into stages (`parallel.pipeline.balance`); final norm, LM head and loss run in the last stage per
 microbatch and return token-loss sums, so the train step's normalisation, loss scaling, ZeRO and optimizer
-are the same as without a pipeline. Parameters stay in canonical layer order (checkpoints restore under
-any pipeline layout); each step gathers them into the [rank, chunk, slot] order the executor runs.
+are the same as without a pipeline. The train state holds the layers in the [rank, chunk, slot] order the
+executor runs (`engine.stage_storage`; checkpoints and evaluation see canonical order).
 With `parallel.pipeline_weight_gather=step` (default) the batch axes are manual in the executor: FSDP
 weights gathered once per step, gradients reduced over data x fsdp once per step (`BatchSplit`).
 """
@@ -31,14 +31,20 @@ LossFn = Callable[[nnx.Module, dict, jax.Array], tuple[jax.Array, jax.Array]]
 
 
 def to_stages(layers: dict, plan: PipelinePlan) -> dict:
-    """Canonical [L, ...] layer params -> {"layers": [p, v, slots, ...], "active": [p, v, slots]}."""
+    """Stored [p * v * slots, ...] layer params (stage order, `engine.stage_storage`; canonical order when the
+    stages are equal and contiguous) -> {"layers": [p, v, slots, ...], "active": [p, v, slots]}: a free
+    reshape of the `pipeline`-sharded row axis."""
     lay = plan.layout
-    idx, active = lay.index()
-    if lay.uniform:  # contiguous equal stages: a free reshape of the pipeline-sharded layer axis
-        stacked = jax.tree.map(lambda a: a.reshape(lay.p, 1, lay.slots, *a.shape[1:]), layers)
-    else:
-        stacked = jax.tree.map(lambda a: a[jnp.asarray(idx)], layers)
-    return {"layers": stacked, "active": jnp.asarray(active)}
+    _, active = lay.index()
+    rows = lay.p * lay.v * lay.slots
+
+    def view(a: jax.Array) -> jax.Array:
+        if a.shape[0] != rows:
+            raise ValueError(f"decoder layer stack of {a.shape[0]} rows; the pipeline layout {lay.sizes} stores "
+                             f"{rows} (build the state with engine.init.model_setup, which converts)")
+        return a.reshape(lay.p, lay.v, lay.slots, *a.shape[1:])
+
+    return {"layers": jax.tree.map(view, layers), "active": jnp.asarray(active)}
 
 
 def stage_spec(layer_spec: P) -> P:

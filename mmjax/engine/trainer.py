@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from mmjax.config import Config, to_yaml
 from mmjax.data.pipeline import load_eval_examples, make_train_dataset, open_dataset
 from mmjax.engine import checkpoint as ckpt
+from mmjax.engine.canonical import CanonicalLayout
 from mmjax.engine.compiled import CompiledSteps
 from mmjax.engine.convert import save_tokenizer_files
 from mmjax.engine.evaluate import Evaluator, make_eval_engine, write_predictions
@@ -65,20 +65,23 @@ class Trainer:
         self.optimizer = make_optimizer(cfg)
         self.schedule = learning_rate_schedule(cfg)
         self.state, state_shardings = create_train_state(cfg, self.mesh, self.setup, self.optimizer)
+        # checkpoints and evaluation see canonical layer order (a pipeline may store stages differently)
+        self.canonical = CanonicalLayout(self.mesh, self.setup, self.optimizer, self.state)
         self.data_state: Any = None
         self.stop_requested = threading.Event()
         if resume_from is not None:
             reader, step = resume_from
             if reader.is_params_only(step):  # converted / exported weights: new optimizer, step 0, fresh data
-                params = reader.restore_params(step, self.state.params)
-                self.state = self.state.replace(params={**self.state.params, **params})
+                params = reader.restore_params(step, self.canonical.params_target(self.state.params))
+                self.state = self.state.replace(params={**self.state.params,
+                                                        **self.canonical.params_to_stored(params)})
                 log.info("initialised %s from %s", sorted(params), reader.directory / str(step))
             else:
-                target = ckpt.abstract_like(self.state)
+                target = self.canonical.target(self.state)
                 jax.tree.map(lambda x: x.delete(), self.state)  # free the fresh init: peak memory stays one state
                 restored = reader.restore(step, target)
                 ckpt.check_data_compatible(restored.meta, cfg, f"checkpoint {restored.path}")
-                self.state, self.data_state = restored.state, restored.data
+                self.state, self.data_state = self.canonical.state_to_stored(restored.state), restored.data
                 log.info("resumed from %s (step %d)", restored.path, step)
         # one sharding context (rules, context parallelism, per-shard kernels) for training and evaluation
         self.sharding = context_from_config(cfg, self.mesh)
@@ -89,10 +92,11 @@ class Trainer:
         eval_set = load_eval_examples(cfg, self.tokenizer, self.files)
         self.evaluator = None  # None: user data without data.eval_paths
         if eval_set is not None:  # the serving engine, built once: evaluation compiles on the first eval only
-            engine = make_eval_engine(cfg, self.setup.graphdef, self.state.params, self.tokenizer, eval_set,
-                                      self.mesh, self.sharding)
+            params = self.canonical.params_to_canonical(self.state.params)
+            engine = make_eval_engine(cfg, self.setup.graphdef, params, self.tokenizer, eval_set, self.mesh,
+                                      self.sharding)
             self.evaluator = Evaluator(eval_set, self.tokenizer, engine, cfg.eval.batch_size, cfg.eval.max_new_tokens)
-        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params))
+        n_params = self.setup.num_params
         log.info("model: %.2fM parameters; mesh %s (%d processes, ZeRO-%d%s)", n_params / 1e6, self.mesh_sizes,
                  jax.process_count(), cfg.parallel.zero_stage,
                  ", sequence-parallel" if cfg.parallel.sequence_parallel else "")
@@ -152,7 +156,8 @@ class Trainer:
                 if self.evaluator is not None and ((every and step % every == 0) or step == cfg.train.steps):
                     with monitor.excluded("the evaluation to finish"):  # eval time is not train step time
                         eval_start = time.perf_counter()
-                        last_eval, predictions = self.evaluator.run(self.state.params)
+                        last_eval, predictions = self.evaluator.run(
+                            self.canonical.params_to_canonical(self.state.params))
                         last_eval["time/eval"] = time.perf_counter() - eval_start
                     monitor.write(step, last_eval)
                     if jax.process_index() == 0:
@@ -171,7 +176,8 @@ class Trainer:
     def _save(self, step: int, data_state: Any, state: Any = None) -> float:
         """Checkpoint `state` (default: the current one) at `step`; returns the seconds the loop was blocked."""
         meta = ckpt.run_meta(self.cfg, self.mesh_sizes, tuple(self.mesh.axis_names), step)
-        return self.checkpointer.save(step, self.state if state is None else state, data_state, meta)
+        state = self.canonical.state_to_canonical(self.state if state is None else state)
+        return self.checkpointer.save(step, state, data_state, meta)
 
     def _stop_now(self, step: int) -> bool:
         """True once SIGTERM/SIGINT arrived. With several processes, jax's preemption service (which owns

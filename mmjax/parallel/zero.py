@@ -29,14 +29,13 @@ class ShardingPlan:
     zero_stage: int
 
 
-def sharding_plan(cfg, mesh: Mesh, abstract_params: Any, logical_axes: Any) -> ShardingPlan:
-    """Shardings for `abstract_params` (an nnx.State of ShapeDtypeStructs) whose dimensions carry the names
+def sharding_plan(cfg, mesh: Mesh, shapes: Any, logical_axes: Any) -> ShardingPlan:
+    """Shardings for parameters of `shapes` (a pure dict of ShapeDtypeStructs) whose dimensions carry the names
     in `logical_axes` (a pure-dict tree of name tuples: `mmjax.model.layers.param_logical_axes`)."""
     params = shardings_for(logical_axes, mesh, rules_from_config(cfg))
     stage = cfg.parallel.zero_stage
     if stage == 3:
         return ShardingPlan(params, params, params, stage)
-    shapes = abstract_params.to_pure_dict()
     opt = jax.tree.map(lambda s, x: NamedSharding(mesh, optimizer_spec(s.spec, tuple(x.shape), mesh)), params,
                        shapes)
     return ShardingPlan(params, opt, opt if stage == 2 else params, stage)

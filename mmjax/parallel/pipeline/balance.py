@@ -33,6 +33,15 @@ class Layout:
         """Every stage has the same number of layers and stage order is canonical order (no gather needed)."""
         return len(set(self.sizes)) == 1 and self.v == 1
 
+    def storage_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Stage-order storage of the layer stack, [p * v * slots] rows in (rank, chunk, slot) order:
+        (each row's canonical layer, -1 for a padding row; each canonical layer's row)."""
+        idx, active = self.index()
+        rows = np.where(active.reshape(-1) > 0, idx.reshape(-1), -1)
+        position = np.zeros(self.n_layers, np.int32)
+        position[rows[rows >= 0]] = np.flatnonzero(rows >= 0)
+        return rows, position
+
     def index(self) -> tuple[np.ndarray, np.ndarray]:
         """([p, v, slots] canonical layer index, [p, v, slots] 1.0 where the slot runs a layer, 0.0 if padding)."""
         idx = np.zeros((self.p, self.v, self.slots), np.int32)

@@ -89,6 +89,22 @@ def test_balance_counts_the_head():
     assert idx[:, :, 0].tolist() == [[0, 2], [1, 3]] and active.all()  # stage s = chunk * p + rank
 
 
+@pytest.mark.parametrize("n_layers, p, v, mode", [(5, 2, 1, "cost"), (4, 2, 2, "even"), (7, 2, 2, "cost")])
+def test_stage_storage_holds_each_ranks_layers(n_layers, p, v, mode):
+    """Storage rows in (rank, chunk, slot) order: rank r's equal block of rows is exactly the layers its stages
+    run (padding rows zero), and canonical order comes back unchanged."""
+    from mmjax.engine.stage_storage import StageStorage
+
+    lay = make_layout(n_layers, p, v, mode, 2.0)
+    storage = StageStorage(lay)
+    layers = jnp.arange(1, n_layers + 1, dtype=jnp.float32)[:, None] * jnp.ones((1, 3))
+    stored = np.asarray(storage.layers_to_storage(layers))
+    idx, active = lay.index()
+    want = np.where(active > 0, idx + 1, 0).reshape(p, -1)  # layer l holds l + 1; padding 0
+    assert np.array_equal(stored[:, 0].reshape(p, -1), want)
+    assert np.array_equal(np.asarray(storage.layers_to_canonical(stored)), np.asarray(layers))
+
+
 @pytest.mark.parametrize("overrides, match", [
     (["mesh.pipeline=2", "train.grad_accum_steps=1"], "train.grad_accum_steps >= 2"),
     (["mesh.pipeline=2", "train.grad_accum_steps=4", "model.text.n_layers=3", "parallel.pipeline_balance=even"],
@@ -124,19 +140,22 @@ def train_two_steps(overrides, devices=None, initial=None):
         state = state.replace(loss_scale=scale)
         shardings = state_shardings(mesh, setup, optimizer, state)
         state = jax.device_put(state, shardings)
-    else:
-        shardings = state_shardings(mesh, setup, optimizer, initial)
-        state = jax.device_put(initial, shardings)
+    else:  # a canonical (pipeline=1) state, in this layout's stage-order storage where it has one
+        stored = initial if setup.storage is None else setup.storage.state_to_storage(initial, optimizer)
+        shardings = state_shardings(mesh, setup, optimizer, stored)
+        state = jax.device_put(stored, shardings)
     step = jit_train_step(cfg, setup, optimizer, learning_rate_schedule(cfg), shardings,
                           context_from_config(cfg, mesh))
     batches = [to_global_batch(make_batch(cfg, cfg.train.global_batch_size, seed=s), mesh) for s in (0, 1)]
     compiled = step.lower(state, batches[0]).compile(FAST_COMPILE)
-    initial = jax.device_get(state)
+    canonical = (lambda s: s) if setup.storage is None else (  # noqa: E731
+        lambda s: setup.storage.state_to_canonical(s, optimizer))
+    initial = jax.device_get(canonical(state))
     metrics = []
     for batch in batches:
         state, m = compiled(state, batch)
         metrics.append(jax.device_get(m))
-    return initial, jax.device_get(state), metrics
+    return initial, jax.device_get(canonical(state)), metrics
 
 
 @pytest.fixture(scope="module")
@@ -271,15 +290,16 @@ def test_batch_split_reduces_gradients_once_per_step():
 
 
 def test_cli_pipeline_run_resumes_on_pipeline_1(tmp_path):
-    """`python -m mmjax.train mesh.pipeline=2 mesh.fsdp=2 mesh.tensor=2` trains (with its end-of-run eval, which
-    reads the pipeline-sharded params through plain GSPMD) and its checkpoint restores on pipeline=1 exactly."""
+    """`python -m mmjax.train mesh.pipeline=2 mesh.fsdp=2 mesh.tensor=2` with uneven stages trains (with its
+    end-of-run eval, which reads the params in canonical order through plain GSPMD); its checkpoint, written in
+    canonical order, restores on pipeline=1 and back into the pipeline's stage-order storage exactly."""
     import orbax.checkpoint as ocp
 
     from mmjax.engine.checkpoint import flat_leaves
     from mmjax.engine.trainer import Trainer
     from mmjax.train import DEFAULT_CONFIG, main
 
-    common = ["model.text.dim=64", "model.text.mlp_dim=128", "model.text.n_layers=2", "model.vision.dim=64",
+    common = ["model.text.dim=64", "model.text.mlp_dim=128", "model.text.n_layers=3", "model.vision.dim=64",
               "model.vision.mlp_dim=128", "model.vision.n_layers=1", "data.num_train=128", "data.num_eval=8",
               "data.num_shards=2", "eval.num_examples=4", "eval.batch_size=4", "eval.max_new_tokens=2",
               "train.global_batch_size=8", "train.grad_accum_steps=2", "optim.warmup_steps=1",
@@ -293,6 +313,15 @@ def test_cli_pipeline_run_resumes_on_pipeline_1(tmp_path):
                                                 f"train.output_dir={tmp_path / 'p1'}", f"train.resume={step_dir}"])
     trainer = Trainer(cfg)
     a, b = flat_leaves(trainer.state), flat_leaves(saved)
+    assert a.keys() == b.keys() and all(np.array_equal(np.asarray(jax.device_get(a[k])), np.asarray(b[k])) for k in a)
+    # and back into the pipeline's stage-order storage (stages of 2 + 1 layers: a padding row on rank 1)
+    cfg = load_config(DEFAULT_CONFIG, common + ["mesh.data=1", "mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                                "train.steps=3", f"train.output_dir={tmp_path / 'pp2'}",
+                                                f"train.resume={step_dir}"])
+    trainer = Trainer(cfg)
+    assert trainer.setup.storage is not None and trainer.state.params["decoder"]["layers"]["attn_norm"]["scale"] \
+        .sharding.spec[0] == "pipeline"
+    a = flat_leaves(trainer.canonical.state_to_canonical(trainer.state))
     assert a.keys() == b.keys() and all(np.array_equal(np.asarray(jax.device_get(a[k])), np.asarray(b[k])) for k in a)
     losses = [r for r in map(__import__("json").loads, (run / "metrics.jsonl").read_text().splitlines())
               if "train/loss" in r]
