@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from mmjax.kernels import _sharding
@@ -112,16 +113,21 @@ def run_schedule(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, stage_p
     `x_mb` [m, ...] the first stage's inputs, `side_mb`/`loss_mb` per-microbatch trees [m, ...] for every
     stage / the head; `seed` the cotangent of the loss sum (the loss scale).
 
-    `masked` runs every slot on every rank and keeps the valid slots' results instead of branching with
-    `lax.cond`: for stages whose body has collective-permutes over another mesh axis (ring attention), which
-    every device must reach. Idle slots then cost compute: the bubble is that of an unconditional lock-step.
+    `masked` is for stages whose body has collective-permutes over another mesh axis (ring attention), which
+    every device must reach: a slot's branch is then taken on a predicate every device shares (some rank has
+    work in this slot at this tick), and a rank without work runs it too and drops the result. Ticks where
+    no rank has a forward (backward) skip that slot everywhere, so a tick costs t_f if any rank runs a
+    forward plus t_b if any runs a backward, as with per-rank branches.
 
     `split` (a `BatchSplit`) makes the batch axes manual too: the inputs' batch dimension (dim 1 of the
     [m, batch, ...] trees) is split over them, weights gathered once, gradients reduced once (module doc).
 
     Returns (loss sum, token count, d stage_params, d head_params, d x_mb)."""
     p, v = schedule.p, schedule.v
-    tables = {k: jnp.asarray(t) for k, t in schedule.tables().items()}
+    tables = schedule.tables()
+    for kind in ("f", "b"):  # does any rank run this slot at this tick (the same on every rank)
+        tables[f"{kind}_any"] = np.repeat(tables[f"{kind}_valid"].max(axis=1, keepdims=True), p, axis=1)
+    tables = {k: jnp.asarray(t) for k, t in tables.items()}
     outer_ctx = _sharding.current()
     batch_axes = split.axes if split is not None else ()
 
@@ -205,16 +211,22 @@ def run_schedule(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, stage_p
             c = dict(c, g_stage=g_stage, dx=jax.lax.dynamic_update_index_in_dim(c["dx"], new, micro, 0))
             return c, dx
 
-        def slot(valid, run, c, t):
+        skip = lambda c, t: (c, jnp.zeros_like(x0))  # noqa: E731
+
+        def slot(valid, anyone, run, c, t):
             if not masked:
-                return jax.lax.cond(valid, run, lambda c, t: (c, jnp.zeros_like(x0)), c, t)
-            new, out = run(c, t)
-            keep = lambda a, b: jnp.where(valid, a, b)  # noqa: E731
-            return jax.tree.map(keep, new, c), keep(out, jnp.zeros_like(out))
+                return jax.lax.cond(valid, run, skip, c, t)
+
+            def run_all(c, t):
+                new, out = run(c, t)
+                keep = lambda a, b: jnp.where(valid, a, b)  # noqa: E731
+                return jax.tree.map(keep, new, c), keep(out, jnp.zeros_like(out))
+
+            return jax.lax.cond(anyone, run_all, skip, c, t)
 
         def tick(c, t):
-            c, send_x = slot(t["f_valid"] > 0, forward_slot, c, t)
-            c, send_g = slot(t["b_valid"] > 0, backward_slot, c, t)
+            c, send_x = slot(t["f_valid"] > 0, t["f_any"] > 0, forward_slot, c, t)
+            c, send_g = slot(t["b_valid"] > 0, t["b_any"] > 0, backward_slot, c, t)
             recv_x = jax.lax.ppermute(send_x, AXIS, [(j, (j + 1) % p) for j in range(p)])
             recv_g = jax.lax.ppermute(send_g.astype(x0.dtype), AXIS, [(j, (j - 1) % p) for j in range(p)])
             return dict(c, recv_x=recv_x, recv_g=recv_g), None
