@@ -117,7 +117,7 @@ def run_schedule(schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, stage_p
     every device must reach: a slot's branch is then taken on a predicate every device shares (some rank has
     work in this slot at this tick), and a rank without work runs it too and drops the result. Ticks where
     no rank has a forward (backward) skip that slot everywhere, so a tick costs t_f if any rank runs a
-    forward plus t_b if any runs a backward, as with per-rank branches.
+    forward plus t_b if any runs a backward: the schedule's own cost model (`Schedule.bubble_fraction`).
 
     `split` (a `BatchSplit`) makes the batch axes manual too: the inputs' batch dimension (dim 1 of the
     [m, batch, ...] trees) is split over them, weights gathered once, gradients reduced once (module doc).
