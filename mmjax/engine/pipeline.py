@@ -1,10 +1,11 @@
 """The MLLM's train loss through a pipeline: placement of the model around the pipeline executor.
 
 Vision tower, projector and token embeddings run before the pipeline as plain GSPMD; the decoder stack is
-cut into stages (`parallel.pipeline.balance`); final norm, LM head and loss run in the last stage per
-microbatch and return token-loss sums, so the train step's normalisation, loss scaling, ZeRO and optimizer
-are the same as without a pipeline. The train state holds the layers in the [rank, chunk, slot] order the
-executor runs (`engine.stage_storage`; checkpoints and evaluation see canonical order).
+cut into stages (`parallel.pipeline.balance`); final norm, LM head and loss (`model.loss_impl`'s fused
+cross-entropy unless it is `xla`) run in the last stage per microbatch and return token-loss sums, so the
+train step's normalisation, loss scaling, ZeRO and optimizer are the same as without a pipeline. The train
+state holds the layers in the [rank, chunk, slot] order the executor runs (`engine.stage_storage`;
+checkpoints and evaluation see canonical order).
 With `parallel.pipeline_weight_gather=step` (default) the batch axes are manual in the executor: FSDP
 weights gathered once per step, gradients reduced over data x fsdp once per step (`BatchSplit`).
 """
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from mmjax import kernels
 from mmjax.engine.steps import MODEL_INPUTS, split_micro_batches
 from mmjax.model.decoder import RESIDUAL
 from mmjax.model.layers import run_stack
@@ -89,6 +91,7 @@ def make_pipeline_loss(cfg, mesh, shardings: ShardingPlan) -> LossFn:
         layers_gd, layers_state = nnx.split(dec.layers)
         norm_gd, norm_state = nnx.split(dec.final_norm)
         w, layout = dec.output_matrix()
+        loss_impl = getattr(getattr(model, "cfg", None), "loss_impl", "xla")
 
         def stage_fn(pc, h, side):
             positions, segment_ids, block_ids = side
@@ -107,6 +110,9 @@ def make_pipeline_loss(cfg, mesh, shardings: ShardingPlan) -> LossFn:
             targets, mask = loss_in
             hidden = nnx.merge(norm_gd, hp["norm"])(h)
             count = jnp.sum(mask)
+            if loss_impl != "xla":  # the fused linear cross-entropy, as in loss_sums: no [b, s, vocab] logits
+                total = kernels.linear_cross_entropy(hidden, hp["w"], targets, mask, w_layout=layout, impl=loss_impl)
+                return total, count
             spec = "bse,ve->bsv" if layout == "ve" else "bse,ev->bsv"
             logits = jnp.einsum(spec, hidden, hp["w"].astype(dec.compute_dtype), preferred_element_type=jnp.float32)
             logits = constrain(logits, ("batch", "length", "vocab"))

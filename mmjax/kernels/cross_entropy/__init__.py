@@ -7,7 +7,7 @@ without materialising the [tokens, vocab] logits (at vocab 128k and 16k tokens t
 | impl      | memory                        | how                                                          |
 |-----------|-------------------------------|--------------------------------------------------------------|
 | `chunked` | O(chunk x V) + the gradients  | scan over token chunks; loss *and* gradients in one pass     |
-| `xla`     | O(tokens x V)                 | full logits, optax-style; the baseline and reference         |
+| `xla`     | O(tokens x V)                 | full logits, the target logit by a masked sum; the baseline  |
 
 `chunked` computes dX and dW during the forward pass (the Liger trick): the output is a scalar, so the
 backward pass only scales the saved gradients by the incoming cotangent. That is 3 vocab matmuls per chunk
@@ -137,8 +137,14 @@ def _chunked(x, w, labels, weights, *, w_layout, chunk=None):
 
 
 def _xla(x, w, labels, weights, *, w_layout, chunk=None):
+    """The reference's full logits, with the target logit by a masked sum as in `_chunk_step`: XLA's SPMD
+    partitioner aborts on take_along_axis's gather inside a shard_map that leaves other mesh axes automatic
+    (the pipeline's last stage, `mmjax.engine.pipeline`)."""
     del chunk
-    return cross_entropy_reference(x, w, labels, weights, w_layout=w_layout)
+    logits = _logits(x, w, w_layout)
+    onehot = lax.broadcasted_iota(jnp.int32, logits.shape, 1) == labels[:, None]
+    target = jnp.sum(jnp.where(onehot, logits, 0.0), axis=-1)
+    return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - target) * weights.astype(jnp.float32))
 
 
 def linear_cross_entropy(x, w, labels, weights=None, *, w_layout: str = "ev", impl: str = "auto",

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mmjax import kernels
 from mmjax.kernels import _dispatch
@@ -51,6 +53,35 @@ def test_linear_cross_entropy_matches_full_logits(layout, tokens, chunk):
     # evaluation path (no gradient) gives the same loss
     close(fused(x, w, weights), lr, 1e-5)
 
+
+
+@pytest.mark.parametrize("impl", ["xla", "chunked"])
+def test_linear_cross_entropy_in_a_partially_manual_shard_map(impl):
+    """Both impls inside a shard_map manual over `pipeline` only, W split over the automatic `tensor` (vocab) and
+    `fsdp` axes: the pipeline's last stage. A gather for the target logit aborted XLA's SPMD partitioner there."""
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("pipeline", "fsdp", "tensor"),
+                axis_types=(AxisType.Auto,) * 3)
+    e, v, shape = 16, 64, (2, 4, 8)
+    x, w = arr((*shape, e)), arr((v, e), 0.3)
+    labels = jnp.asarray(RNG.integers(0, v, shape), jnp.int32)
+    weights = jnp.asarray(RNG.random(shape) > 0.3, jnp.float32)
+
+    def per_rank(x, w, labels, weights):
+        loss = lambda x, w: kernels.linear_cross_entropy(x[0], w, labels[0], weights[0], w_layout="ve", impl=impl)
+        total, (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+        return jax.lax.psum(total, "pipeline"), dx, jax.lax.psum(dw, "pipeline")
+
+    rows = P("pipeline")
+    fn = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(rows, P(), rows, rows), out_specs=(P(), rows, P()),
+                               axis_names={"pipeline"}, check_vma=False))
+    total, dx, dw = fn(jax.device_put(x, NamedSharding(mesh, P("pipeline", "fsdp"))),
+                       jax.device_put(w, NamedSharding(mesh, P("tensor", "fsdp"))), labels, weights)
+    ref = lambda x, w: cross_entropy_reference(x.reshape(-1, e), w, labels.reshape(-1), weights.reshape(-1),
+                                               w_layout="ve")
+    want, (want_dx, want_dw) = jax.value_and_grad(ref, argnums=(0, 1))(x, w)
+    close(total, want, 1e-5)
+    close(dx, want_dx, 1e-4, "x")
+    close(dw, want_dw, 1e-4, "w")
 
 def test_linear_cross_entropy_bf16_and_errors():
     x, w = arr((64, 32), dtype=jnp.bfloat16), arr((32, 500), 0.2, jnp.bfloat16)

@@ -34,9 +34,11 @@ BASE = ["model.compute_dtype=float32", "train.global_batch_size=8", "train.grad_
         "model.vision.dim=64", "model.vision.mlp_dim=128"]
 
 LAYOUTS = {  # images + packed segments in every batch; tied embeddings unless said otherwise
-    # cost balance with the head as 2 layers: stages of 3 and 1 layers (a padded slot on rank 1)
+    # cost balance with the head as 2 layers: stages of 3 and 1 layers (a padded slot on rank 1); the head's fused
+    # chunked cross-entropy with the vocab split over `tensor` (the reference uses it too: a `model.` key)
     "gpipe_pp2_fsdp2_tp2_zero3_cost": ["mesh.data=1", "mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2",
-                                       "parallel.pipeline_schedule=gpipe", "parallel.pipeline_balance=cost"],
+                                       "parallel.pipeline_schedule=gpipe", "parallel.pipeline_balance=cost",
+                                       "model.loss_impl=chunked"],
     # the batch axes manual in the executor (BatchSplit): gradients reduce-scattered once per step (ZeRO-3 above,
     # ZeRO-2 here) or all-reduced (replicated leaves)
     "1f1b_pp4_data2_zero2_even": ["mesh.data=2", "mesh.pipeline=4", "parallel.zero_stage=2",
