@@ -12,6 +12,7 @@ weights gathered once per step, gradients reduced over data x fsdp once per step
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -21,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from mmjax import kernels
 from mmjax.engine.steps import MODEL_INPUTS, split_micro_batches
+from mmjax.errors import ConfigError
 from mmjax.model.decoder import RESIDUAL
 from mmjax.model.layers import run_stack
 from mmjax.parallel.pipeline.executor import AXIS, BatchSplit, pipeline_loss
@@ -60,6 +62,11 @@ def batch_split(cfg, mesh, shardings: ShardingPlan) -> BatchSplit | None:
     axes = tuple(a for a in spec_axes(rules_from_config(cfg).get("batch")) if mesh.shape.get(a, 1) > 1)
     if not axes or cfg.parallel.pipeline_weight_gather != "step":
         return None
+    rows, ranks = cfg.train.global_batch_size // cfg.train.grad_accum_steps, math.prod(mesh.shape[a] for a in axes)
+    if rows % ranks:  # a mesh axis given as -1 resolves only here
+        raise ConfigError(f"a pipeline microbatch of {rows} rows (train.global_batch_size / train.grad_accum_steps) "
+                          f"does not split over the {ranks} ranks of {'x'.join(axes)}; make "
+                          f"train.global_batch_size a multiple of {cfg.train.grad_accum_steps * ranks}")
 
     def specs(tree: dict) -> tuple[dict, dict]:
         dec = tree["decoder"]

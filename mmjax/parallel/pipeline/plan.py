@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 from mmjax.errors import ConfigError
 from mmjax.parallel.pipeline.balance import Layout, make_layout
 from mmjax.parallel.pipeline.schedule import Schedule, expected_bubble, make_schedule
+from mmjax.parallel.rules import rules_from_config, spec_axes
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,15 @@ def check_pipeline(cfg, p: int, report: bool = False) -> PipelinePlan:
                               "map it to another mesh axis")
     if par.pipeline_head_cost < 0:
         raise ConfigError(f"parallel.pipeline_head_cost={par.pipeline_head_cost} must be >= 0")
+    rows = cfg.train.global_batch_size // m
+    batch_axes = spec_axes(rules_from_config(cfg).get("batch"))
+    sizes = [getattr(cfg.mesh, a, 1) for a in batch_axes if a != "pipeline"]
+    ranks = math.prod(sizes)
+    manual = par.pipeline_weight_gather == "step"  # the executor then splits each microbatch's rows itself
+    if manual and all(size > 0 for size in sizes) and rows % ranks:  # (a -1 axis: checked when the mesh is built)
+        raise ConfigError(f"a pipeline microbatch of {rows} rows (train.global_batch_size / train.grad_accum_steps) "
+                          f"does not split over the {ranks} ranks of {'x'.join(batch_axes)}; make "
+                          f"train.global_batch_size a multiple of {m * ranks}")
     layout = make_layout(cfg.model.text.n_layers, p, v, par.pipeline_balance, par.pipeline_head_cost)
     schedule = make_schedule(par.pipeline_schedule, p, m, v)
     if report:

@@ -116,6 +116,7 @@ def test_stage_storage_holds_each_ranks_layers(n_layers, p, v, mode):
     (["mesh.pipeline=2", "train.grad_accum_steps=4", "model.scan_layers=false"], "scan_layers=true"),
     (["mesh.pipeline=2", "train.grad_accum_steps=4", "parallel.pipeline_virtual_stages=2"], "interleaved_1f1b"),
     (["mesh.pipeline=2", "train.grad_accum_steps=4", "parallel.rules.batch=pipeline"], "owns"),
+    (["mesh.pipeline=2", "mesh.data=4", "train.grad_accum_steps=4", "train.global_batch_size=8"], "multiple of 16"),
 ])
 def test_bad_layouts_fail_at_config_time(overrides, match):
     with pytest.raises(ConfigError, match=match):
