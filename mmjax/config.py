@@ -163,6 +163,7 @@ class ParallelConfig:
     # mesh.pipeline > 1 (docs/parallelism.md#pipeline-parallelism): microbatches = train.grad_accum_steps
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     pipeline_virtual_stages: int = 1  # v decoder chunks per pipeline rank (interleaved_1f1b only)
+    pipeline_schedule_file: str = ""  # a CSV schedule (rank,tick,kind,chunk,micro) instead of pipeline_schedule
     pipeline_balance: Literal["even", "cost"] = "cost"  # stage cut: equal layer counts, or equal cost
     pipeline_head_cost: float = 2.0  # final norm + LM head + loss, in decoder layers, for the cost balance
     # step: FSDP weights gathered once per step, gradients reduced over data x fsdp once per step (holds a

@@ -9,7 +9,7 @@ import math
 
 from mmjax.errors import ConfigError
 from mmjax.parallel.pipeline.balance import Layout, make_layout
-from mmjax.parallel.pipeline.schedule import Schedule, expected_bubble, make_schedule
+from mmjax.parallel.pipeline.schedule import Schedule, expected_bubble, load_csv, make_schedule
 from mmjax.parallel.rules import rules_from_config, spec_axes
 
 log = logging.getLogger(__name__)
@@ -28,12 +28,12 @@ def check_pipeline(cfg, p: int, report: bool = False) -> PipelinePlan:
     v = par.pipeline_virtual_stages
     if v < 1:
         raise ConfigError(f"parallel.pipeline_virtual_stages={v} must be >= 1")
-    if v > 1 and par.pipeline_schedule != "interleaved_1f1b":
+    if v > 1 and par.pipeline_schedule != "interleaved_1f1b" and not par.pipeline_schedule_file:
         raise ConfigError(f"parallel.pipeline_virtual_stages={v} needs parallel.pipeline_schedule=interleaved_1f1b")
     if m < p:
         raise ConfigError(f"train.grad_accum_steps={m} (the pipeline's microbatches) is below mesh.pipeline={p}; "
                           f"set train.grad_accum_steps >= {p} (>= {4 * p} keeps the bubble small)")
-    if par.pipeline_schedule == "interleaved_1f1b" and m % p:
+    if par.pipeline_schedule == "interleaved_1f1b" and m % p and not par.pipeline_schedule_file:
         raise ConfigError(f"interleaved_1f1b needs train.grad_accum_steps={m} divisible by mesh.pipeline={p}; "
                           f"use {-(-m // p) * p}")
     if not cfg.model.scan_layers:
@@ -55,11 +55,14 @@ def check_pipeline(cfg, p: int, report: bool = False) -> PipelinePlan:
                           f"does not split over the {ranks} ranks of {'x'.join(batch_axes)}; make "
                           f"train.global_batch_size a multiple of {m * ranks}")
     layout = make_layout(cfg.model.text.n_layers, p, v, par.pipeline_balance, par.pipeline_head_cost)
-    schedule = make_schedule(par.pipeline_schedule, p, m, v)
+    if par.pipeline_schedule_file:  # a hand-made schedule (rows rank,tick,kind,chunk,micro), checked on load
+        schedule = load_csv(par.pipeline_schedule_file, p, m, v)
+    else:
+        schedule = make_schedule(par.pipeline_schedule, p, m, v)
     if report:
         log.info("pipeline: %s over %d ranks x %d chunks, %d microbatches, stages of %s layers, %d ticks, "
                  "expected bubble %.1f%%, stash depth %d", schedule.name, p, v, m, list(layout.sizes),
-                 schedule.num_ticks, 100 * expected_bubble(p, m, v), schedule.stash_depth())
+                 schedule.num_ticks, 100 * schedule.bubble_fraction(), schedule.stash_depth())
     if report and m < 4 * p:
         log.warning("train.grad_accum_steps=%d microbatches over mesh.pipeline=%d ranks: expected bubble %.0f%% "
                     "of the step; >= %d microbatches bring it below %.0f%%", m, p, 100 * expected_bubble(p, m, v),

@@ -66,9 +66,11 @@ class Schedule:
                 when[key] = a.tick
         for s in range(last + 1):
             for i in range(self.m):
-                f, b = when.get(("F", s, i)), when.get(("B", s, i))
-                if f is None or b is None:
+                if ("F", s, i) not in when or ("B", s, i) not in when:
                     raise ValueError(f"{self.name}: stage {s} microbatch {i} lacks a forward or backward")
+        for s in range(last + 1):
+            for i in range(self.m):
+                f, b = when[("F", s, i)], when[("B", s, i)]
                 if s > 0 and when[("F", s - 1, i)] != f - 1:
                     raise ValueError(f"{self.name}: F{s},{i} at tick {f} does not follow F{s - 1},{i} by one tick")
                 if s < last and when[("B", s + 1, i)] != b - 1:
@@ -199,10 +201,64 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
                       f"{SCHEDULES}; only interleaved_1f1b takes virtual stages > 1")
 
 
+CSV_COLUMNS = ("rank", "tick", "kind", "chunk", "micro")
+
+
+def to_csv(schedule: Schedule) -> str:
+    """The schedule as CSV rows `rank,tick,kind,chunk,micro` (what `load_csv` reads back): a starting point
+    for a hand-made schedule."""
+    rows = [",".join(CSV_COLUMNS)]
+    rows += [f"{r},{a.tick},{a.kind},{a.chunk},{a.micro}" for r, acts in enumerate(schedule.actions) for a in acts]
+    return "\n".join(rows) + "\n"
+
+
+def load_csv(path: str, p: int, m: int, v: int = 1) -> Schedule:
+    """A schedule from a CSV of `rank,tick,kind,chunk,micro` rows (kind F or B) for p ranks, v chunks per rank
+    and m microbatches; refused with the file and the first problem named if the executor could not run it
+    (`Schedule.check`: every stage/microbatch once each way, data one tick before use, one F and one B per
+    rank and tick)."""
+    import csv
+
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            if tuple(reader.fieldnames or ()) != CSV_COLUMNS:
+                raise ConfigError(f"{path}: the header must be {','.join(CSV_COLUMNS)}, got {reader.fieldnames}")
+            acts: list[list[Action]] = [[] for _ in range(p)]
+            for line, row in enumerate(reader, start=2):
+                try:
+                    r, tick, chunk, micro = (int(row[k]) for k in ("rank", "tick", "chunk", "micro"))
+                except (TypeError, ValueError):
+                    raise ConfigError(f"{path}:{line}: rank, tick, chunk and micro must be integers: {row}") from None
+                kind = (row["kind"] or "").strip().upper()
+                if kind not in ("F", "B") or not (0 <= r < p and 0 <= chunk < v and 0 <= micro < m and tick >= 0):
+                    raise ConfigError(f"{path}:{line}: {row} is outside p={p} ranks, v={v} chunks, m={m} "
+                                      "microbatches, kind F or B, tick >= 0")
+                acts[r].append(Action(kind, chunk, micro, tick))
+    except OSError as e:
+        raise ConfigError(f"parallel.pipeline_schedule_file={path} cannot be read ({e.strerror})") from None
+    actions = tuple(tuple(sorted(a, key=lambda a: (a.tick, a.kind != "F"))) for a in acts)
+    schedule = Schedule(f"csv:{path}", p, v, m, actions)
+    try:
+        schedule.check()
+    except ValueError as e:
+        raise ConfigError(f"parallel.pipeline_schedule_file: {e}") from None
+    return schedule
+
+
 def expected_bubble(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
-if __name__ == "__main__":  # python -m mmjax.parallel.pipeline.schedule: the grids shown in docs/parallelism.md
-    for s in (gpipe(4, 8), one_f_one_b(4, 8), interleaved_1f1b(2, 2, 4)):
-        print(s.grid(), end="\n\n")
+if __name__ == "__main__":
+    # python -m mmjax.parallel.pipeline.schedule: the grids shown in docs/parallelism.md
+    # python -m mmjax.parallel.pipeline.schedule NAME P M [V] [--csv]: one schedule's grid, or its CSV to edit
+    import sys
+
+    args = [a for a in sys.argv[1:] if a != "--csv"]
+    if not args:
+        for s in (gpipe(4, 8), one_f_one_b(4, 8), interleaved_1f1b(2, 2, 4)):
+            print(s.grid(), end="\n\n")
+    else:
+        s = make_schedule(args[0], *(int(a) for a in args[1:]))
+        print(to_csv(s) if "--csv" in sys.argv else s.grid(), end="")

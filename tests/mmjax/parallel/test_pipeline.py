@@ -91,6 +91,48 @@ def test_balance_counts_the_head():
     assert idx[:, :, 0].tolist() == [[0, 2], [1, 3]] and active.all()  # stage s = chunk * p + rank
 
 
+def test_csv_schedule_loads_checks_and_runs(tmp_path):
+    """A CSV schedule round-trips; an edited one (every backward one tick later: one more stash slot) passes the
+    check and the executor runs it to the built-in 1F1B's loss and gradients; broken files name their problem."""
+    from jax.sharding import AxisType, Mesh
+
+    from mmjax.parallel.pipeline.executor import run_schedule
+
+    p, m, b, d = 2, 4, 2, 8
+    one = sch.one_f_one_b(p, m)
+    path = tmp_path / "one.csv"
+    path.write_text(sch.to_csv(one))
+    assert sch.load_csv(str(path), p, m).actions == one.actions
+    lines = sch.to_csv(one).splitlines()
+    shifted = [lines[0]] + [line if ",F," in line else
+                            ",".join(str(int(x) + 1) if k == 1 else x for k, x in enumerate(line.split(",")))
+                            for line in lines[1:]]
+    path.write_text("\n".join(shifted))
+    late = sch.load_csv(str(path), p, m)
+    assert late.num_ticks == one.num_ticks + 1 and late.stash_depth() == one.stash_depth() + 1
+    mesh = Mesh(np.asarray(jax.devices()[:p]).reshape(1, 1, p, 1, 1), ("data", "fsdp", "pipeline", "sequence",
+                                                                         "tensor"), axis_types=(AxisType.Auto,) * 5)
+    params = {"a": jax.random.normal(jax.random.key(0), (p, 1, 1, d, d))}
+    x = jax.random.normal(jax.random.key(1), (m, b, d))
+
+    def run(schedule):
+        return jax.jit(lambda params, x: run_schedule(
+            schedule, lambda w, x, side: jnp.tanh(x @ w["a"][0]), lambda hp, y, loss_in: (jnp.sum(y * hp), 1.0),
+            params, jnp.linspace(-1, 1, d), x, jnp.zeros((m, 1)), jnp.zeros((m, 1)), 1.0, mesh))(params, x)
+
+    for got, want in zip(jax.tree.leaves(run(late)), jax.tree.leaves(run(one)), strict=True):
+        assert rel_err(np.asarray(got), np.asarray(want)) <= 1e-6
+    broken = {"rank,tick,kind\n": "header", "\n".join(lines[:-1]): "lacks a forward or backward",
+              "\n".join(lines + ["0,40,F,0,9"]): "outside", "\n".join([lines[0], "0,x,F,0,0"]): "integers"}
+    for text, match in broken.items():
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            sch.load_csv(str(path), p, m)
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config(MODEL, ["mesh.pipeline=2", "train.grad_accum_steps=4",
+                            f"parallel.pipeline_schedule_file={tmp_path / 'missing.csv'}"])
+
+
 @pytest.mark.parametrize("n_layers, p, v, mode", [(5, 2, 1, "cost"), (4, 2, 2, "even"), (7, 2, 2, "cost")])
 def test_stage_storage_holds_each_ranks_layers(n_layers, p, v, mode):
     """Storage rows in (rank, chunk, slot) order: rank r's equal block of rows is exactly the layers its stages
