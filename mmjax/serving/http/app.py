@@ -138,6 +138,12 @@ def _sampling(state: ServerState, body: Any, n_prompt: int) -> Any:
                             f"{n_prompt} prompt tokens + max_tokens={requested}; lower max_tokens",
                        param="max_tokens", code="context_length_exceeded")
     logprobs = body.num_logprobs()
+    if body.use_beam_search and (logprobs is not None or body.stop):
+        raise ApiError(422, "use_beam_search returns neither logprobs nor stops on stop strings (beams end at EOS or "
+                            "max_tokens); drop " + ("logprobs" if logprobs is not None else "stop"),
+                       param="logprobs" if logprobs is not None else "stop")
+    if not body.use_beam_search and (body.best_of or 1) > 1:
+        raise ApiError(422, f"best_of={body.best_of} needs use_beam_search=true", param="best_of")
     if (logprobs or 0) > state.serve.max_logprobs:
         raise ApiError(422, f"logprobs={logprobs} exceeds the server's maximum {state.serve.max_logprobs} "
                             "(serve.max_logprobs)", param="top_logprobs" if hasattr(body, "messages") else "logprobs")
@@ -157,8 +163,11 @@ async def _generate(state: ServerState, body: Any, raw: Request, chat: bool) -> 
     ids, images = _prompt(state, body, chat)
     params = _sampling(state, body, len(ids))
     rid = P.new_id("chatcmpl" if chat else "cmpl")
-    sub_ids = [f"{rid}-{i}" for i in range(body.n)]
-    seeds = [None if params.seed is None else params.seed + i for i in range(body.n)]
+    # n choices: n engine requests, or one beam search returning its n best beams
+    copies = 1 if body.use_beam_search else body.n
+    sub_ids = [f"{rid}-{i}" for i in range(copies)]
+    seeds = [None if params.seed is None else params.seed + i for i in range(copies)]
+    rows = params.num_beams or copies  # sequences in the engine: what admission budgets
     q: asyncio.Queue = asyncio.Queue()
     service = state.service
     for sub in sub_ids:
@@ -166,7 +175,7 @@ async def _generate(state: ServerState, body: Any, raw: Request, chat: bool) -> 
 
     def admit_and_add() -> Any:
         n_queued, ahead, running = service.queue_state(sla)
-        decision = service.admission.decide(sla, len(ids) * body.n, params.max_tokens * body.n,
+        decision = service.admission.decide(sla, len(ids) * rows, params.max_tokens * rows,
                                             queue_len=n_queued, tokens_ahead=ahead, num_running=running)
         if not decision.ok:
             return decision
@@ -217,14 +226,16 @@ class _Generation:
         self.index = {s: i for i, s in enumerate(sub_ids)}
         self.prompt_ids = prompt_ids
         self.created = int(time.time())
-        self.text = [""] * len(sub_ids)
-        self.logprobs: list[list[tuple[str, float, list[tuple[str, float]]]]] = [[] for _ in sub_ids]
-        self.finish: list[str | None] = [None] * len(sub_ids)
-        self.done: list[bool] = [False] * len(sub_ids)
-        self.metrics: list[Any] = [None] * len(sub_ids)
-        self.post_s = [0.0] * len(sub_ids)
+        n = body.n  # choices: one per engine request, or the n best beams of one
+        self.text = [""] * n
+        self.logprobs: list[list[tuple[str, float, list[tuple[str, float]]]]] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.done: list[bool] = [False] * n
+        self.metrics: list[Any] = [None] * n
+        self.beam_tokens = 0  # tokens of the returned beams (usage of a beam search)
+        self.post_s = [0.0] * n
         self.arrival = arrival  # the HTTP request's, before parsing: end-to-end latency counts from here
-        self.streams: list[Any] = [None] * len(sub_ids)
+        self.streams: list[Any] = [None] * n
 
     async def next_output(self, raw: Request) -> Any:
         """The next engine output of any choice; raises ApiError when the request failed, None on disconnect."""
@@ -251,9 +262,21 @@ class _Generation:
         return out
 
     def _absorb(self, out: Any) -> int:
-        """Record one engine output; returns its choice index."""
+        """Record one engine output; returns its choice index (a finished beam search fills every choice)."""
         i = self.index[out.request_id]
         t0 = time.perf_counter()
+        if self.body.use_beam_search and out.finished:
+            tok = self.state.tokenizer
+            beams = out.beams or [(list(out.token_ids), 0.0)]  # an aborted search has no beams
+            for j in range(len(self.text)):
+                tokens = beams[j][0] if j < len(beams) else []
+                self.text[j] = tok.decode(tokens)
+                ended = any(t in tok.stop_ids for t in tokens)
+                self.finish[j] = "stop" if ended else (out.finish_reason if not out.beams else "length")
+                self.done[j], self.metrics[j] = True, out.metrics
+                self.beam_tokens += len(tokens)
+            self.post_s[i] += time.perf_counter() - t0
+            return i
         self.text[i] += out.new_text
         if out.logprobs and self._num_logprobs() is not None:
             decode = self.state.tokenizer.decode
@@ -276,7 +299,8 @@ class _Generation:
         return P.chat_logprobs(entries) if self.chat else P.completion_logprobs(entries, offset)
 
     def _usage(self) -> dict[str, Any]:
-        gen = sum(m.num_generated_tokens for m in self.metrics if m is not None)
+        gen = self.beam_tokens if self.body.use_beam_search else sum(
+            m.num_generated_tokens for m in self.metrics if m is not None)
         cached = max((m.num_cached_prompt_tokens for m in self.metrics if m is not None), default=0)
         return P.usage(len(self.prompt_ids), gen, cached)
 
@@ -341,6 +365,17 @@ class _Generation:
                     yield make([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None}])
             out = first
+            while out is not None and self.body.use_beam_search:  # its beams arrive whole, at the end
+                i = self._absorb(out)
+                if not self.done[i]:
+                    out = await self._next_streaming()
+                    continue
+                for j, text in enumerate(self.text):
+                    fin = self._finish_reason(j)
+                    yield make([{"index": j, "delta": {"content": text}, "logprobs": None, "finish_reason": fin}
+                                if self.chat else {"index": j, "text": text, "logprobs": None, "finish_reason": fin}])
+                self._record(i)
+                out = None
             while out is not None:
                 before = len(self.logprobs[self.index[out.request_id]])
                 i = self._absorb(out)

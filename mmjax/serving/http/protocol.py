@@ -62,9 +62,24 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     priority: int = Field(0, ge=-1000, le=1000)  # lower = more urgent, within the SLA class
     sla_class: SlaClass | None = None  # default: serve.default_sla_class
+    # vLLM extras for beam search (Hugging Face semantics): the n best of best_of beams, one engine request
+    use_beam_search: bool = False
+    best_of: int | None = Field(None, ge=1, le=16)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def base_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.use_beam_search:  # deterministic: temperature 0 unless the client sent another (then refused)
+            temperature = float(self.temperature) if "temperature" in self.model_fields_set else 0.0
+            return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=float(self.top_p),
+                                  top_k=max(int(self.top_k), 0), min_p=float(self.min_p),
+                                  presence_penalty=float(self.presence_penalty),
+                                  frequency_penalty=float(self.frequency_penalty),
+                                  repetition_penalty=float(self.repetition_penalty), stop=tuple(stop),
+                                  ignore_eos=bool(self.ignore_eos), use_beam_search=True, n=self.n,
+                                  best_of=self.best_of, length_penalty=float(self.length_penalty),
+                                  early_stopping=self.early_stopping)
         return SamplingParams(max_tokens=max_tokens, temperature=float(self.temperature), top_p=float(self.top_p),
                               top_k=max(int(self.top_k), 0), min_p=float(self.min_p),
                               presence_penalty=float(self.presence_penalty),

@@ -118,6 +118,13 @@ def server(run_dir, cli_server):
     offline = ""
     while engine.has_unfinished():
         offline += "".join(o.new_text for o in engine.step())
+    # and its offline beam search (3 beams, the 2 best), for the HTTP one to equal
+    engine.add_request(prompt, None, SamplingParams(max_tokens=6, use_beam_search=True, n=2, best_of=3),
+                       request_id="offline-beam")
+    beams = []
+    while engine.has_unfinished():
+        beams += [o.beams for o in engine.step() if o.finished]
+    offline_beams = [tok.decode(tokens) for tokens, _ in beams[0]]
     srv, service = make_server(engine, tok, cfg.serve, MODEL, log_level="warning")
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -125,6 +132,7 @@ def server(run_dir, cli_server):
     wait_ready(base, lambda: "")
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
     yield dict(base=base, client=client, service=service, state=srv.app_state, offline=offline, run=run,
+               offline_beams=offline_beams,
                log=root / "requests.jsonl", cfg=cfg, engine=engine)
     srv.should_exit = True
     thread.join(10)
@@ -219,6 +227,27 @@ def test_stop_n_seed_logprobs(server):
     assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy = most likely
     lc = c.completions.create(model=MODEL, prompt="w12", max_tokens=3, temperature=0, logprobs=2)
     assert len(lc.choices[0].logprobs.token_logprobs) == 3 and len(lc.choices[0].logprobs.top_logprobs[0]) == 2
+
+
+def test_beam_search_equals_the_engines(server):
+    """vLLM's extra body: n best of best_of beams as n choices, whole or streamed; what beams cannot do refused."""
+    base, c = server["base"], server["client"]
+    kw = dict(model=MODEL, messages=user("w7 w8 w9 w10"), max_tokens=6, n=2,
+              extra_body={"use_beam_search": True, "best_of": 3})
+    r = c.chat.completions.create(**kw)
+    assert [x.message.content for x in r.choices] == server["offline_beams"] and [x.index for x in r.choices] == [0, 1]
+    assert all(x.finish_reason in ("stop", "length") for x in r.choices)
+    streamed = ["", ""]
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == server["offline_beams"]
+    bad = [(dict(logprobs=True), "logprobs"), (dict(stop=["w9"]), "stop"), (dict(temperature=0.7), "temperature"),
+           (dict(use_beam_search=False), "best_of")]
+    for extra, words in bad:
+        body = {**{k: v for k, v in kw.items() if k != "extra_body"}, **kw["extra_body"], **extra}
+        resp = httpx.post(base + "/v1/chat/completions", json=body)
+        assert resp.status_code == 422 and words in resp.json()["error"]["message"], resp.text
 
 
 def test_errors_then_a_good_request(server):
