@@ -47,13 +47,16 @@ class BeamGroup:
         self.max_length = min(self.prompt_len + sp.max_tokens, max_model_len)
         self._ids = 0
         self.results: list[tuple[list[int], float]] = []  # the n best (tokens, score) once done
+        self.result_logprobs: list[list[float]] = []  # each result token's log-softmax, when it was chosen
         self.pending_copies: list[tuple[int, int]] = []
         self._reset()
 
     def _reset(self) -> None:
         self.rows: list[Request] = []
         self.scores = np.zeros(0, np.float32)  # running beam scores (sum of logprobs), best first
+        self.row_logprobs: list[list[float]] = []  # per running row: its tokens' logprobs
         self.fin_tokens: list[list[int]] = [[] for _ in range(self.width)]
+        self.fin_logprobs: list[list[float]] = [[] for _ in range(self.width)]
         self.fin_scores = np.full(self.width, NEG, np.float32)
         self.fin_done = np.zeros(self.width, bool)
         self.improvable = True  # Hugging Face's is_early_stop_heuristic_unsatisfied
@@ -93,18 +96,21 @@ class BeamGroup:
         search is done (then `results` holds the n best and every row's pages are freed)."""
         rows = self.rows or [self.request]
         scores = self.scores if self.rows else np.zeros(1, np.float32)
-        cand_score, cand_row, cand_tok = [], [], []
+        row_lps = self.row_logprobs if self.rows else [[]]
+        cand_score, cand_row, cand_tok, cand_lp = [], [], [], []
         for j, row in enumerate(rows):
             ids, lps = candidates[row.request_id]
             if len(ids) < self.keep:
                 raise ValueError(f"beam search needs {self.keep} candidates per row, got {len(ids)}")
-            cand_score.append(np.asarray(lps[:self.keep], np.float32) + scores[j])
+            cand_lp.append(np.asarray(lps[:self.keep], np.float32))
+            cand_score.append(cand_lp[-1] + scores[j])
             cand_row.append(np.full(self.keep, j))
             cand_tok.append(np.asarray(ids[:self.keep], np.int64))
         acc = np.concatenate(cand_score)
         flat = np.concatenate(cand_row) * (1 << 32) + np.concatenate(cand_tok)  # Hugging Face's flat index order
         order = np.lexsort((flat, -acc))[:self.keep]
         top, top_row, top_tok = acc[order], np.concatenate(cand_row)[order], np.concatenate(cand_tok)[order]
+        top_lp = np.concatenate(cand_lp)[order]
         cur_len = self.prompt_len + (len(rows[0].output_token_ids) if self.rows else 0)
         hits = (top_tok == self.eos) | (cur_len + 1 >= self.max_length)
 
@@ -120,8 +126,10 @@ class BeamGroup:
         merged = np.concatenate([self.fin_scores, fin])
         best = _topk(merged, self.width)
         tokens = [*self.fin_tokens, *([*rows[r].output_token_ids, int(t)] for r, t in zip(top_row, top_tok))]
+        lps = [*self.fin_logprobs, *([*row_lps[r], float(lp)] for r, lp in zip(top_row, top_lp))]
         done_flags = np.concatenate([self.fin_done, just])
         self.fin_tokens = [list(tokens[i]) for i in best]
+        self.fin_logprobs = [list(lps[i]) for i in best]
         self.fin_scores, self.fin_done = merged[best], done_flags[best]
 
         new_scores = running[nxt]
@@ -134,11 +142,13 @@ class BeamGroup:
         go_on = self.improvable and not (self.fin_done.all() and self.early_stopping is True) and not hits.all()
         if not go_on:
             self.results = [(self.fin_tokens[i], float(self.fin_scores[i])) for i in range(self.n)]
+            self.result_logprobs = [self.fin_logprobs[i] for i in range(self.n)]
             self.release(kv)
             return True
         # every new beam forks its parent's pages; then the old rows let theirs go
-        new_rows = []
+        new_rows, new_lps = [], []
         for i in nxt:
+            new_lps.append([*row_lps[int(top_row[i])], float(top_lp[i])])
             parent = rows[int(top_row[i])]
             self._ids += 1
             child = Request(f"{self.request.request_id}#beam{self._ids}", self.request.prompt_token_ids,
@@ -151,7 +161,7 @@ class BeamGroup:
             new_rows.append(child)
         for row in rows:
             kv.free(row.request_id)
-        self.rows, self.scores = new_rows, new_scores
+        self.rows, self.scores, self.row_logprobs = new_rows, new_scores, new_lps
         return False
 
     def finish(self) -> RequestStatus:

@@ -299,7 +299,8 @@ class Engine:
         text = live.detok.push(tokens) if tokens else ""
         text += "" if live.detok.stopped else live.detok.flush()
         live.detokenize_s += time.perf_counter() - start
-        out = self._output(live, tokens, [SampledToken(t, float("nan")) for t in tokens], text)
+        lps = request.beam.result_logprobs[0] if request.beam.result_logprobs else [float("nan")] * len(tokens)
+        out = self._output(live, tokens, [SampledToken(t, lp) for t, lp in zip(tokens, lps)], text)
         out.beams = [(list(t), score) for t, score in request.beam.results]
         return out
 

@@ -104,6 +104,10 @@ def test_beam_search_equals_transformers_with_greedy_requests_in_the_same_steps(
             assert [b[0] for b in out.beams] == w, out.request_id
             assert out.token_ids == w[0]
             assert out.finish_reason == ("stop" if w[0][-1] == eos else "length")
+            # each token's logprob as the search chose it: their sum, length-penalised, is the best beam's score
+            lps = [t.logprob for t in out.logprobs]
+            assert len(lps) == len(out.token_ids) and all(np.isfinite(lps)) and max(lps) <= 0
+            assert sum(lps) / len(lps) ** sp.length_penalty == pytest.approx(out.beams[0][1], rel=1e-4)
         else:
             assert out.token_ids == w[0] and not out.beams
     assert any(o.token_ids[-1] == eos for o, sp in zip(outs, params) if sp.use_beam_search)
