@@ -293,14 +293,15 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.every_steps) and step % self.every_steps == 0
 
-    def save(self, step: int, state: Any, data_state: Any, meta: dict[str, Any]) -> float:
+    def save(self, step: int, state: Any, data_state: Any, meta: dict[str, Any], *, owned: bool = False) -> float:
         """Start saving `step` (async unless checkpoint.async=false); returns the seconds it blocked.
 
-        `state` may be donated to the next train step as soon as this returns.
+        `state` may be donated to the next train step as soon as this returns. `owned`: `state` is already a
+        fresh copy nothing else holds (e.g. converted to canonical layer order), so it is its own snapshot.
         """
         start = time.perf_counter()
         self._join_saver()
-        snapshot = _device_copy(state) if self.device_snapshot else None
+        snapshot = (state if owned else _device_copy(state)) if self.device_snapshot else None
         if snapshot is not None:
             self._saver = threading.Thread(target=self._save_in_background, args=(step, snapshot, data_state, meta),
                                            name=f"mmjax-checkpoint-{step}")

@@ -176,8 +176,9 @@ class Trainer:
     def _save(self, step: int, data_state: Any, state: Any = None) -> float:
         """Checkpoint `state` (default: the current one) at `step`; returns the seconds the loop was blocked."""
         meta = ckpt.run_meta(self.cfg, self.mesh_sizes, tuple(self.mesh.axis_names), step)
-        state = self.canonical.state_to_canonical(self.state if state is None else state)
-        return self.checkpointer.save(step, state, data_state, meta)
+        state = self.state if state is None else state
+        canonical = self.canonical.state_to_canonical(state)  # a fresh copy where the layouts differ
+        return self.checkpointer.save(step, canonical, data_state, meta, owned=canonical is not state)
 
     def _stop_now(self, step: int) -> bool:
         """True once SIGTERM/SIGINT arrived. With several processes, jax's preemption service (which owns
