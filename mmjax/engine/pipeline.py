@@ -12,7 +12,6 @@ weights gathered once per step, gradients reduced over data x fsdp once per step
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
@@ -22,11 +21,10 @@ from jax.sharding import PartitionSpec as P
 
 from mmjax import kernels
 from mmjax.engine.steps import MODEL_INPUTS, split_micro_batches
-from mmjax.errors import ConfigError
 from mmjax.model.decoder import RESIDUAL
 from mmjax.model.layers import run_stack
 from mmjax.parallel.pipeline.executor import AXIS, BatchSplit, pipeline_loss
-from mmjax.parallel.pipeline.plan import PipelinePlan, check_pipeline
+from mmjax.parallel.pipeline.plan import PipelinePlan, check_microbatch_rows, check_pipeline
 from mmjax.parallel.rules import rules_from_config, spec_axes
 from mmjax.parallel.sharding import constrain
 from mmjax.parallel.zero import ShardingPlan
@@ -40,7 +38,7 @@ def to_stages(layers: dict, plan: PipelinePlan) -> dict:
     reshape of the `pipeline`-sharded row axis."""
     lay = plan.layout
     _, active = lay.index()
-    rows = lay.p * lay.v * lay.slots
+    rows = lay.num_rows
 
     def view(a: jax.Array) -> jax.Array:
         if a.shape[0] != rows:
@@ -62,11 +60,7 @@ def batch_split(cfg, mesh, shardings: ShardingPlan) -> BatchSplit | None:
     axes = tuple(a for a in spec_axes(rules_from_config(cfg).get("batch")) if mesh.shape.get(a, 1) > 1)
     if not axes or cfg.parallel.pipeline_weight_gather != "step":
         return None
-    rows, ranks = cfg.train.global_batch_size // cfg.train.grad_accum_steps, math.prod(mesh.shape[a] for a in axes)
-    if rows % ranks:  # a mesh axis given as -1 resolves only here
-        raise ConfigError(f"a pipeline microbatch of {rows} rows (train.global_batch_size / train.grad_accum_steps) "
-                          f"does not split over the {ranks} ranks of {'x'.join(axes)}; make "
-                          f"train.global_batch_size a multiple of {cfg.train.grad_accum_steps * ranks}")
+    check_microbatch_rows(cfg, axes, [mesh.shape[a] for a in axes])  # a -1 mesh axis resolves only here
 
     def specs(tree: dict) -> tuple[dict, dict]:
         dec = tree["decoder"]

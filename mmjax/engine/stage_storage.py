@@ -27,11 +27,6 @@ from mmjax.parallel.pipeline.balance import Layout
 class StageStorage:
     layout: Layout
 
-    @property
-    def num_rows(self) -> int:
-        lay = self.layout
-        return lay.p * lay.v * lay.slots
-
     def layers_to_storage(self, a: jax.Array) -> jax.Array:
         """Canonical [L, ...] -> storage [p * v * slots, ...] (padding rows zero)."""
         rows, _ = self.layout.storage_rows()
@@ -45,7 +40,7 @@ class StageStorage:
         return jnp.take(a, jnp.asarray(position), axis=0)
 
     def abstract_layers(self, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((self.num_rows, *x.shape[1:]), x.dtype)
+        return jax.ShapeDtypeStruct((self.layout.num_rows, *x.shape[1:]), x.dtype)
 
     def params(self, params: dict, convert: Callable[[jax.Array], jax.Array]) -> dict:
         """`params` (a pure dict, or a subset of its towers) with `convert` applied to the decoder layers."""

@@ -29,6 +29,11 @@ class Layout:
         return max(self.sizes)
 
     @property
+    def num_rows(self) -> int:
+        """Rows of the stacked stage view [p, v, slots] (layers plus padding slots)."""
+        return self.p * self.v * self.slots
+
+    @property
     def uniform(self) -> bool:
         """Every stage has the same number of layers and stage order is canonical order (no gather needed)."""
         return len(set(self.sizes)) == 1 and self.v == 1

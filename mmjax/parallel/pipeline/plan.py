@@ -21,6 +21,17 @@ class PipelinePlan:
     layout: Layout
 
 
+def check_microbatch_rows(cfg, axes: tuple[str, ...], sizes: list[int]) -> None:
+    """With `pipeline_weight_gather=step` the executor splits each microbatch's rows over the batch `axes`
+    itself: refuse a microbatch they do not divide, naming the batch size to use."""
+    m = cfg.train.grad_accum_steps
+    rows, ranks = cfg.train.global_batch_size // m, math.prod(sizes)
+    if rows % ranks:
+        raise ConfigError(f"a pipeline microbatch of {rows} rows (train.global_batch_size / train.grad_accum_steps) "
+                          f"does not split over the {ranks} ranks of {'x'.join(axes)}; make "
+                          f"train.global_batch_size a multiple of {m * ranks}")
+
+
 def check_pipeline(cfg, p: int, report: bool = False) -> PipelinePlan:
     """Validate a pipeline of `p` ranks for `cfg` and return its plan; `report` logs the layout and expected
     bubble (a warning below 4p microbatches)."""
@@ -45,15 +56,10 @@ def check_pipeline(cfg, p: int, report: bool = False) -> PipelinePlan:
                               "map it to another mesh axis")
     if par.pipeline_head_cost < 0:
         raise ConfigError(f"parallel.pipeline_head_cost={par.pipeline_head_cost} must be >= 0")
-    rows = cfg.train.global_batch_size // m
-    batch_axes = spec_axes(rules_from_config(cfg).get("batch"))
-    sizes = [getattr(cfg.mesh, a, 1) for a in batch_axes if a != "pipeline"]
-    ranks = math.prod(sizes)
-    manual = par.pipeline_weight_gather == "step"  # the executor then splits each microbatch's rows itself
-    if manual and all(size > 0 for size in sizes) and rows % ranks:  # (a -1 axis: checked when the mesh is built)
-        raise ConfigError(f"a pipeline microbatch of {rows} rows (train.global_batch_size / train.grad_accum_steps) "
-                          f"does not split over the {ranks} ranks of {'x'.join(batch_axes)}; make "
-                          f"train.global_batch_size a multiple of {m * ranks}")
+    batch_axes = tuple(a for a in spec_axes(rules_from_config(cfg).get("batch")) if a != "pipeline")
+    sizes = [getattr(cfg.mesh, a, 1) for a in batch_axes]
+    if par.pipeline_weight_gather == "step" and all(size > 0 for size in sizes):  # -1: checked at mesh build
+        check_microbatch_rows(cfg, batch_axes, sizes)
     layout = make_layout(cfg.model.text.n_layers, p, v, par.pipeline_balance, par.pipeline_head_cost)
     if par.pipeline_schedule_file:  # a hand-made schedule (rows rank,tick,kind,chunk,micro), checked on load
         schedule = load_csv(par.pipeline_schedule_file, p, m, v)
