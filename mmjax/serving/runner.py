@@ -299,16 +299,25 @@ class ModelRunner:
         batch, sampling = self._put((batch, sampling))
         outs, self.pools = self._multi(self.state, self.pools, batch, sampling)
         self.num_steps += 1
-        tokens, logprobs, top_ids, top_lp = (np.asarray(x) for x in outs)
+        # one host conversion per output (Python lists, [K, S] and [K, S, top]); top lists only for rows that use them
+        tokens, logprobs, top_ids, top_lp = (np.asarray(x).tolist() for x in outs)
         result = {}
         for i, entry in enumerate(out.scheduled):
             k = entry.num_steps
-            ids = tuple(tuple(int(x) for x in top_ids[j, i]) for j in range(k))
-            lps = tuple(tuple(float(x) for x in top_lp[j, i]) for j in range(k))
-            result[entry.request_id] = SampledToken(
-                int(tokens[0, i]), float(logprobs[0, i]), ids[0], lps[0], tokens=tuple(int(x) for x in tokens[:k, i]),
-                token_logprobs=tuple(float(x) for x in logprobs[:k, i]), token_top_ids=ids, token_top_logprobs=lps)
+            toks, lps = tuple(tokens[j][i] for j in range(k)), tuple(logprobs[j][i] for j in range(k))
+            ids = tops = ((),) * k
+            if self._wants_top(entry):
+                ids = tuple(tuple(top_ids[j][i]) for j in range(k))
+                tops = tuple(tuple(top_lp[j][i]) for j in range(k))
+            result[entry.request_id] = SampledToken(toks[0], lps[0], ids[0], tops[0], tokens=toks, token_logprobs=lps,
+                                                    token_top_ids=ids, token_top_logprobs=tops)
         return result
+
+    def _wants_top(self, entry) -> bool:
+        """Whether a scheduled entry's caller reads its top-k candidates: a request asking for logprobs, or a
+        beam search's row (its candidates)."""
+        request = self._requests[entry.owner or entry.request_id].request
+        return bool(entry.owner) or bool(request.sampling_params.logprobs) or request.sampling_params.num_beams > 1
 
     def _copy_fn(self, pools, src, dst):
         """Copy pages src -> dst in every layer's pools (a beam fork's shared last page; pads are 0 -> 0).
@@ -445,20 +454,19 @@ class ModelRunner:
             batch["image_rows"] = self._zeros(t) if rows is None else rows.astype(self.embed_dtype)
         slot_requests = [self._requests[e.owner or e.request_id].request for e in out.scheduled]
         sampling = self._sampling(slot_requests, s)
-        tokens, logprobs, top_ids, top_lp, *spec = self._run(batch, sampling)
+        tokens, logprobs, top_ids, top_lp, *spec = (x.tolist() for x in self._run(batch, sampling))
         result = {}
         for i, entry in enumerate(out.scheduled):
             if not entry.samples:
                 continue
             if entry.num_draft:
-                emitted, count, lps = spec[0][i], int(spec[1][i]), spec[2][i]
-                result[entry.request_id] = SampledToken(
-                    int(emitted[0]), float(lps[0]), tokens=tuple(int(x) for x in emitted[:count]),
-                    token_logprobs=tuple(float(x) for x in lps[:count]))
+                emitted, count, lps = spec[0][i], spec[1][i], spec[2][i]
+                result[entry.request_id] = SampledToken(emitted[0], lps[0], tokens=tuple(emitted[:count]),
+                                                        token_logprobs=tuple(lps[:count]))
                 continue
-            result[entry.request_id] = SampledToken(int(tokens[i]), float(logprobs[i]),
-                                                    tuple(int(x) for x in top_ids[i]),
-                                                    tuple(float(x) for x in top_lp[i]))
+            top = self._wants_top(entry)
+            result[entry.request_id] = SampledToken(tokens[i], logprobs[i], tuple(top_ids[i]) if top else (),
+                                                    tuple(top_lp[i]) if top else ())
         return result
 
     def warmup(self) -> int:

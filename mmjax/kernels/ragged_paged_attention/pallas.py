@@ -88,11 +88,15 @@ def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_block
 
 
 def _schedule(t, bq, nb, query_start, query_len, context_len):
-    """Per block: its slot, first query's offset in the slot, valid queries; per block token: q index, position."""
+    """Per block: its slot, first query's offset in the slot, valid queries; per block token: q index, position.
+
+    Each slot's blocks are numbered in slot order; a block finds its slot by counting the slot ends at or
+    below it (one fused compare-and-sum: this runs in every layer of every step, where a search loop costs
+    a loop's launches)."""
     n_slots = query_len.shape[0]
     ends = jnp.cumsum((query_len + bq - 1) // bq)
     prog = jnp.arange(nb, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, prog, side="right"), n_slots - 1).astype(jnp.int32)
+    seq = jnp.minimum(jnp.sum(ends[None, :] <= prog[:, None], axis=1), n_slots - 1).astype(jnp.int32)
     first = (prog - (ends - (query_len + bq - 1) // bq)[seq]) * bq
     nrows = jnp.where(prog < ends[-1], jnp.clip(query_len[seq] - first, 0, bq), 0)
     col = jnp.arange(bq, dtype=jnp.int32)[None, :]
