@@ -30,6 +30,7 @@ from mmjax.serving.request import Request
 from mmjax.serving.sampling import SamplingTensors, sample
 from mmjax.serving.scheduler import SchedulerOutput
 from mmjax.serving.speculative.verify import verify
+from mmjax.serving.transfer import PackedStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,12 +175,13 @@ class ModelRunner:
         self._zero_rows: dict[int, jax.Array] = {}
         rep = self._replicated
         out = None if mesh is None else (rep, pool_sharding)  # (sampled outputs, pools)
-        self._step = jax.jit(in_sharding_context(self._step_fn, sharding), donate_argnums=(1,), out_shardings=out)
+        wrap = lambda fn: in_sharding_context(fn, sharding)  # noqa: E731
+        # small host inputs in two buffers and the outputs in one (see transfer.py)
+        self._step = PackedStep(self._step_fn, wrap=wrap, put=self._put, out_shardings=out)
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), out_shardings=pool_sharding)
         # multi-step decode; not with speculative decoding (its steps verify drafts) nor in its draft runner
         self.decode_steps = serve.decode_steps if serve.speculative.method == "none" else 1
-        self._multi = jax.jit(in_sharding_context(self._multi_step_fn, sharding), donate_argnums=(1,),
-                              out_shardings=out)
+        self._multi = PackedStep(self._multi_step_fn, wrap=wrap, put=self._put, out_shardings=out)
         self._encode = jax.jit(in_sharding_context(self._encode_fn, sharding), out_shardings=rep)
 
     def slots_for(self, tokens: int) -> int:
@@ -296,11 +298,10 @@ class ModelRunner:
                 entry.num_steps
             batch["page_table"][i, :len(pages)] = pages
         sampling = self._sampling([self._requests[e.request_id].request for e in out.scheduled], s)
-        batch, sampling = self._put((batch, sampling))
         outs, self.pools = self._multi(self.state, self.pools, batch, sampling)
         self.num_steps += 1
         # one host conversion per output (Python lists, [K, S] and [K, S, top]); top lists only for rows that use them
-        tokens, logprobs, top_ids, top_lp = (np.asarray(x).tolist() for x in outs)
+        tokens, logprobs, top_ids, top_lp = (x.tolist() for x in outs)
         result = {}
         for i, entry in enumerate(out.scheduled):
             k = entry.num_steps
@@ -389,11 +390,10 @@ class ModelRunner:
             self._zero_rows[t] = self._put(jnp.zeros((t, self.embed_dim), self.embed_dtype))
         return self._zero_rows[t]
 
-    def _run(self, batch: dict[str, Any], sampling: Any):
-        batch, sampling = self._put((batch, sampling))
+    def _run(self, batch: dict[str, Any], sampling: Any) -> tuple[np.ndarray, ...]:
         outs, self.pools = self._step(self.state, self.pools, batch, sampling)
         self.num_steps += 1
-        return tuple(np.asarray(x) for x in outs)
+        return outs
 
     def execute(self, out: SchedulerOutput, draft_probs: Any = None) -> dict[str, SampledToken]:
         """Run one scheduler step; returns the sampled token of every entry with `samples=True` (several for
@@ -451,7 +451,8 @@ class ModelRunner:
                     batch["image_mask"][off + lo - start:off + hi - start] = True
             off += n
         if not self.text_only:
-            batch["image_rows"] = self._zeros(t) if rows is None else rows.astype(self.embed_dtype)
+            # a device array either way, so the step's input layout does not depend on whether images are in it
+            batch["image_rows"] = self._zeros(t) if rows is None else jnp.asarray(rows, self.embed_dtype)
         slot_requests = [self._requests[e.owner or e.request_id].request for e in out.scheduled]
         sampling = self._sampling(slot_requests, s)
         tokens, logprobs, top_ids, top_lp, *spec = (x.tolist() for x in self._run(batch, sampling))
@@ -481,8 +482,8 @@ class ModelRunner:
                 self._run(batch, SamplingTensors.from_requests([], s, history))
         for t, s in self.multi_step_shapes:
             for history in (0, self.max_model_len):
-                batch, sampling = self._put((self._multi_batch(t, s), SamplingTensors.from_requests([], s, history)))
-                _, self.pools = self._multi(self.state, self.pools, batch, sampling)
+                _, self.pools = self._multi(self.state, self.pools, self._multi_batch(t, s),
+                                            SamplingTensors.from_requests([], s, history))
         if self.serve.max_beam_width > 1:  # the beam forks' page copy
             zeros = np.zeros(self.serve.max_num_seqs, np.int32)
             self.pools = self._copy(self.pools, *self._put((zeros, zeros)))

@@ -1,0 +1,141 @@
+"""Host <-> device traffic of a serving step in a few flat buffers instead of one transfer per array.
+
+A step's host inputs are ~20 small arrays (tokens, positions, slot mapping, page table, lengths, and the
+sampler's per-slot parameters) and its outputs 4-7 more. Passed as they are, each is its own host-to-device
+or device-to-host copy, a fixed cost per call on an accelerator that a decode step (a few ms) pays every time.
+`PackedStep` sends the small integer and float32 inputs as one int32 and one float32 buffer and returns every
+output in one float32 buffer; the jitted function unpacks them with static slices (free inside XLA).
+
+The layout of a buffer (which leaf sits where) is a pure function of the inputs' shapes and dtypes, so it is
+a static argument of the jit: one compile per shape bucket, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_PACKED_FLOATS = 1 << 16  # larger float32 inputs (a draft model's probabilities) travel on their own
+
+_INT_KINDS = {np.dtype(np.int32): "int32", np.dtype(np.uint32): "uint32", np.dtype(np.bool_): "bool"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """Where one leaf lives: `kind` int32 / uint32 / bool (in the int32 buffer), float32 (the float buffer)
+    or `pass` (its own argument); its shape; its offset and size in its buffer (or index among the passed)."""
+
+    kind: str
+    shape: tuple[int, ...]
+    offset: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    treedef: Any
+    fields: tuple[Field, ...]
+
+
+def pack(tree: Any) -> tuple[np.ndarray, np.ndarray, tuple[Any, ...], Layout]:
+    """(int32 buffer, float32 buffer, leaves passed as they are, layout) of a pytree of host arrays."""
+    leaves, treedef = jax.tree.flatten(tree)
+    ints: list[np.ndarray] = []
+    floats: list[np.ndarray] = []
+    passed: list[Any] = []
+    fields = []
+    n_int = n_float = 0
+    for leaf in leaves:
+        if isinstance(leaf, np.ndarray) and leaf.dtype in _INT_KINDS:
+            kind = _INT_KINDS[leaf.dtype]
+            ints.append(leaf.astype(np.int32).ravel() if kind == "bool" else leaf.ravel().view(np.int32))
+            fields.append(Field(kind, leaf.shape, n_int, leaf.size))
+            n_int += leaf.size
+        elif isinstance(leaf, np.ndarray) and leaf.dtype == np.float32 and leaf.size <= MAX_PACKED_FLOATS:
+            floats.append(leaf.ravel())
+            fields.append(Field("float32", leaf.shape, n_float, leaf.size))
+            n_float += leaf.size
+        else:
+            fields.append(Field("pass", tuple(np.shape(leaf)), len(passed), 0))
+            passed.append(leaf)
+    cat = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype)  # noqa: E731
+    return cat(ints, np.int32), cat(floats, np.float32), tuple(passed), Layout(treedef, tuple(fields))
+
+
+def unpack(ints: jax.Array, floats: jax.Array, passed: tuple[Any, ...], layout: Layout) -> Any:
+    """The pytree `pack` was given, as (traced) arrays."""
+    leaves = []
+    for f in layout.fields:
+        if f.kind == "pass":
+            leaves.append(passed[f.offset])
+            continue
+        buf = floats if f.kind == "float32" else ints
+        x = jax.lax.slice_in_dim(buf, f.offset, f.offset + f.size).reshape(f.shape)
+        if f.kind == "uint32":
+            x = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        elif f.kind == "bool":
+            x = x != 0
+        leaves.append(x)
+    return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def pack_outputs(outs: tuple[jax.Array, ...]) -> tuple[jax.Array, tuple[tuple[tuple[int, ...], str], ...]]:
+    """One float32 vector of every output (32-bit ints bitcast, not converted) and their (shape, dtype)."""
+    parts, spec = [], []
+    for x in outs:
+        if x.dtype.itemsize != 4:
+            raise TypeError(f"packed step outputs must be 32-bit, got {x.dtype}")
+        y = x if x.dtype == jnp.float32 else jax.lax.bitcast_convert_type(x, jnp.float32)
+        parts.append(y.reshape(-1))
+        spec.append((tuple(x.shape), jnp.dtype(x.dtype).name))
+    return jnp.concatenate(parts) if parts else jnp.zeros(0, jnp.float32), tuple(spec)
+
+
+def unpack_outputs(flat: np.ndarray, spec: tuple[tuple[tuple[int, ...], str], ...]) -> tuple[np.ndarray, ...]:
+    out, at = [], 0
+    for shape, dtype in spec:
+        size = int(np.prod(shape, dtype=np.int64))
+        out.append(flat[at:at + size].view(np.dtype(dtype)).reshape(shape))
+        at += size
+    return tuple(out)
+
+
+class PackedStep:
+    """`jax.jit` of `fn(state, pools, *inputs) -> (outputs tuple, pools)` (pools donated) called with host
+    inputs and returning numpy outputs, with the transfers of the module docstring. `put` places the
+    buffers (e.g. replicated over a mesh); `wrap` wraps the traced function (the sharding context)."""
+
+    def __init__(self, fn: Callable[..., tuple[tuple[jax.Array, ...], Any]], *,
+                 wrap: Callable[[Callable], Callable] = lambda f: f, put: Callable[[Any], Any] = lambda x: x,
+                 out_shardings: Any = None) -> None:
+        self._fn = fn
+        self._put = put
+        self._out_specs: dict[Layout, tuple] = {}
+        self._jit = jax.jit(wrap(self._traced), donate_argnums=(1,), static_argnums=(5,),
+                            out_shardings=out_shardings)
+
+    def _traced(self, state, pools, ints, floats, passed, layout: Layout):
+        outs, pools = self._fn(state, pools, *unpack(ints, floats, passed, layout))
+        flat, spec = pack_outputs(tuple(outs))
+        self._out_specs[layout] = spec  # runs while tracing: the host reads the outputs with it
+        return flat, pools
+
+    def dispatch(self, state: Any, pools: Any, *inputs: Any) -> tuple[tuple[jax.Array, Layout], Any]:
+        """Launch the step (asynchronously); returns (a handle for `outputs`, the new pools)."""
+        ints, floats, passed, layout = pack(inputs)
+        flat, pools = self._jit(state, pools, *self._put((ints, floats, passed)), layout)
+        return (flat, layout), pools
+
+    def outputs(self, handle: tuple[jax.Array, Layout]) -> tuple[np.ndarray, ...]:
+        """The step's outputs on the host (one device-to-host copy; waits for the step)."""
+        flat, layout = handle
+        return unpack_outputs(np.asarray(flat), self._out_specs[layout])
+
+    def __call__(self, state: Any, pools: Any, *inputs: Any) -> tuple[tuple[np.ndarray, ...], Any]:
+        handle, pools = self.dispatch(state, pools, *inputs)
+        return self.outputs(handle), pools
