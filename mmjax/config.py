@@ -349,6 +349,8 @@ class ServeConfig:
     max_beam_width: int = 4  # most beams a beam-search request may ask for (the step returns 2x this many candidates)
     decode_steps: int = 1  # > 1: when every running request is decoding, run this many decode steps in one device
     # call (tokens fed back on device; the host's per-step work is paid once per call; outputs come k at a time)
+    overlap_decode: bool = True  # with decode_steps > 1: launch the next multi-step call before reading the current
+    # one's tokens (the host's work between calls overlaps the device's; see Scheduler.schedule_chained)
     speculative: SpeculativeConfig = SpeculativeConfig()
 
 

@@ -22,8 +22,8 @@ from mmjax.errors import DataError
 from mmjax.serving.detokenize import IncrementalDetokenizer
 from mmjax.serving.kv_manager import KVCacheManager
 from mmjax.serving.request import ExtraKey, Request, RequestError, RequestStatus, SamplingParams
-from mmjax.serving.runner import ImageInput, ModelRunner, SampledToken, image_hash
-from mmjax.serving.scheduler import Scheduler
+from mmjax.serving.runner import ImageInput, ModelRunner, PendingStep, SampledToken, image_hash
+from mmjax.serving.scheduler import Scheduler, SchedulerOutput
 from mmjax.serving.speculative.proposers import make_proposer
 
 FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
@@ -117,6 +117,8 @@ class Engine:
                                       draft_model=draft_model)
         self._live: dict[str, _Live] = {}
         self._aborted: list[str] = []
+        # a multi-step call launched ahead (serve.overlap_decode): its scheduler output and pending step
+        self._ahead: tuple[SchedulerOutput, PendingStep] | None = None
         self._ids = itertools.count()
         if warmup:
             self.runner.warmup()
@@ -244,6 +246,7 @@ class Engine:
         prefix and image caches, computed with the old ones, are dropped. Only between requests."""
         if self._live:
             raise RequestError(f"update_weights with {len(self._live)} live requests; finish or abort them first")
+        self._ahead = None
         self.runner.update_weights(state)
         self.kv.reset_prefix_cache()
 
@@ -253,9 +256,17 @@ class Engine:
         """Schedule, run the model once, and report every request that produced tokens or finished."""
         outputs = [self._output(self._live.pop(rid), [], []) for rid in self._aborted]
         self._aborted = []
-        draft_probs = self.proposer.propose(self.scheduler.running) if self.proposer is not None else None
-        out = self.scheduler.schedule()
-        sampled = self.runner.execute(out, draft_probs) if out.scheduled else {}
+        if self._ahead is not None:  # launched by the previous step, while its own call ran
+            (out, pending), self._ahead = self._ahead, None
+        else:
+            draft_probs = self.proposer.propose(self.scheduler.running) if self.proposer is not None else None
+            out = self.scheduler.schedule()
+            pending = self.runner.dispatch(out, draft_probs)
+        if self.serve.overlap_decode and pending.result is None:  # a multi-step call is running: queue the next
+            ahead = self.scheduler.schedule_chained(out)
+            if ahead is not None:
+                self._ahead = (ahead, self.runner.dispatch(ahead, chain=pending))
+        sampled = self.runner.collect(pending)
         before = {rid: len(self._live[rid].request.output_token_ids) for rid in sampled if rid in self._live}
         done = self.scheduler.update_from_output(
             out, {rid: list(s.tokens) if s.tokens else s.token for rid, s in sampled.items()},
@@ -272,7 +283,19 @@ class Engine:
             if not new:
                 continue
             start = time.perf_counter()
-            text = live.detok.push(new)
+            if len(new) > 1 and live.detok.stop:  # several tokens at once: end where a stop string completes
+                text, cut = "", len(new)
+                for j, token in enumerate(new):
+                    text += live.detok.push(token)
+                    if live.detok.stopped:
+                        cut = j + 1
+                        break
+                if cut < len(new):  # as one step at a time: no tokens after the stop string
+                    new = new[:cut]
+                    del request.output_token_ids[before[rid] + cut:]
+                    live.stop_str = live.detok.stop_str
+            else:
+                text = live.detok.push(new)
             if live.detok.stopped and not request.status.is_finished:
                 live.stop_str = live.detok.stop_str
                 self.scheduler.abort_request(rid)
@@ -289,6 +312,8 @@ class Engine:
             outputs.append(self._output(live, list(new), lps, text))
             if request.status.is_finished:
                 del self._live[rid]
+        if self._ahead is not None and not any(e.request_id in self._live for e in self._ahead[0].scheduled):
+            self._ahead = None  # every request of the call launched ahead has finished: nothing to read
         return outputs
 
     def _beam_output(self, live: _Live) -> RequestOutput:

@@ -111,6 +111,18 @@ class ImageCache:
 
 
 @dataclasses.dataclass
+class PendingStep:
+    """A dispatched scheduler step: its sampled tokens (`result`, a step run to completion), or the handle of
+    a multi-step call still on the device, each request's slot in it and the slots' last samples (device)."""
+
+    out: SchedulerOutput
+    result: dict[str, SampledToken] | None = None
+    handle: Any = None
+    slots: dict[str, int] = dataclasses.field(default_factory=dict)
+    last: Any = None
+
+
+@dataclasses.dataclass
 class _RequestState:
     request: Request
     images: ImageInput | None
@@ -181,7 +193,10 @@ class ModelRunner:
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), out_shardings=pool_sharding)
         # multi-step decode; not with speculative decoding (its steps verify drafts) nor in its draft runner
         self.decode_steps = serve.decode_steps if serve.speculative.method == "none" else 1
-        self._multi = PackedStep(self._multi_step_fn, wrap=wrap, put=self._put, out_shardings=out)
+        self._multi = PackedStep(self._multi_step_fn, wrap=wrap, put=self._put,
+                                 out_shardings=None if out is None else (*out, rep))
+        self._no_last = self._put(jnp.zeros(self.max_slots, jnp.int32))  # an unchained call's "previous tokens"
+        self.num_chained = 0  # multi-step calls dispatched while the previous one ran (see Scheduler.schedule_chained)
         self._encode = jax.jit(in_sharding_context(self._encode_fn, sharding), out_shardings=rep)
 
     def slots_for(self, tokens: int) -> int:
@@ -240,11 +255,13 @@ class ModelRunner:
         r = sample(logits, sampling, self.num_logprobs)
         return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs, *spec), pools
 
-    def _multi_step_fn(self, state, pools, batch, sampling):
+    def _multi_step_fn(self, state, pools, batch, sampling, prev_last):
         """`decode_steps` decode steps in one call: slot i's token at position start[i] + j goes through the
         model, its KV into the page table's slot, and the token sampled from it is slot i's input of step j + 1.
         Slots stop after num_steps[i] steps (their later tokens write to the null page, their outputs are
-        ignored). Returns per-step [K, S] tokens, logprobs and top-k, and the pools."""
+        ignored). A chained slot (chain_src[i] >= 0) starts from `prev_last[chain_src[i]]`, the previous call's
+        last sample of that slot, still on device. Returns per-step [K, S] tokens, logprobs and top-k, the pools,
+        and each slot's last sample [max_num_seqs] (kept on device for the next call)."""
         self.num_compiles += 1
         model = nnx.merge(self.graphdef, state)
         i32, ps = jnp.int32, self.page_size
@@ -271,14 +288,17 @@ class ModelRunner:
                 out_ids = out_ids.at[slots, at].set(jnp.where(active, r.tokens, out_ids[slots, at]))
             return (r.tokens, pools, out_ids), (r.tokens, r.logprobs, r.top_ids, r.top_logprobs)
 
-        carry = (batch["tokens"][:s], pools, sampling.output_ids)
+        src = batch["chain_src"]
+        first = jnp.where(src >= 0, prev_last[jnp.clip(src, 0, prev_last.shape[0] - 1)], batch["tokens"][:s])
+        carry = (first, pools, sampling.output_ids)
         (_, pools, _), outs = jax.lax.scan(one, carry, jnp.arange(self.decode_steps, dtype=i32))
-        return outs, pools
+        last = jnp.take_along_axis(outs[0], jnp.maximum(batch["num_steps"] - 1, 0)[None], axis=0)[0]
+        return outs, pools, jnp.zeros_like(prev_last).at[:s].set(last)
 
     def _multi_batch(self, t: int, s: int) -> dict[str, np.ndarray]:
         i32 = np.int32
         return dict(tokens=np.zeros(t, i32), start=np.zeros(s, i32), num_steps=np.zeros(s, i32),
-                    page_table=np.full((s, self.max_pages), NULL_PAGE, i32))
+                    page_table=np.full((s, self.max_pages), NULL_PAGE, i32), chain_src=np.full(s, -1, i32))
 
     @property
     def multi_step_shapes(self) -> list[tuple[int, int]]:
@@ -288,22 +308,34 @@ class ModelRunner:
         most = pick_bucket(self.token_buckets, min(self.max_slots, self.token_buckets[-1]))
         return [(t, s) for t, s in self.step_shapes if t <= most]
 
-    def _execute_multi(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        """Run a multi-step decode (every entry has `num_steps` > 1 or is a 1-step tail of one)."""
+    def _dispatch_multi(self, out: SchedulerOutput, chain: PendingStep | None) -> PendingStep:
+        """Launch a multi-step decode (every entry has `num_steps` > 1 or is a 1-step tail of one); chained
+        entries start from `chain`'s last samples on device."""
         t, s = self.step_shape(len(out.scheduled), len(out.scheduled))
         batch = self._multi_batch(t, s)
+        requests = [self._requests[e.request_id].request for e in out.scheduled]
+        sampling = self._sampling(requests, s)
+        prev_steps = {} if chain is None else {e.request_id: e.num_steps for e in chain.out.scheduled}
         for i, entry in enumerate(out.scheduled):
             pages = np.asarray(entry.page_ids, np.int32)
             batch["tokens"][i], batch["start"][i], batch["num_steps"][i] = entry.token_ids[-1], entry.start, \
                 entry.num_steps
             batch["page_table"][i, :len(pages)] = pages
-        sampling = self._sampling([self._requests[e.request_id].request for e in out.scheduled], s)
-        outs, self.pools = self._multi(self.state, self.pools, batch, sampling)
+            if entry.chained:  # the previous call's tokens are not in the request yet: its draws come first
+                batch["chain_src"][i] = chain.slots[entry.request_id]
+                sampling.step[i] += prev_steps[entry.request_id]
+        handle, self.pools = self._multi.dispatch(self.state, self.pools, batch, sampling,
+                                                  self._no_last if chain is None else chain.last)
         self.num_steps += 1
+        self.num_chained += chain is not None
+        slots = {e.request_id: i for i, e in enumerate(out.scheduled)}
+        return PendingStep(out, handle=handle[:2], slots=slots, last=handle[2])
+
+    def _collect_multi(self, pending: PendingStep) -> dict[str, SampledToken]:
         # one host conversion per output (Python lists, [K, S] and [K, S, top]); top lists only for rows that use them
-        tokens, logprobs, top_ids, top_lp = (x.tolist() for x in outs)
+        tokens, logprobs, top_ids, top_lp = (x.tolist() for x in self._multi.outputs(pending.handle))
         result = {}
-        for i, entry in enumerate(out.scheduled):
+        for i, entry in enumerate(pending.out.scheduled):
             k = entry.num_steps
             toks, lps = tuple(tokens[j][i] for j in range(k)), tuple(logprobs[j][i] for j in range(k))
             ids = tops = ((),) * k
@@ -399,17 +431,32 @@ class ModelRunner:
         """Run one scheduler step; returns the sampled token of every entry with `samples=True` (several for
         an entry with speculative tokens). `draft_probs` maps a request to its drafts' probabilities [k, V]
         (a draft-model proposer; rows without one are one-hot)."""
-        if out.page_copies:
-            self.copy_pages(out.page_copies)
+        return self.collect(self.dispatch(out, draft_probs))
+
+    def dispatch(self, out: SchedulerOutput, draft_probs: Any = None, chain: PendingStep | None = None) -> PendingStep:
+        """Start one scheduler step. A multi-step decode is only launched (the device runs it while the host
+        goes on); other steps run to completion here. `chain`: the pending call whose last samples feed `out`'s
+        chained entries (`Scheduler.schedule_chained`)."""
         for rid in out.finished_request_ids:
             self._requests.pop(rid, None)
             self.seeds.pop(rid, None)
         for request in out.new_requests:
             self._register(request)
+        if out.scheduled and any(e.num_steps > 1 or e.chained for e in out.scheduled):
+            if out.page_copies:
+                self.copy_pages(out.page_copies)
+            return self._dispatch_multi(out, chain)
+        return PendingStep(out, result=self._execute_one(out, draft_probs))
+
+    def collect(self, pending: PendingStep) -> dict[str, SampledToken]:
+        """The sampled tokens of a dispatched step (waits for a multi-step call to finish)."""
+        return pending.result if pending.result is not None else self._collect_multi(pending)
+
+    def _execute_one(self, out: SchedulerOutput, draft_probs: Any) -> dict[str, SampledToken]:
+        if out.page_copies:
+            self.copy_pages(out.page_copies)
         if not out.scheduled:
             return {}
-        if any(e.num_steps > 1 for e in out.scheduled):
-            return self._execute_multi(out)
         t, s = self.step_shape(out.num_scheduled_tokens, len(out.scheduled))
         batch = self._empty_batch(t, s)
         rows = None
@@ -483,7 +530,7 @@ class ModelRunner:
         for t, s in self.multi_step_shapes:
             for history in (0, self.max_model_len):
                 _, self.pools = self._multi(self.state, self.pools, self._multi_batch(t, s),
-                                            SamplingTensors.from_requests([], s, history))
+                                            SamplingTensors.from_requests([], s, history), self._no_last)
         if self.serve.max_beam_width > 1:  # the beam forks' page copy
             zeros = np.zeros(self.serve.max_num_seqs, np.int32)
             self.pools = self._copy(self.pools, *self._put((zeros, zeros)))

@@ -42,6 +42,9 @@ class ScheduledRequest:
     owner: str = ""  # a beam-search row: the request it belongs to (the runner returns top candidates)
     num_draft: int = 0  # the last num_draft of token_ids are speculative: verify them (see speculative/)
     num_steps: int = 1  # > 1: a multi-step decode entry: sample this many tokens, each fed back on device
+    # scheduled by `schedule_chained` while the previous call runs: its input token (token_ids[0] = -1 here) is
+    # that call's last sample for the request, which only the device has yet
+    chained: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -342,6 +345,51 @@ class Scheduler:
             request.spec_token_ids = []  # proposals are made afresh for every step
         return SchedulerOutput(self._step, tuple(scheduled), tuple(new), tuple(resumed), (*room, *preempted),
                                tuple(finished), tuple(copies))
+
+    def schedule_chained(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The next multi-step decode call, scheduled while `prev` (a multi-step decode call whose output has not
+        been reported yet) still runs, so the device never waits for the host between the two.
+
+        Each of prev's requests is assumed to return all of prev's tokens: its entry starts where prev's ends, and
+        its input token is prev's last sample, fed on device (`chained`). A request that stops early (EOS, a stop
+        token or string, an abort) finishes when prev is reported; the chained call's work for it is discarded and
+        its pages, freed then, are only reused by calls queued after this one. A request that reaches max_tokens
+        or the model's length in prev is left out. None (nothing changed) unless prev is a multi-step decode of
+        exactly the running requests, no waiting request could be admitted, no request uses a penalty (the
+        sampler would lack prev's tokens) and the pages for every entry are free."""
+        if self.decode_steps <= 1 or self._finished_ids or not any(e.num_steps > 1 for e in prev.scheduled):
+            return None
+        prev_steps = {e.request_id: e.num_steps for e in prev.scheduled
+                      if not e.owner and not e.num_draft and e.samples and e.num_tokens == 1}
+        running = {r.request_id: r for r in self.running}
+        if prev_steps.keys() != running.keys() or len(prev_steps) != len(prev.scheduled):
+            return None
+        if self.waiting and sum(map(self._seq_cost, self.running)) < self.limits.max_num_seqs:
+            return None
+        plan: list[tuple[Request, int, int]] = []  # (request, tokens prev produces, steps of the next call)
+        need = 0
+        for request in self.running:
+            params, done = request.sampling_params, prev_steps[request.request_id]
+            if request.beam is not None or params.uses_penalties:
+                return None
+            left, length = params.max_tokens - len(request.output_token_ids) - done, request.num_tokens + done
+            if left <= 0 or length >= self.limits.max_model_len:
+                continue  # finishes with prev
+            k = max(1, min(self.decode_steps, left, self.limits.max_model_len - length + 1))
+            plan.append((request, done, k))
+            need += max(0, self.kv.pages_for(request.num_computed_tokens + done + k)
+                        - len(self.kv.block_table(request.request_id)))
+        if not plan or max(k for *_, k in plan) == 1 or need > self.kv.num_free_pages:
+            return None  # (one token each: a plain step after prev costs less than a multi-step call)
+        scheduled = []
+        for request, done, k in plan:
+            if self.kv.allocate_slots(request, done + k) is None:  # cannot happen: the pages were counted
+                raise RuntimeError(f"request {request.request_id!r}: chained call found no pages")
+            scheduled.append(ScheduledRequest(request.request_id, (-1,), request.num_computed_tokens + done,
+                                              tuple(self.kv.block_table(request.request_id)), True, num_steps=k,
+                                              chained=True))
+        self._step += 1
+        return SchedulerOutput(self._step, tuple(scheduled), (), (), (), ())
 
     def _make_room_for_urgent(self) -> list[str]:
         """Preempt running requests of a higher priority value than the head of the queue while it lacks the

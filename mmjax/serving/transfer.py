@@ -106,9 +106,10 @@ def unpack_outputs(flat: np.ndarray, spec: tuple[tuple[tuple[int, ...], str], ..
 
 
 class PackedStep:
-    """`jax.jit` of `fn(state, pools, *inputs) -> (outputs tuple, pools)` (pools donated) called with host
-    inputs and returning numpy outputs, with the transfers of the module docstring. `put` places the
-    buffers (e.g. replicated over a mesh); `wrap` wraps the traced function (the sharding context)."""
+    """`jax.jit` of `fn(state, pools, *inputs) -> (outputs tuple, pools[, kept])` (pools donated) called with host
+    inputs and returning numpy outputs, with the transfers of the module docstring; `kept` (optional) stays on
+    the device, e.g. for a later call. `put` places the buffers (e.g. replicated over a mesh); `wrap` wraps the
+    traced function (the sharding context)."""
 
     def __init__(self, fn: Callable[..., tuple[tuple[jax.Array, ...], Any]], *,
                  wrap: Callable[[Callable], Callable] = lambda f: f, put: Callable[[Any], Any] = lambda x: x,
@@ -120,20 +121,21 @@ class PackedStep:
                             out_shardings=out_shardings)
 
     def _traced(self, state, pools, ints, floats, passed, layout: Layout):
-        outs, pools = self._fn(state, pools, *unpack(ints, floats, passed, layout))
+        outs, pools, *kept = self._fn(state, pools, *unpack(ints, floats, passed, layout))
         flat, spec = pack_outputs(tuple(outs))
         self._out_specs[layout] = spec  # runs while tracing: the host reads the outputs with it
-        return flat, pools
+        return flat, pools, *kept
 
-    def dispatch(self, state: Any, pools: Any, *inputs: Any) -> tuple[tuple[jax.Array, Layout], Any]:
-        """Launch the step (asynchronously); returns (a handle for `outputs`, the new pools)."""
+    def dispatch(self, state: Any, pools: Any, *inputs: Any) -> tuple[tuple[Any, ...], Any]:
+        """Launch the step (asynchronously); returns (handle, the new pools): `handle[:2]` is for `outputs`,
+        `handle[2]` the kept device value when `fn` returns one."""
         ints, floats, passed, layout = pack(inputs)
-        flat, pools = self._jit(state, pools, *self._put((ints, floats, passed)), layout)
-        return (flat, layout), pools
+        flat, pools, *kept = self._jit(state, pools, *self._put((ints, floats, passed)), layout)
+        return (flat, layout, *kept), pools
 
-    def outputs(self, handle: tuple[jax.Array, Layout]) -> tuple[np.ndarray, ...]:
+    def outputs(self, handle: tuple[Any, ...]) -> tuple[np.ndarray, ...]:
         """The step's outputs on the host (one device-to-host copy; waits for the step)."""
-        flat, layout = handle
+        flat, layout = handle[:2]
         return unpack_outputs(np.asarray(flat), self._out_specs[layout])
 
     def __call__(self, state: Any, pools: Any, *inputs: Any) -> tuple[tuple[np.ndarray, ...], Any]:

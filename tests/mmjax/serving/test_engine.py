@@ -184,6 +184,53 @@ def test_multi_step_decode_equals_single_steps(setup):
         assert [lp.top_ids for lp in many.logprobs] == [lp.top_ids for lp in one.logprobs]
 
 
+def test_overlapped_decode_equals_single_steps(setup):
+    """serve.overlap_decode: each multi-step call is launched before the previous one's tokens are read. Requests
+    that stop inside a call (a stop token, a stop string, max_tokens) or are aborted while the next call is
+    already queued give exactly the tokens of one step at a time; the chained work is dropped, pages all return
+    and nothing compiles after warm-up."""
+    serve = dataclasses.replace(setup["cfg"].serve, decode_steps=4)
+    multi = Engine(dataclasses.replace(setup["cfg"], serve=serve), setup["model"], CharTokenizer(), warmup=True)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(4, 64, int(n)).tolist() for n in (6, 10, 4, 8)]
+    base = [SamplingParams(max_tokens=13, ignore_eos=True),
+            SamplingParams(max_tokens=14, temperature=0.8, top_p=0.9, seed=5, logprobs=2, ignore_eos=True),
+            SamplingParams(max_tokens=9, ignore_eos=True), SamplingParams(max_tokens=15, ignore_eos=True)]
+    one = LLM.__new__(LLM)
+    one.engine = setup["engine"]
+    ref = one.generate(prompts, base)
+    # stop inside a call: request 2 on a token it draws mid-way, request 3 on a string of its text
+    params = [base[0], base[1], dataclasses.replace(base[2], stop_token_ids=(ref[2].token_ids[5],)),
+              dataclasses.replace(base[3], stop=(ref[3].text[6:8],))]
+    want = one.generate(prompts, params)
+    compiles = multi.runner.num_compiles
+    ids = [multi.add_request(p, sampling_params=sp) for p, sp in zip(prompts, params)]
+    got: dict[str, list[int]] = {rid: [] for rid in ids}
+    logprobs: dict[str, list] = {rid: [] for rid in ids}
+    finished = {}
+    aborted = None
+    while multi.has_unfinished():
+        for out in multi.step():
+            got[out.request_id].extend(out.new_token_ids)
+            logprobs[out.request_id].extend(out.logprobs)
+            if out.finished:
+                finished[out.request_id] = out
+        if aborted is None and multi._ahead is not None and len(got[ids[0]]) >= 4:
+            aborted = ids[0]
+            assert multi.abort(aborted)  # while a call that holds it is queued
+    assert multi.runner.num_chained > 0
+    for rid, w in zip(ids[1:], want[1:]):
+        assert got[rid] == w.token_ids and finished[rid].finish_reason == w.finish_reason
+        assert finished[rid].text == w.text
+    lps = logprobs[ids[1]]  # seeded sampling with top-2 logprobs
+    np.testing.assert_allclose([lp.logprob for lp in lps], [lp.logprob for lp in want[1].logprobs], atol=1e-5)
+    assert [lp.top_ids for lp in lps] == [lp.top_ids for lp in want[1].logprobs]
+    assert finished[aborted].finish_reason == "abort" and got[aborted] == want[0].token_ids[:len(got[aborted])]
+    assert multi.runner.num_compiles == compiles
+    assert multi.kv.num_free_pages == multi.kv.num_usable_pages
+    multi.kv.check_consistency()
+
+
 @pytest.mark.parametrize("override, message", [
     ("serve.page_size=12", "power of two"), ("serve.num_pages=1", "null page"),
     ("serve.max_num_seqs=512", "max_num_batched_tokens"), ("serve.max_model_len=100000", "model.max_seq_len"),
