@@ -13,8 +13,14 @@ longest row and most images (packed rows are full in tokens, but often not in im
 Exactness: the queues are the examples the packer already holds back (`held_positions` of the loader
 state), in stream order; keys and the emission rule are pure functions of them, so `set_state()` rebuilds
 the queues and the batch stream continues element for element, whatever `data.num_workers`. The resolved
-buckets are saved in the state and another set is logged as not exact. Several processes are refused:
-each would pick shapes from its own slice of the stream, and the global batch needs one shape.
+buckets are saved in the state and another set is logged as not exact.
+
+Several processes: each picks its batch's bucket from its own slice of the stream, but the global batch needs
+one shape, so before assembling batch i the processes agree on it (`ShapeAgreement`): each publishes its
+bucket in the distributed runtime's key-value store (host to host, no device collective, so it is safe in the
+feed thread beside a running train step) and all take the largest row length and image count. A process whose
+own examples fit a smaller bucket pads to the agreed one; which examples a process emits, and so resume,
+do not depend on the others.
 """
 
 from __future__ import annotations
@@ -103,6 +109,43 @@ def resolve_buckets(cfg: Config, sample_lengths: Callable[[], list[int]]) -> Buc
     return Buckets(lengths, tuple(sorted({*d.image_buckets, d.max_images})))
 
 
+class ShapeAgreement:
+    """The processes of a run agree on each batch's (row length, image slots): the largest any asks for.
+
+    Batch i's bucket of process p is set at `<prefix>/<i>/<p>` in the key-value store of `jax.distributed`
+    (the coordination service every process of a run is connected to); every process reads all of them,
+    blocking up to `timeout_s`. A process is at most one batch ahead of another here, so keys of batch i - 2
+    are deleted. Agreements are numbered in creation order, which every process shares."""
+
+    _created = 0
+
+    def __init__(self, process_index: int, process_count: int, client: Any = None, timeout_s: float = 600.0):
+        if client is None:
+            from jax._src import distributed  # the runtime's client: the one Orbax's multi-host code uses too
+
+            client = distributed.global_state.client
+        if client is None:
+            raise ConfigError(f"data.buckets/data.image_buckets over {process_count} processes need "
+                              "jax.distributed (distributed.*): the processes agree on each batch's shape "
+                              "through it")
+        ShapeAgreement._created += 1
+        self.prefix = f"mmjax/buckets/{ShapeAgreement._created}"
+        self.client, self.process_index, self.process_count = client, process_index, process_count
+        self.timeout_ms = int(timeout_s * 1000)
+
+    def agree(self, index: int, key: tuple[int, int]) -> tuple[int, int]:
+        own = f"{self.prefix}/{index}/{self.process_index}"
+        self.client.key_value_set(own, f"{key[0]},{key[1]}")
+        keys = [key]
+        for p in range(self.process_count):
+            if p != self.process_index:
+                value = self.client.blocking_key_value_get(f"{self.prefix}/{index}/{p}", self.timeout_ms)
+                keys.append(tuple(int(x) for x in value.split(",")))
+        if index >= 2:
+            self.client.key_value_delete(f"{self.prefix}/{index - 2}/{self.process_index}")
+        return max(k[0] for k in keys), max(k[1] for k in keys)
+
+
 class BucketStats(LoaderStats):
     """`LoaderStats` plus, per bucket, its share of the batches and its padding share (token slots)."""
 
@@ -132,11 +175,20 @@ class BucketStats(LoaderStats):
 class BucketingIterator(PackingIterator):
     """`PackingIterator` whose batches take one bucket's shape (see the module docstring)."""
 
-    def __init__(self, *args: Any, buckets: Buckets, max_wait: int, **kwargs: Any):
+    def __init__(self, *args: Any, buckets: Buckets, max_wait: int, agreement: ShapeAgreement | None = None,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.buckets = buckets
         self.max_wait = max_wait * self.spec.rows  # stream positions
         self.stats = BucketStats()
+        self.agreement = agreement  # several processes: each batch's shape is agreed with the others
+        self._batches = 0  # batches emitted by this iterator (the agreement's index)
+
+    def _agreed(self, key: tuple[int, int]) -> tuple[int, int]:
+        if self.agreement is None:
+            return key
+        self._batches += 1
+        return self.agreement.agree(self._batches, key)
 
     def batch_shapes(self) -> list[dict[str, tuple[tuple[int, ...], np.dtype]]]:
         """Every bucket's batch as {key: (shape, dtype)} (process-local rows): what the trainer warms up."""
@@ -179,8 +231,8 @@ class BucketingIterator(PackingIterator):
             counts[self._key(ex)] += 1
         taken = {id(ex) for ex in take}
         self._held = [ex for ex in self._held if id(ex) not in taken]
-        key = (max(self.buckets.key(len(ex["tokens"]), 0)[0] for ex in take),
-               max(self.buckets.key(0, len(ex["images"]))[1] for ex in take))
+        key = self._agreed((max(self.buckets.key(len(ex["tokens"]), 0)[0] for ex in take),
+                            max(self.buckets.key(0, len(ex["images"]))[1] for ex in take)))
         spec = dataclasses.replace(self.spec, seq_len=key[0], max_images=key[1])
         batch = assemble([[ex] for ex in take], spec)
         real = sum(len(ex["tokens"]) for ex in take)
@@ -196,7 +248,7 @@ class BucketingIterator(PackingIterator):
         """A packed batch cut to the smallest bucket holding its longest row and most images."""
         used = int((batch["segment_ids"] > 0).any(axis=0).nonzero()[0].max(initial=-1)) + 1
         images = int(batch["image_valid"].sum(axis=1).max(initial=0))
-        key = self.buckets.key(used, images)
+        key = self._agreed(self.buckets.key(used, images))
         full = batch["tokens"].size
         out = {k: v[:, :key[1]] if k in ("images", "image_valid") else v[:, :key[0]] for k, v in batch.items()}
         # the packer counted rows of model.max_seq_len slots; the batch now has fewer
@@ -218,8 +270,10 @@ class BucketedDataset(PackedDataset):
         self._max_wait = max_wait
 
     def __iter__(self) -> BucketingIterator:
+        index, count = self._kw["process_index"], self._kw["process_count"]
+        agreement = ShapeAgreement(index, count) if count > 1 else None
         return BucketingIterator(self._upstream, self._encoded.__getitem__, self._spec, buckets=self.buckets,
-                                 max_wait=self._max_wait, **self._kw)
+                                 max_wait=self._max_wait, agreement=agreement, **self._kw)
 
     def __str__(self) -> str:
         return f"BucketedDataset(workers={self._num_workers}, buckets={self.buckets.as_state()})"
@@ -229,10 +283,6 @@ def bucketed_dataset(cfg: Config, encoded: grain.MapDataset, spec: PackSpec, *, 
                      **kwargs: Any) -> BucketedDataset:
     """`make_train_dataset`'s dataset when `data.buckets` or `data.image_buckets` is set."""
     validate_buckets(cfg)
-    if process_count > 1:
-        raise ConfigError(f"data.buckets/data.image_buckets need a single process (this run has {process_count}): "
-                          "each process would choose batch shapes from its own examples; unset them or use "
-                          "data.packing")
 
     def sample_lengths() -> list[int]:  # the first examples of the stream (an endless map: no length)
         return [spec.span(len(ex["tokens"])) for i in range(AUTO_SAMPLE) for ex in unpack(encoded[i])

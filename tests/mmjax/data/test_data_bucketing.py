@@ -152,6 +152,77 @@ def test_bucket_config_errors(override, match):
         load_config(None, base + [override])
 
 
-def test_buckets_with_several_processes_are_refused(cfg, tokenizer):
-    with pytest.raises(ConfigError, match="need a single process"):
-        make_train_dataset(_bucketed(cfg), tokenizer, process_index=0, process_count=2)
+def test_buckets_over_processes_need_jax_distributed(cfg, tokenizer):
+    ds = make_train_dataset(_bucketed(cfg), tokenizer, process_index=0, process_count=2)
+    with pytest.raises(ConfigError, match="need jax.distributed"):
+        iter(ds)
+
+
+# One process of a two-process run: take K batches, save the state, take M more; a fresh iterator resumed from
+# the state must give the same M. Writes each batch's shape, rows and the rows' own longest length.
+PROCESS = """
+import json, pickle, sys
+import jax, numpy as np
+i, port, args = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=i)
+from mmjax.data.pipeline import make_train_dataset
+from mmjax.data.tokenizer import Tokenizer
+cfg, tok_path, k, m, out = pickle.load(open(args, "rb"))
+tok = Tokenizer.from_file(tok_path)
+it = iter(make_train_dataset(cfg, tok, process_index=i, process_count=2))
+batches = [next(it) for _ in range(k)]
+state = it.get_state()
+rest = [next(it) for _ in range(m)]
+again = iter(make_train_dataset(cfg, tok, process_index=i, process_count=2))
+again.set_state(state)
+same = all(np.array_equal(a[key], b[key]) for a, b in zip(rest, [next(again) for _ in range(m)]) for key in a)
+rows = lambda b: [[b["tokens"][r, :n].tolist(), int(n)] for r in range(len(b["tokens"]))
+                  if (n := int((b["segment_ids"][r] > 0).sum()))]
+json.dump({"shapes": [[b["tokens"].shape[1], b["images"].shape[1]] for b in batches + rest],
+           "rows": [rows(b) for b in batches + rest], "resume_exact": same,
+           "state": {k: v for k, v in it.get_state().items() if k in ("next_position", "held_positions")}},
+          open(out.format(i), "w"))
+"""
+
+
+@pytest.mark.multiprocess
+def test_two_processes_agree_on_each_batch_shape(scfg, tokenizer, shapes_files, tmp_path):
+    """data.buckets over 2 processes (jax.distributed on loopback): every batch has one shape on both, the
+    largest either asks for; each process emits exactly its own examples (those of its slice of the plain
+    order) and resumes exactly."""
+    import pickle
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bcfg = _bucketed(scfg)
+    args = tmp_path / "args.pkl"
+    args.write_bytes(pickle.dumps((bcfg, str(shapes_files.tokenizer_path), 6, 4, str(tmp_path / "p{}.json"))))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    repo = Path(__file__).resolve().parents[3]
+    env = {**__import__("os").environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(repo)}
+    procs = [subprocess.Popen([sys.executable, "-c", PROCESS, str(i), str(port), str(args)], cwd=repo, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-3000:]
+    runs = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2)]
+    assert runs[0]["shapes"] == runs[1]["shapes"]  # one global batch shape per step
+    assert {tuple(x) for x in runs[0]["shapes"]} <= {(s, n) for s in LENGTHS for n in IMAGES}
+    padded = 0
+    for p, run in enumerate(runs):
+        assert run["resume_exact"]
+        plain = iter(make_train_dataset(scfg, tokenizer, process_index=p, process_count=2))
+        ref = [b["tokens"][r, :n].tolist() for b in _take(plain, 20) for r in range(len(b["tokens"]))
+               if (n := int((b["segment_ids"][r] > 0).sum()))]
+        got = [row for b in run["rows"] for row, _ in b]
+        seen = run["state"]["next_position"]
+        held = [ref[q] for q in run["state"]["held_positions"]]
+        assert sorted(map(tuple, got + held)) == sorted(map(tuple, ref[:seen]))  # its own examples, once each
+        # batches padded to another process's bucket: the shape exceeds what this process's rows need
+        padded += sum(shape[0] > min(s for s in LENGTHS if s >= max(n for _, n in rows))
+                      for shape, rows in zip(run["shapes"], run["rows"]))
+    assert padded > 0
