@@ -314,3 +314,48 @@ def test_simulated_engine_outputs_match_running_alone(caching, chunked, threshol
     assert sched.num_preemptions > 0 and any(mixed) and any(partial) == chunked
     assert (sched.kv.hits > 0) == caching
     assert sched.kv.num_free_pages == sched.kv.num_usable_pages and all(c == 0 for c in sched.kv.ref_counts)
+
+
+def _decoding(sched, n, max_tokens=20, **params):
+    """n requests past their prompts (one prefill step each, tokens given), ready for multi-step decode."""
+    reqs = [Request(f"r{i}", [5 + i] * 6, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params))
+            for i in range(n)]
+    for r in reqs:
+        sched.add_request(r)
+    out = sched.schedule()
+    sched.update_from_output(out, {e.request_id: 7 for e in out.scheduled})
+    return reqs
+
+
+def test_schedule_chained_continues_where_the_running_call_ends():
+    sched = make(budget=64, decode_steps=4)
+    reqs = _decoding(sched, 3, max_tokens=9)
+    prev = sched.schedule()
+    assert [e.num_steps for e in prev.scheduled] == [4, 4, 4]
+    free = sched.kv.num_free_pages
+    nxt = sched.schedule_chained(prev)
+    # each request has 1 + 4 tokens after prev, 4 more to max_tokens=9: KV positions 10..13, a fourth page
+    assert [(e.start, e.num_steps, e.chained, e.token_ids) for e in nxt.scheduled] == [(10, 4, True, (-1,))] * 3
+    assert sched.kv.num_free_pages == free - 3 and all(len(e.page_ids) == 4 for e in nxt.scheduled)
+    # prev's tokens arrive; r1 stops on a stop token inside prev: the chained entry is skipped, its pages freed
+    reqs[1].sampling_params = SamplingParams(max_tokens=9, ignore_eos=True, stop_token_ids=(9,))
+    sched.update_from_output(prev, {"r0": [8] * 4, "r1": [8, 9, 8, 8], "r2": [8] * 4})
+    assert reqs[1].status is RequestStatus.FINISHED_STOPPED and reqs[1].output_token_ids == [7, 8, 9]
+    sched.update_from_output(nxt, {"r0": [3] * 4, "r2": [3] * 4})
+    assert reqs[0].status is RequestStatus.FINISHED_LENGTH and reqs[0].output_token_ids == [7] + [8] * 4 + [3] * 4
+    sched.kv.check_consistency()
+    assert sched.kv.num_free_pages == sched.kv.num_usable_pages
+
+
+@pytest.mark.parametrize("case", ["penalty", "waiting", "single_steps", "pages"])
+def test_schedule_chained_refuses_what_it_cannot_predict(case):
+    pages = {"pages": 10}.get(case, 64)  # prev fills the 9 usable pages (3 requests x 3); the next call needs 3 more
+    sched = make(budget=64, num_pages=pages, max_seqs=4, decode_steps=1 if case == "single_steps" else 4)
+    _decoding(sched, 3, **({"repetition_penalty": 1.2} if case == "penalty" else {}))
+    if case == "waiting":  # a free sequence slot and a request waiting for it
+        sched.add_request(Request("late", [9] * 6, SamplingParams(max_tokens=5)))
+    prev = sched.schedule()
+    free = sched.kv.num_free_pages
+    assert not prev.preempted_request_ids
+    assert sched.schedule_chained(prev) is None
+    assert sched.kv.num_free_pages == free  # nothing allocated
