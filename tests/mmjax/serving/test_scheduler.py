@@ -352,10 +352,10 @@ def test_schedule_chained_refuses_what_it_cannot_predict(case):
     pages = {"pages": 10}.get(case, 64)  # prev fills the 9 usable pages (3 requests x 3); the next call needs 3 more
     sched = make(budget=64, num_pages=pages, max_seqs=4, decode_steps=1 if case == "single_steps" else 4)
     _decoding(sched, 3, **({"repetition_penalty": 1.2} if case == "penalty" else {}))
-    if case == "waiting":  # a free sequence slot and a request waiting for it
-        sched.add_request(Request("late", [9] * 6, SamplingParams(max_tokens=5)))
     prev = sched.schedule()
+    if case == "waiting":  # arrives while prev runs, and a sequence slot is free for it
+        sched.add_request(Request("late", [9] * 6, SamplingParams(max_tokens=5)))
     free = sched.kv.num_free_pages
-    assert not prev.preempted_request_ids
+    assert not prev.preempted_request_ids and (case == "single_steps") == (prev.scheduled[0].num_steps == 1)
     assert sched.schedule_chained(prev) is None
     assert sched.kv.num_free_pages == free  # nothing allocated
