@@ -262,7 +262,7 @@ class Engine:
             draft_probs = self.proposer.propose(self.scheduler.running) if self.proposer is not None else None
             out = self.scheduler.schedule()
             pending = self.runner.dispatch(out, draft_probs)
-        if self.serve.overlap_decode and pending.result is None:  # a multi-step call is running: queue the next
+        if self.serve.overlap_decode and pending.on_device:  # a multi-step call is running: queue the next
             ahead = self.scheduler.schedule_chained(out)
             if ahead is not None:
                 self._ahead = (ahead, self.runner.dispatch(ahead, chain=pending))

@@ -113,13 +113,17 @@ class ImageCache:
 @dataclasses.dataclass
 class PendingStep:
     """A dispatched scheduler step: its sampled tokens (`result`, a step run to completion), or the handle of
-    a multi-step call still on the device, each request's slot in it and the slots' last samples (device)."""
+    a multi-step call still on the device and its slots' last samples (device; slot i is `out.scheduled[i]`)."""
 
     out: SchedulerOutput
     result: dict[str, SampledToken] | None = None
     handle: Any = None
-    slots: dict[str, int] = dataclasses.field(default_factory=dict)
     last: Any = None
+
+    @property
+    def on_device(self) -> bool:
+        """A multi-step call still running: its tokens are read by `ModelRunner.collect`."""
+        return self.result is None
 
 
 @dataclasses.dataclass
@@ -315,21 +319,20 @@ class ModelRunner:
         batch = self._multi_batch(t, s)
         requests = [self._requests[e.request_id].request for e in out.scheduled]
         sampling = self._sampling(requests, s)
-        prev_steps = {} if chain is None else {e.request_id: e.num_steps for e in chain.out.scheduled}
+        prev = {} if chain is None else {e.request_id: (i, e.num_steps) for i, e in enumerate(chain.out.scheduled)}
         for i, entry in enumerate(out.scheduled):
             pages = np.asarray(entry.page_ids, np.int32)
             batch["tokens"][i], batch["start"][i], batch["num_steps"][i] = entry.token_ids[-1], entry.start, \
                 entry.num_steps
             batch["page_table"][i, :len(pages)] = pages
             if entry.chained:  # the previous call's tokens are not in the request yet: its draws come first
-                batch["chain_src"][i] = chain.slots[entry.request_id]
-                sampling.step[i] += prev_steps[entry.request_id]
+                batch["chain_src"][i], produced = prev[entry.request_id]
+                sampling.step[i] += produced
         handle, self.pools = self._multi.dispatch(self.state, self.pools, batch, sampling,
                                                   self._no_last if chain is None else chain.last)
         self.num_steps += 1
         self.num_chained += chain is not None
-        slots = {e.request_id: i for i, e in enumerate(out.scheduled)}
-        return PendingStep(out, handle=handle[:2], slots=slots, last=handle[2])
+        return PendingStep(out, handle=handle[:2], last=handle[2])
 
     def _collect_multi(self, pending: PendingStep) -> dict[str, SampledToken]:
         # one host conversion per output (Python lists, [K, S] and [K, S, top]); top lists only for rows that use them
@@ -442,19 +445,17 @@ class ModelRunner:
             self.seeds.pop(rid, None)
         for request in out.new_requests:
             self._register(request)
+        if out.page_copies:
+            self.copy_pages(out.page_copies)
         if out.scheduled and any(e.num_steps > 1 or e.chained for e in out.scheduled):
-            if out.page_copies:
-                self.copy_pages(out.page_copies)
             return self._dispatch_multi(out, chain)
         return PendingStep(out, result=self._execute_one(out, draft_probs))
 
     def collect(self, pending: PendingStep) -> dict[str, SampledToken]:
         """The sampled tokens of a dispatched step (waits for a multi-step call to finish)."""
-        return pending.result if pending.result is not None else self._collect_multi(pending)
+        return self._collect_multi(pending) if pending.on_device else pending.result
 
     def _execute_one(self, out: SchedulerOutput, draft_probs: Any) -> dict[str, SampledToken]:
-        if out.page_copies:
-            self.copy_pages(out.page_copies)
         if not out.scheduled:
             return {}
         t, s = self.step_shape(out.num_scheduled_tokens, len(out.scheduled))

@@ -247,12 +247,23 @@ class Scheduler:
         k, running = self.decode_steps, self.running
         if k <= 1 or not running or len(running) > self.limits.max_num_batched_tokens:
             return 1
-        if self.waiting and sum(map(self._seq_cost, running)) < self.limits.max_num_seqs:
+        if self._could_admit():
             return 1
         for r in running:
             if r.beam is not None or r.spec_token_ids or r.num_tokens - r.num_computed_tokens != 1:
                 return 1
         return k
+
+    def _could_admit(self) -> bool:
+        """A waiting request could join at the next step: one waits and a sequence slot is free."""
+        return bool(self.waiting) and sum(map(self._seq_cost, self.running)) < self.limits.max_num_seqs
+
+    def _steps_for(self, request: Request, produced: int = 0, steps: int | None = None) -> int:
+        """Decode steps a multi-step call gives the request once it has `produced` more tokens: at most `steps`
+        (default `decode_steps`), within its max_tokens and the model's length; <= 0 when it is done by then."""
+        left = request.sampling_params.max_tokens - len(request.output_token_ids) - produced
+        return min(self.decode_steps if steps is None else steps, left,
+                   self.limits.max_model_len - request.num_tokens - produced + 1)
 
     def _seq_cost(self, request: Request) -> int:
         return request.beam.seq_cost if request.beam is not None else 1
@@ -296,8 +307,7 @@ class Scheduler:
                 i += 1
                 continue
             # multi-step: KV room for the tokens fed back, within max_tokens and the model's length
-            k = max(1, min(steps, request.sampling_params.max_tokens - len(request.output_token_ids),
-                           self.limits.max_model_len - request.num_tokens + 1))
+            k = max(1, self._steps_for(request, steps=steps))
             while self.kv.allocate_slots(request, max(n, k)) is None:
                 victim = self.running[-1]  # least urgent; never one already scheduled (those are before i)
                 self._preempt(victim)
@@ -361,21 +371,19 @@ class Scheduler:
             return None
         prev_steps = {e.request_id: e.num_steps for e in prev.scheduled
                       if not e.owner and not e.num_draft and e.samples and e.num_tokens == 1}
-        running = {r.request_id: r for r in self.running}
-        if prev_steps.keys() != running.keys() or len(prev_steps) != len(prev.scheduled):
+        if prev_steps.keys() != {r.request_id for r in self.running} or len(prev_steps) != len(prev.scheduled):
             return None
-        if self.waiting and sum(map(self._seq_cost, self.running)) < self.limits.max_num_seqs:
+        if self._could_admit():
             return None
         plan: list[tuple[Request, int, int]] = []  # (request, tokens prev produces, steps of the next call)
         need = 0
         for request in self.running:
-            params, done = request.sampling_params, prev_steps[request.request_id]
-            if request.beam is not None or params.uses_penalties:
+            done = prev_steps[request.request_id]
+            if request.beam is not None or request.sampling_params.uses_penalties:
                 return None
-            left, length = params.max_tokens - len(request.output_token_ids) - done, request.num_tokens + done
-            if left <= 0 or length >= self.limits.max_model_len:
+            k = self._steps_for(request, produced=done)
+            if k <= 0 or request.num_tokens + done >= self.limits.max_model_len:
                 continue  # finishes with prev
-            k = max(1, min(self.decode_steps, left, self.limits.max_model_len - length + 1))
             plan.append((request, done, k))
             need += max(0, self.kv.pages_for(request.num_computed_tokens + done + k)
                         - len(self.kv.block_table(request.request_id)))
