@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mmjax import kernels
@@ -171,6 +172,35 @@ def make_stack(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.R
         return make_layer(r)
 
     return make(rngs)
+
+
+def stack_in_layout(layers: dict, *, scan: bool) -> dict:
+    """A layer stack's params (a pure dict) in the form `make_stack(scan=scan)` builds: leaves stacked on a
+    leading layers axis, or one entry per layer keyed 0..L-1. Checkpoints hold either form; converting on load
+    lets a model be served or evaluated with the other layer loop than it was trained with."""
+    unrolled = bool(layers) and all(str(k).isdigit() for k in layers)  # a restored checkpoint's keys are str
+    if unrolled == (not scan):
+        return layers
+    if not scan:
+        n = {len(a) for a in jax.tree.leaves(layers)}
+        if len(n) != 1:
+            raise ModelError(f"stacked layer params disagree on the number of layers: {sorted(n)}")
+        return {i: jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n.pop())}
+    by_index = {int(k): v for k, v in layers.items()}
+    if sorted(by_index) != list(range(len(layers))):
+        raise ModelError(f"unrolled layer params are not numbered 0..{len(layers) - 1}: {sorted(by_index)}")
+
+    def stack(*a):
+        return (np.stack if all(isinstance(x, np.ndarray) for x in a) else jnp.stack)(a)
+
+    return jax.tree.map(stack, *(by_index[i] for i in range(len(layers))))
+
+
+def params_in_layout(params: dict, *, scan: bool) -> dict:
+    """`params` (a pure dict of towers) with every tower's `layers` stack in the form `scan` builds."""
+    return {name: ({**tower, "layers": stack_in_layout(tower["layers"], scan=scan)}
+                   if isinstance(tower, dict) and isinstance(tower.get("layers"), dict) else tower)
+            for name, tower in params.items()}
 
 
 def run_stack(layers, body: Callable, carry, xs=None, *, scan: bool, remat_policy: str = "none"):

@@ -5,6 +5,7 @@ serves as text-only and matches transformers' greedy decoding; bad paths fail in
 import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -17,7 +18,8 @@ from mmjax.config import Config, DataConfig, to_dict
 from mmjax.data.tokenizer import SPECIAL_TOKENS
 from mmjax.engine.checkpoint import FORMAT_VERSION, Checkpointer
 from mmjax.engine.convert import import_hf
-from mmjax.errors import CheckpointError
+from mmjax.errors import CheckpointError, ModelError
+from mmjax.model.layers import params_in_layout
 from mmjax.serving.engine import LLM
 from mmjax.serving.load import load_model
 from mmjax.serving.request import SamplingParams
@@ -70,6 +72,29 @@ def test_checkpoint_generates_like_the_in_memory_model(run):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.text for o in got] == [o.text for o in want] and got[0].text
     assert len(set(tuple(o.token_ids) for o in got)) == 3  # the prompts (and the image) make a difference
+
+
+def test_scanned_checkpoint_serves_with_unrolled_layers(run):
+    """Serving picks its own layer loop: a scanned run's checkpoint loads into unrolled layers (and such a
+    model's params stack back to the checkpoint's), generating the same tokens."""
+    scanned = LLM.from_checkpoint(run["root"] / "checkpoints", tokenizer=None, overrides=SERVE)
+    unrolled = LLM.from_checkpoint(run["root"] / "checkpoints", tokenizer=None,
+                                   overrides=[*SERVE, "model.scan_layers=false"])
+    assert run["model"].cfg.scan_layers and not unrolled.engine.model_cfg.scan_layers
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = ["w7 w9 w30 w12", [3, 3, 3, 3, 9, 11]]
+    images = [None, [np.random.default_rng(1).standard_normal((8, 8, 3)).astype(np.float32)]]
+    assert ([o.token_ids for o in unrolled.generate(prompts, params, images)]
+            == [o.token_ids for o in scanned.generate(prompts, params, images)])
+    _, model = load_model(run["root"] / "checkpoints", overrides=["model.scan_layers=false"])
+    unrolled_params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    assert sorted(unrolled_params["decoder"]["layers"]) == list(range(run["model"].cfg.text.n_layers))
+    restacked = params_in_layout(unrolled_params, scan=True)
+    want = nnx.to_pure_dict(nnx.state(run["model"], nnx.Param))
+    assert jax.tree.structure(restacked) == jax.tree.structure(want)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restacked), jax.tree.leaves(want)))
+    with pytest.raises(ModelError, match="not numbered 0..1"):
+        params_in_layout({"decoder": {"layers": {0: {"w": np.zeros(2)}, 2: {"w": np.zeros(2)}}}}, scan=True)
 
 
 def test_step_dtype_and_towers(run):
