@@ -113,6 +113,9 @@ class ModelConfig:
     param_dtype: ParamDtype = "float32"
     scan_layers: bool = True
     remat: RematPolicy = "none"
+    # "fp8": the decoder layers' training matmuls round their inputs to e4m3 and gradients to e5m2 (per-tensor
+    # current scaling, mmjax.model.fp8): fp8 GEMMs on sm89+ GPUs. Serving's forward is unaffected.
+    matmul_precision: Literal["default", "fp8"] = "default"
     # kernels.attention: auto | mgpu | mgpu_bwd | pallas | cudnn | xla | chunked | reference
     attention_impl: str = "auto"
     norm_impl: str = "auto"        # kernels.rms_norm / layer_norm: auto | pallas | triton | xla

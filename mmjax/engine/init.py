@@ -23,6 +23,7 @@ from mmjax.engine.precision import initial_loss_scale
 from mmjax.engine.stage_storage import StageStorage, stage_storage
 from mmjax.engine.state import TrainState
 from mmjax.model import MLLM
+from mmjax.model.fp8 import log_training_fp8
 from mmjax.model.layers import param_logical_axes, resolve_dtype
 from mmjax.parallel.zero import ShardingPlan, sharding_plan
 
@@ -45,6 +46,8 @@ class ModelSetup:
 
 
 def model_setup(cfg: Config, mesh: Mesh, image_token_id: int) -> ModelSetup:
+    if cfg.model.matmul_precision == "fp8":
+        log_training_fp8()  # says whether this device runs them as fp8 GEMMs
     def build() -> Any:
         model = MLLM(cfg.model, image_token_id=image_token_id, rngs=nnx.Rngs(params=cfg.train.seed))
         return nnx.split(model, nnx.Param)

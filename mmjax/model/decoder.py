@@ -49,6 +49,7 @@ class DecoderLayer(nnx.Module):
         self.attention_impl = cfg.attention_impl
         self.swiglu_impl = cfg.swiglu_impl
         self.compute_dtype = compute_dtype
+        self.fp8 = cfg.matmul_precision == "fp8"  # training forward only (see mmjax.model.fp8)
         w = normal(0.02)
         norm = dict(eps=t.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype, impl=cfg.norm_impl)
         self.attn_norm = RMSNorm(t.dim, **norm)
@@ -62,10 +63,10 @@ class DecoderLayer(nnx.Module):
         self.gate_up = param(rngs, w, (t.dim, 2, t.mlp_dim), ("embed", None, "mlp"), param_dtype)
         self.down = param(rngs, w, (t.mlp_dim, t.dim), ("mlp", "embed"), param_dtype)
 
-    def qkv_proj(self, x, positions):
+    def qkv_proj(self, x, positions, fp8: bool = False):
         b, s, _ = x.shape
         bias = None if self.qkv_bias is None else self.qkv_bias[...]
-        qkv = dense(x, self.qkv[...], "bse,ekgd->bskgd", self.compute_dtype, bias)
+        qkv = dense(x, self.qkv[...], "bse,ekgd->bskgd", self.compute_dtype, bias, fp8=fp8)
         g = self.n_heads // self.n_kv
         q = qkv[:, :, :, :g].reshape(b, s, self.n_heads, self.head_dim)
         k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
@@ -74,22 +75,22 @@ class DecoderLayer(nnx.Module):
                       ("batch", "length", "kv_heads", "head_dim"))
         return q, k, constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
-    def finish(self, x, attn):
+    def finish(self, x, attn, fp8: bool = False):
         attn = checkpoint_name(constrain(attn, ("batch", "length", "heads", "head_dim")), "attention_out")
         # residual add + RMSNorm in one kernel: (norm(x + attn_out), x + attn_out)
-        h, x = self.mlp_norm(dense(attn, self.out[...], "bshd,hde->bse", self.compute_dtype), residual=x)
+        h, x = self.mlp_norm(dense(attn, self.out[...], "bshd,hde->bse", self.compute_dtype, fp8=fp8), residual=x)
         x = constrain(x, RESIDUAL)
-        h = dense(h, self.gate_up[...], "bse,ecm->bscm", self.compute_dtype)
+        h = dense(h, self.gate_up[...], "bse,ecm->bscm", self.compute_dtype, fp8=fp8)
         h = constrain(kernels.swiglu(h, impl=self.swiglu_impl), ("batch", "length", "mlp"))
-        return constrain(x + dense(h, self.down[...], "bsm,me->bse", self.compute_dtype), RESIDUAL)
+        return constrain(x + dense(h, self.down[...], "bsm,me->bse", self.compute_dtype, fp8=fp8), RESIDUAL)
 
     def __call__(self, x, positions, segment_ids, block_ids):
         """Training forward over the sequence itself."""
-        q, k, v = self.qkv_proj(self.attn_norm(x), positions)
+        q, k, v = self.qkv_proj(self.attn_norm(x), positions, self.fp8)
         attn = attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                          q_positions=positions, kv_positions=positions, causal=True,
                          q_block_ids=block_ids, kv_block_ids=block_ids, impl=self.attention_impl)
-        return self.finish(x, attn)
+        return self.finish(x, attn, self.fp8)
 
     def paged(self, x, positions, k_pool, v_pool, layer, meta: PagedMeta):
         """Serving forward of a flat token batch (x [1,T,E], positions [1,T]) as layer `layer` of the stacked

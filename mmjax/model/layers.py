@@ -20,6 +20,7 @@ from flax import nnx
 from mmjax import kernels
 from mmjax.config import ComputeDtype, RematPolicy
 from mmjax.errors import ConfigError, ModelError
+from mmjax.model.fp8 import fp8_einsum
 
 Names = tuple[str | None, ...]
 
@@ -75,11 +76,14 @@ def param_logical_axes(state: nnx.State) -> Any:
     return nnx.State(logical_axes(state)).to_pure_dict()
 
 
-def dense(x, w, spec: str, dtype, bias=None):
+def dense(x, w, spec: str, dtype, bias=None, *, fp8: bool = False):
     """einsum(spec, x, w) in `dtype` (params cast at use), plus an optional bias. A weight that brings its own
-    `quantized_einsum` (`mmjax.quant.QuantizedWeight`) runs it: dequantization fused into the matmul."""
+    `quantized_einsum` (`mmjax.quant.QuantizedWeight`) runs it: dequantization fused into the matmul. `fp8`:
+    the training matmul of `model.matmul_precision=fp8` (`mmjax.model.fp8`)."""
     if hasattr(w, "quantized_einsum"):
         y = w.quantized_einsum(spec, x, dtype)
+    elif fp8:
+        y = fp8_einsum(spec, x, w, dtype)
     else:
         y = jnp.einsum(spec, x.astype(dtype), w.astype(dtype))
     if bias is not None:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mmjax.errors import ConfigError
+from mmjax.model.fp8 import native_fp8
 from mmjax.quant.weights import BITS, GROUP, STORAGE, QuantizedWeight, quantize
 
 log = logging.getLogger(__name__)
@@ -22,16 +23,6 @@ log = logging.getLogger(__name__)
 SCHEMES = ("none", *STORAGE)
 # per-layer rank and number of leading contracted axes of each decoder matmul's weight
 DECODER_MATMULS = {"qkv": (4, 1), "out": (3, 2), "gate_up": (3, 1), "down": (2, 1)}
-
-
-def native_fp8() -> bool:
-    """Whether the default device has fp8 tensor cores (CUDA compute capability 8.9+, e.g. the H100/H200)."""
-    dev = jax.devices()[0]
-    cap = getattr(dev, "compute_capability", None)
-    if dev.platform != "gpu" or not cap:
-        return False
-    major, minor = (int(p) for p in str(cap).split(".")[:2])
-    return (major, minor) >= (8, 9)
 
 
 def _log_fp8_mode(native: bool, platform: str) -> None:
