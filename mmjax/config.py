@@ -354,6 +354,9 @@ class ServeConfig:
     # call (tokens fed back on device; the host's per-step work is paid once per call; outputs come k at a time)
     overlap_decode: bool = True  # with decode_steps > 1: launch the next multi-step call before reading the current
     # one's tokens (the host's work between calls overlaps the device's; see Scheduler.schedule_chained)
+    # run the layers unrolled over per-layer weights (a scanned checkpoint is converted once at start-up); a scan
+    # over stacked weights copies each layer's weights every step (mmjax.serving.unroll; docs/serving.md)
+    unroll_layers: bool = True
     speculative: SpeculativeConfig = SpeculativeConfig()
 
 

@@ -28,7 +28,8 @@ def eval_serve_config(cfg: Config, max_prompt_len: int) -> ServeConfig:
     once, the pool holding all of them (no preemption) and one step prefilling them all; no logprobs and no
     beam-search candidates. Every step pads to at least `eval.batch_size` slots and tokens, so as requests stop
     at EOS no smaller shapes compile: a few shapes in all, compiled on the first evaluation (the old fixed-batch
-    loop did the same padded work)."""
+    loop did the same padded work). The layers keep the run's scan: unrolled layers would need a copy of every
+    weight beside the training state."""
     default, serve = ServeConfig(), cfg.serve
     want = max_prompt_len + cfg.eval.max_new_tokens
     max_len = min(want, cfg.model.max_seq_len)
@@ -42,6 +43,7 @@ def eval_serve_config(cfg: Config, max_prompt_len: int) -> ServeConfig:
     sized["max_num_batched_tokens"] = max(seqs * max_prompt_len, seqs)
     sized["max_logprobs"] = sized["max_beam_width"] = 0  # greedy answers: no top-k candidates per step
     sized["min_slot_bucket"] = sized["min_token_bucket"] = seqs
+    sized["unroll_layers"] = False  # the engine shares the trainer's stacked arrays: unrolling would copy them
     return dataclasses.replace(serve, **{k: v for k, v in sized.items()
                                          if getattr(serve, k) == getattr(default, k)})
 

@@ -31,6 +31,7 @@ from mmjax.serving.sampling import SamplingTensors, sample
 from mmjax.serving.scheduler import SchedulerOutput
 from mmjax.serving.speculative.verify import verify
 from mmjax.serving.transfer import PackedStep
+from mmjax.serving.unroll import serving_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +152,9 @@ class ModelRunner:
 
     def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int,
                  mesh: jax.sharding.Mesh | None = None, sharding: MeshSharding | None = None) -> None:
-        self.graphdef, self.state = model if isinstance(model, tuple) else nnx.split(model)
+        graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
+        self._given_graphdef = graphdef  # update_weights converts new weights of this form the same way
+        self.graphdef, self.state = serving_layout(graphdef, state, serve.unroll_layers)
         self.state = quantize_state(self.state, serve.quantization)  # none: unchanged; pre-quantized: kept
         abstract = nnx.merge(self.graphdef, self.state)
         self.model_cfg = abstract.cfg
@@ -226,7 +229,8 @@ class ModelRunner:
         """Serve `state` from now on (e.g. the trainer's current parameters): same tree, shapes and dtypes, so
         nothing recompiles. Encoded images of the old weights are dropped; the caller resets the prefix cache.
         Float weights are quantized as at construction (`serve.quantization`)."""
-        state = quantize_state(state, self.serve.quantization)
+        state = quantize_state(serving_layout(self._given_graphdef, state, self.serve.unroll_layers)[1],
+                               self.serve.quantization)
         old = jax.tree.map(lambda x: (x.shape, x.dtype), self.state)
         new = jax.tree.map(lambda x: (x.shape, x.dtype), state)
         if jax.tree.structure(old) != jax.tree.structure(new) or jax.tree.leaves(old) != jax.tree.leaves(new):

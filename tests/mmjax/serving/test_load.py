@@ -77,10 +77,12 @@ def test_checkpoint_generates_like_the_in_memory_model(run):
 def test_scanned_checkpoint_serves_with_unrolled_layers(run):
     """Serving picks its own layer loop: a scanned run's checkpoint loads into unrolled layers (and such a
     model's params stack back to the checkpoint's), generating the same tokens."""
-    scanned = LLM.from_checkpoint(run["root"] / "checkpoints", tokenizer=None, overrides=SERVE)
+    scanned = LLM.from_checkpoint(run["root"] / "checkpoints", tokenizer=None,
+                                  overrides=[*SERVE, "serve.unroll_layers=false"])  # the scan, served as it is
     unrolled = LLM.from_checkpoint(run["root"] / "checkpoints", tokenizer=None,
                                    overrides=[*SERVE, "model.scan_layers=false"])
     assert run["model"].cfg.scan_layers and not unrolled.engine.model_cfg.scan_layers
+    assert scanned.engine.runner.graphdef == nnx.split(run["model"])[0]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     prompts = ["w7 w9 w30 w12", [3, 3, 3, 3, 9, 11]]
     images = [None, [np.random.default_rng(1).standard_normal((8, 8, 3)).astype(np.float32)]]

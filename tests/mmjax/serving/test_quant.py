@@ -123,10 +123,14 @@ def test_runner_quantizes_at_load_and_on_update(quant):
 
     serve = quant["tiny"]["serve"](page_size=4, num_pages=8, quantization="int8", kv_cache_dtype="int8")
     runner = ModelRunner(quant["model"], serve, max_model_len=16)  # nothing compiles before a step
-    assert isinstance(runner.state["decoder"]["layers"]["qkv"][...], QuantizedWeight)
+    stacked = quant["state"]["decoder"]["layers"]["qkv"][...]  # serving unrolls the layers, then quantizes each
+    qkv = runner.state["decoder"]["layers"][1]["qkv"][...]
+    assert isinstance(qkv, QuantizedWeight) and qkv.shape == stacked.shape[1:]
+    bound = float(abs(stacked).max()) / 200  # int8: amax / 254 per channel
+    np.testing.assert_allclose(np.asarray(dequantize(qkv)), np.asarray(stacked[1]), atol=bound)
     assert runner.pools[0].data.dtype == jnp.int8 and runner.pools[0].scale.shape == (2, 4, 8, 4)
-    runner.update_weights(quant["state"])  # float weights are quantized as at load: same tree, no recompile
-    assert isinstance(runner.state["decoder"]["layers"]["down"][...], QuantizedWeight)
+    runner.update_weights(quant["state"])  # stacked float weights are unrolled and quantized as at load
+    assert isinstance(runner.state["decoder"]["layers"][0]["down"][...], QuantizedWeight)
 
 
 def test_bench_sweep_rooflines_from_own_bytes(quant):
