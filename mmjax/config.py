@@ -114,7 +114,7 @@ class ModelConfig:
     scan_layers: bool = True
     remat: RematPolicy = "none"
     # "fp8": the decoder layers' training matmuls round their inputs to e4m3 and gradients to e5m2 (per-tensor
-    # current scaling, mmjax.model.fp8): fp8 GEMMs on sm89+ GPUs. Serving's forward is unaffected.
+    # current scaling, mmjax.model.fp8), a pattern XLA can run as fp8 GEMMs on sm89+ GPUs. Serving is unaffected.
     matmul_precision: Literal["default", "fp8"] = "default"
     # kernels.attention: auto | mgpu | mgpu_bwd | pallas | cudnn | xla | chunked | reference
     attention_impl: str = "auto"
