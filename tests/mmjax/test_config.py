@@ -108,7 +108,7 @@ def test_choice_keys_are_literal_types():
 
     assert set(choices(Config)) == {
         "model.text.rope_scaling", "model.vision.pos_embed", "model.vision.act", "model.projector.pos_embed",
-        "model.compute_dtype", "model.param_dtype", "model.remat", "model.image_attention",
+        "model.compute_dtype", "model.param_dtype", "model.remat", "model.image_attention", "model.matmul_precision",
         "parallel.zero_stage", "parallel.context_parallel", "parallel.xla_flags_preset",
         "parallel.pipeline_schedule", "parallel.pipeline_balance", "parallel.pipeline_weight_gather",
         "distributed.cpu_collectives", "data.source", "data.pack_strategy", "data.image_mode", "optim.schedule",

@@ -159,6 +159,7 @@ def test_query_tile():
 
 def test_auto_on_cpu_is_xla_and_guards(caplog):
     args, _ = make_case(2, 1, 16, 16, [(2, 20)])
+    OP._logged.clear()  # the choice is logged once per process: an earlier test may have logged it already
     with caplog.at_level(logging.INFO, logger="mmjax.kernels"):
         kernels.ragged_paged_attention(*args)
     assert "ragged_paged_attention impl=auto chose 'xla'" in caplog.text

@@ -15,6 +15,7 @@ from flax import nnx
 
 from mmjax.config import ModelConfig, TextConfig, VisionConfig
 from mmjax.model import MLLM
+from mmjax.model.layers import params_in_layout
 
 IMAGE_TOKEN = 3
 
@@ -41,15 +42,8 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> MLLM:
 def scan_to_loop(scan_model: MLLM, loop_cfg: ModelConfig) -> MLLM:
     """A scan_layers=False model holding exactly the weights of `scan_model`."""
     loop = nnx.eval_shape(lambda: MLLM(loop_cfg, image_token_id=IMAGE_TOKEN, rngs=nnx.Rngs(0)))
-    src = nnx.to_pure_dict(nnx.state(scan_model, nnx.Param))
-    dst = nnx.to_pure_dict(nnx.state(loop, nnx.Param))
-    for tower in ("vision", "decoder"):
-        stacked = src[tower]["layers"]
-        for i in dst[tower]["layers"]:
-            dst[tower]["layers"][i] = jax.tree.map(lambda a, i=i: a[i], stacked)
-        src[tower]["layers"] = dst[tower]["layers"]
     state = nnx.state(loop, nnx.Param)
-    nnx.replace_by_pure_dict(state, src)
+    nnx.replace_by_pure_dict(state, params_in_layout(nnx.to_pure_dict(nnx.state(scan_model, nnx.Param)), scan=False))
     nnx.update(loop, state)
     return loop
 
