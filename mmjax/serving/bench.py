@@ -302,7 +302,9 @@ def run_serving_bench(cfg: Config, spec: BenchSpec = BenchSpec(), *, params: dic
         hf = hf_peer(hf_config, spec, dtype=cfg.model.param_dtype, allow_cpu=hf_on_cpu)
         log.info("hf peer done in %.1f s", time.perf_counter() - t0)
     model = build_model(cfg, params)
+    n_params = int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
     engine = Engine(cfg, model, IdTokenizer())
+    del model  # the engine may hold its own (unrolled) copy of the weights: do not keep both on the device
     weight_bytes = quant_weight_bytes(engine.runner.state)  # as served: serve.quantization's bytes
     rng = np.random.default_rng(spec.seed + 1)
     dev = jax.devices()[0]
@@ -311,7 +313,7 @@ def run_serving_bench(cfg: Config, spec: BenchSpec = BenchSpec(), *, params: dic
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
         "versions": package_versions(extra=("torch", "transformers")),
-        "model": {"params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))),
+        "model": {"params": n_params,
                   "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token(engine),
                   "layers": m.text.n_layers, "dim": m.text.dim, "heads": m.text.n_heads,
                   "kv_heads": m.text.n_kv_heads, "head_dim": m.text.resolved_head_dim, "vocab": m.vocab_size,
