@@ -147,7 +147,8 @@ class ModelRunner:
     run feeds the same inputs and reads every token) and the pools are split over the context's head axes on
     their kv-head dim; the step and encoder are traced inside `sharding` (the run's sharding context, the train
     step's), so the model's layouts follow its rules.
-    `update_weights` swaps in new parameters of the same shapes without recompiling.
+    `update_weights` swaps in new parameters of the same shapes without recompiling. A scanned model's layers are
+    served unrolled over per-layer weights unless `serve.unroll_layers` is off (`serving/unroll.py`).
     """
 
     def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int,
