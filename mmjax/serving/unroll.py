@@ -1,11 +1,12 @@
 """Serving's layer loop: the decoder and vision layers as separate per-layer weights, run unrolled.
 
 A `lax.scan` over stacked weights [L, ...] slices each layer's weights out of the stack in every step; on the GPU
-those slices are copies in front of the GEMMs (the serving profile shows them as the largest kernel: the weights
-are read three times per token step). A decode step is bound by reading the weights, so serving converts a
-scanned model to the unrolled form once, at engine construction (`serve.unroll_layers`); the stacked form stays
-what checkpoints and training hold. The conversion copies the weights once (the caller's stacked arrays are freed
-when it drops them), so the trainer's evaluation engine, which shares the training arrays, keeps the scan.
+those slices are copies in front of the GEMMs (the serving profile shows them as the largest kernel: three
+passes over the weights per token step, the copy's read and write and the GEMM's read). A decode step is bound
+by reading the weights, so serving converts a scanned model to the unrolled form once, at engine construction
+(`serve.unroll_layers`); the stacked form stays what checkpoints and training hold. The conversion copies the
+weights once (the caller's stacked arrays are freed when it drops them), so the trainer's evaluation engine,
+which shares the training arrays, keeps the scan.
 """
 
 from __future__ import annotations
