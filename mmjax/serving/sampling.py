@@ -139,6 +139,22 @@ def _top_k_top_p_mask(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     return jnp.where(logits < jnp.maximum(kth, p_cut), -jnp.inf, logits)
 
 
+def top_k(x: jax.Array, k: int, chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` over the last axis of f32[S, V], in two stages: the top k of each `chunk`-wide slice,
+    then the top k of those candidates. Same values and indices (ties: lower index first), but the work is
+    spread over S * V / chunk rows: GPU top-k runs one row per thread block, so a single 128k-vocabulary row
+    (batch-1 decode) would otherwise be scanned by one block."""
+    s, v = x.shape
+    if k > chunk or v <= 2 * chunk:
+        return jax.lax.top_k(x, k)
+    n = -(-v // chunk)
+    padded = jnp.pad(x, ((0, 0), (0, n * chunk - v)), constant_values=-jnp.inf)  # pads lose every tie
+    vals, idx = jax.lax.top_k(padded.reshape(s, n, chunk), k)
+    idx = (idx + (jnp.arange(n, dtype=idx.dtype) * chunk)[None, :, None]).reshape(s, n * k)
+    vals, pos = jax.lax.top_k(vals.reshape(s, n * k), k)  # candidates in index order: ties stay ordered
+    return vals, jnp.take_along_axis(idx, pos, axis=1)
+
+
 def _row_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
     # threefry named explicitly: its per-key streams do not depend on the batch (vmap) around them.
     return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s, impl="threefry2x32"), n))(seed, step)
@@ -173,7 +189,7 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0) -> Samp
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     if num_logprobs > 0:
-        top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+        top_logprobs, top_ids = top_k(logprobs, num_logprobs)
     else:
         top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
