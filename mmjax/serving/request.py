@@ -158,6 +158,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def needs_sort(self) -> bool:
+        """Whether drawing this request's tokens needs the vocabulary sorted (top-k or top-p while sampling)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+    @property
     def uses_penalties(self) -> bool:
         """Whether the sampler needs this request's token history."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -27,7 +27,7 @@ from mmjax.quant import quantize_state
 from mmjax.quant.kv import kv_cache_dtype
 from mmjax.serving.kv_manager import NULL_PAGE
 from mmjax.serving.request import Request
-from mmjax.serving.sampling import SamplingTensors, sample
+from mmjax.serving.sampling import SamplingTensors, full_sampler_history, sample
 from mmjax.serving.scheduler import SchedulerOutput
 from mmjax.serving.speculative.verify import verify
 from mmjax.serving.transfer import PackedStep
@@ -391,9 +391,9 @@ class ModelRunner:
             self.seeds[request.request_id] = int(self._seed_rng.integers(0, 2**32))
 
     def _sampling(self, requests: Sequence[Request | None], num_slots: int) -> SamplingTensors:
-        """Per-slot sampler inputs; the history is empty unless a request uses a penalty (two shapes)."""
-        penalised = any(r is not None and r.sampling_params.uses_penalties for r in requests)
-        return SamplingTensors.from_requests(requests, num_slots, self.max_model_len if penalised else 0,
+        """Per-slot sampler inputs: plain, or with the token history and the sort when a request uses a penalty
+        or top-k/top-p (two programs per step shape, `full_sampler_history`)."""
+        return SamplingTensors.from_requests(requests, num_slots, full_sampler_history(requests, self.max_model_len),
                                              seeds=self.seeds)
 
     def _image_rows(self, state: _RequestState, index: int) -> np.ndarray:

@@ -40,6 +40,9 @@ class SamplingTensors:
     step: jax.Array  # i32[S]: tokens the request has generated so far
     prompt_ids: jax.Array  # i32[S, L]
     output_ids: jax.Array  # i32[S, L]
+    # static (part of the compiled program's key): whether any row needs the top-k/top-p sort. A device-side
+    # branch instead would make the GPU wait for the host to read its predicate in every token step.
+    sort: bool = flax.struct.field(pytree_node=False, default=False)
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request | None], num_slots: int, max_len: int, *,
@@ -48,7 +51,9 @@ class SamplingTensors:
 
         `seeds` maps the id of each request without `sampling_params.seed` to the seed the engine drew for
         it once (from its own seeded RNG), so unseeded requests are reproducible for a seeded engine too.
-        `max_len` (`L`) must be >= `history_len` of the penalised requests.
+        `max_len` (`L`) must be >= `history_len` of the penalised requests. The sort (top-k / top-p) is
+        compiled in when a row needs it or the history is non-empty (`full_sampler_history` picks one of the
+        two programs a runner compiles: plain, or penalties and sort).
         """
         if len(requests) > num_slots:
             raise RequestError(f"{len(requests)} requests do not fit num_slots={num_slots}")
@@ -83,8 +88,9 @@ class SamplingTensors:
                                        "history_len(requests)")
                 prompt_ids[i, :n_prompt] = req.prompt_token_ids
                 output_ids[i, :n_out] = req.output_token_ids
+        sort = max_len > 0 or any(r is not None and r.sampling_params.needs_sort for r in requests)
         return cls(temperature, top_k, top_p, min_p, repetition, presence, frequency, seed, step,
-                   prompt_ids, output_ids)
+                   prompt_ids, output_ids, sort)
 
 
 def history_len(requests: Sequence[Request | None]) -> int:
@@ -92,6 +98,15 @@ def history_len(requests: Sequence[Request | None]) -> int:
     it up to a bucket to bound recompiles."""
     return max((max(r.num_prompt_tokens, len(r.output_token_ids)) for r in requests
                 if r is not None and r.sampling_params.uses_penalties), default=0)
+
+
+def full_sampler_history(requests: Sequence[Request | None], max_len: int) -> int:
+    """The history length a runner's step samples with: `max_len` (penalties and the top-k/top-p sort) when a
+    request uses a penalty or needs the sort, else 0 (greedy, temperature, min-p). Two programs per step shape,
+    both compiled at warm-up; a batch of plain requests never pays for the sort."""
+    full = any(r is not None and (r.sampling_params.uses_penalties or r.sampling_params.needs_sort)
+               for r in requests)
+    return max_len if full else 0
 
 
 @flax.struct.dataclass
@@ -139,20 +154,22 @@ def _top_k_top_p_mask(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     return jnp.where(logits < jnp.maximum(kth, p_cut), -jnp.inf, logits)
 
 
-def top_k(x: jax.Array, k: int, chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k` over the last axis of f32[S, V], in two stages: the top k of each `chunk`-wide slice,
-    then the top k of those candidates. Same values and indices (ties: lower index first), but the work is
-    spread over S * V / chunk rows: GPU top-k runs one row per thread block, so a single 128k-vocabulary row
-    (batch-1 decode) would otherwise be scanned by one block."""
+def top_k(x: jax.Array, k: int, chunk: int = 512) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` over the last axis of f32[S, V] (same values and indices; ties: lower index first),
+    without a top-k pass over the whole row: GPU top-k runs one thread block per row, slow over a 128k
+    vocabulary. Instead: each `chunk`-wide slice's maximum (a plain reduction), the k slices with the largest
+    maxima (they hold the top k), then top-k over those k slices only."""
     s, v = x.shape
-    if k > chunk or v <= 2 * chunk:
-        return jax.lax.top_k(x, k)
     n = -(-v // chunk)
-    padded = jnp.pad(x, ((0, 0), (0, n * chunk - v)), constant_values=-jnp.inf)  # pads lose every tie
-    vals, idx = jax.lax.top_k(padded.reshape(s, n, chunk), k)
-    idx = (idx + (jnp.arange(n, dtype=idx.dtype) * chunk)[None, :, None]).reshape(s, n * k)
-    vals, pos = jax.lax.top_k(vals.reshape(s, n * k), k)  # candidates in index order: ties stay ordered
-    return vals, jnp.take_along_axis(idx, pos, axis=1)
+    if n <= 2 * k:
+        return jax.lax.top_k(x, k)
+    best = jnp.pad(x, ((0, 0), (0, n * chunk - v)), constant_values=-jnp.inf).reshape(s, n, chunk).max(axis=-1)
+    # slices in index order, so that ties among the candidates still resolve to the lower index
+    slices = jnp.sort(jax.lax.top_k(best, k)[1], axis=-1)
+    cols = (slices[:, :, None] * chunk + jnp.arange(chunk, dtype=slices.dtype)).reshape(s, k * chunk)
+    cand = jnp.where(cols < v, jnp.take_along_axis(x, jnp.minimum(cols, v - 1), axis=1), -jnp.inf)
+    vals, pos = jax.lax.top_k(cand, k)
+    return vals, jnp.take_along_axis(cols, pos, axis=1)
 
 
 def _row_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
@@ -165,8 +182,8 @@ def filtered_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     masked to top-k, top-p and min-p (-inf outside)."""
     greedy = t.temperature <= 0.0
     scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
-    needs_sort = jnp.any(~greedy & ((t.top_k > 0) | (t.top_p < 1.0)))
-    scaled = jax.lax.cond(needs_sort, lambda x: _top_k_top_p_mask(x, t.top_k, t.top_p), lambda x: x, scaled)
+    if t.sort:
+        scaled = _top_k_top_p_mask(scaled, t.top_k, t.top_p)
     # min-p: keep p >= min_p * p_max, i.e. logit >= max + log(min_p) (masking above does not change the max)
     floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(t.min_p)[:, None]
     return jnp.where(scaled < floor, -jnp.inf, scaled)

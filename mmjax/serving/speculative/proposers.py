@@ -24,7 +24,7 @@ from mmjax.config import ServeConfig, SpeculativeConfig
 from mmjax.serving.kv_manager import KVCacheManager
 from mmjax.serving.request import Request, RequestStatus
 from mmjax.serving.runner import ModelRunner
-from mmjax.serving.sampling import SamplingTensors, _row_keys
+from mmjax.serving.sampling import SamplingTensors, _row_keys, full_sampler_history
 from mmjax.serving.speculative.verify import processed_probs
 
 
@@ -143,7 +143,9 @@ class DraftRunner(ModelRunner):
             off += n
         if not self.text_only:
             batch["image_rows"] = self._zeros(t)
-        sampling = SamplingTensors.from_requests([e[0] for e in entries], s, 0, seeds=seeds)
+        requests = [e[0] for e in entries]
+        sampling = SamplingTensors.from_requests(requests, s, full_sampler_history(requests, self.max_model_len),
+                                                 seeds=seeds)
         # a fresh key per request and draft position: step = outputs so far x 64 + position
         step = np.asarray(sampling.step).copy()
         step[:len(entries)] = step[:len(entries)] * 64 + np.asarray([e[4] for e in entries])
@@ -156,7 +158,8 @@ class DraftRunner(ModelRunner):
             batch = self._empty_batch(t, s)
             if not self.text_only:
                 batch["image_rows"] = self._zeros(t)
-            self._run(batch, SamplingTensors.from_requests([], s, 0))
+            for history in (0, self.max_model_len):  # plain, and with the sort (full_sampler_history)
+                self._run(batch, SamplingTensors.from_requests([], s, history))
         return self.num_compiles - before
 
 
