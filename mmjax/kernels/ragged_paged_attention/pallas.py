@@ -49,8 +49,11 @@ def num_blocks(t: int, n_slots: int, bq: int) -> int:
 
 
 def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_blocks: bool, kv_heads: int,
-            num_pages: int, has_scales: bool = False):
-    ks_ref = vs_ref = None
+            num_pages: int, has_scales: bool = False, kv_splits: int = 1):
+    ks_ref = vs_ref = m_ref = l_ref = None
+    if kv_splits > 1:  # partial results: unnormalized output, running max and denominator
+        *refs, o_ref, m_ref, l_ref = refs
+        refs = (*refs, o_ref)
     if has_scales:
         *refs, ks_ref, vs_ref, o_ref = refs
         refs = (*refs, o_ref)
@@ -83,8 +86,15 @@ def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_block
         ok = ok & (kpos < ctx)[None, :]
         return online_softmax_step(carry, s, v, ok)
 
-    o, _, l = lax.fori_loop(0, (hi + bk - 1) // bk, block, softmax_carry(q.shape[0], d))
-    o_ref[...] = normalized(o, l).astype(o_ref.dtype)
+    n_blocks = (hi + bk - 1) // bk
+    if kv_splits == 1:
+        o, _, l = lax.fori_loop(0, n_blocks, block, softmax_carry(q.shape[0], d))
+        o_ref[...] = normalized(o, l).astype(o_ref.dtype)
+        return
+    per = (n_blocks + kv_splits - 1) // kv_splits  # this program's share of the key blocks
+    lo = pl.program_id(2) * per
+    o, m, l = lax.fori_loop(lo, jnp.minimum(lo + per, n_blocks), block, softmax_carry(q.shape[0], d))
+    o_ref[...], m_ref[...], l_ref[...] = o, m, l
 
 
 def _schedule(t, bq, nb, query_start, query_len, context_len):
@@ -109,10 +119,15 @@ def _schedule(t, bq, nb, query_start, query_len, context_len):
 
 def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
                                   kv_block_ids=None, q_block_ids=None, *, max_query_len=None,
-                                  block_rows: int = BLOCK_ROWS, k_scale=None, v_scale=None, layer=None):
+                                  block_rows: int = BLOCK_ROWS, k_scale=None, v_scale=None, layer=None,
+                                  block_tokens: int = BLOCK_TOKENS, kv_splits: int = 1, num_warps: int = 4,
+                                  num_stages: int = 2):
     """Inputs as `ragged_paged_attention` (int32 indices; pool in q's dtype, D and page_size powers of two), or
     a quantized pool with its float32 scales `k_scale` / `v_scale` [KV, P, page_size]. With `layer` (an int32
-    scalar) the pools and scales carry a leading layers axis and that layer is read where it lies."""
+    scalar) the pools and scales carry a leading layers axis and that layer is read where it lies.
+
+    `kv_splits` > 1 cuts each block's keys into that many parts walked by separate programs (more programs
+    for few, long sequences), whose partial softmax results are merged afterwards."""
     t, h, d = q.shape
     if layer is None:
         k_pages, v_pages = k_pages[None], v_pages[None]
@@ -128,7 +143,7 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
     bq = query_tile(g, max_query_len, block_rows)
     rows = max(MIN_ROWS, bq * gp)
     nb = num_blocks(t, n_slots, bq)
-    pages_per_block = max(1, BLOCK_TOKENS // page_size)
+    pages_per_block = max(1, block_tokens // page_size)
     padded_pages = -(-max_pages // pages_per_block) * pages_per_block
     # Padding entries point at page 0: a step may read them past the context, where the mask hides them.
     table = jnp.pad(page_table, ((0, 0), (0, padded_pages - max_pages)))
@@ -150,10 +165,10 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
     qt = jnp.pad(qt, ((0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0))).transpose(0, 2, 1, 3, 4)
     qt = jnp.pad(qt.reshape(nb, kvh, bq * gp, d), ((0, 0), (0, 0), (0, rows - bq * gp), (0, 0)))
 
-    scalar = pl.BlockSpec((1,), lambda i, j: (i,))
-    row_spec = pl.BlockSpec((None, rows), lambda i, j: (i, 0))
-    head_block = pl.BlockSpec((None, None, rows, d), lambda i, j: (i, j, 0, 0))
-    whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)
+    scalar = pl.BlockSpec((1,), lambda i, j, *_: (i,))
+    row_spec = pl.BlockSpec((None, rows), lambda i, j, *_: (i, 0))
+    head_block = pl.BlockSpec((None, None, rows, d), lambda i, j, *_: (i, j, 0, 0))
+    whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
     args = [qt, k_pages, v_pages, layer, table, seq, hi, ctx.astype(jnp.int32), qpos]
     specs = [head_block, whole(k_pages), whole(v_pages), whole(layer), whole(table), scalar, scalar, scalar,
@@ -170,11 +185,23 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
         specs += [whole(args[-2]), whole(args[-1])]
     kernel = functools.partial(_kernel, pages_per_block=pages_per_block, page_size=page_size,
                                scale=1.0 / math.sqrt(d), has_blocks=has_blocks, has_scales=has_scales,
-                               kv_heads=kvh, num_pages=n_pages)
-    out = pl.pallas_call(
-        kernel, grid=(nb, kvh), in_specs=specs, out_specs=head_block,
-        out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype), interpret=_interpret(),
-        compiler_params=compiler_params(4, 2), name="mmjax_ragged_paged_attention",
-    )(*args)
+                               kv_heads=kvh, num_pages=n_pages, kv_splits=kv_splits)
+    params = dict(in_specs=specs, interpret=_interpret(), compiler_params=compiler_params(num_warps, num_stages),
+                  name="mmjax_ragged_paged_attention")
+    if kv_splits == 1:
+        out = pl.pallas_call(kernel, grid=(nb, kvh), out_specs=head_block,
+                             out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype), **params)(*args)
+    else:
+        part = (nb, kvh, kv_splits, rows)
+        f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+        o, m, l = pl.pallas_call(
+            kernel, grid=(nb, kvh, kv_splits),
+            out_specs=[pl.BlockSpec((None, None, None, rows, d), lambda i, j, k: (i, j, k, 0, 0)),
+                       pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0)),
+                       pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0))],
+            out_shape=[f32((*part, d)), f32(part), f32(part)], **params)(*args)
+        w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # each part's weight against the best max
+        out = normalized(jnp.sum(w[..., None] * o, axis=2).reshape(nb * kvh * rows, d),
+                         jnp.sum(w * l, axis=2).reshape(-1)).reshape(nb, kvh, rows, d).astype(q.dtype)
     out = out[:, :, :bq * gp].reshape(nb, kvh, bq, gp, d)[:, :, :, :g].transpose(0, 2, 1, 3, 4)
     return jnp.zeros_like(q).at[idx.reshape(-1)].set(out.reshape(nb * bq, h, d), mode="drop")

@@ -213,3 +213,14 @@ def test_pallas_gpu(h, kvh, d):
     got = ragged_paged_attention(q, _stacked(k, 2), _stacked(v, 2, seed=6), *rest, **blocks, layer=jnp.int32(2),
                                  impl="pallas")
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+
+
+@pytest.mark.parametrize("kv_splits,block_tokens", [(2, 32), (3, 16)])
+def test_pallas_split_kv_matches_reference(kv_splits, block_tokens):
+    """Keys cut into parts walked by separate programs, partial softmax results merged: the same attention
+    (several key blocks per part, parts past a short sequence's end left empty, image blocks)."""
+    from mmjax.kernels.ragged_paged_attention.pallas import ragged_paged_attention_pallas
+
+    args, blocks = make_case(8, 2, 16, 4, LONG + [(1, 70), (1, 5)], pad_tokens=2, images=LONG_IMAGES, seed=3)
+    got = np.asarray(ragged_paged_attention_pallas(*args, **blocks, kv_splits=kv_splits, block_tokens=block_tokens))
+    np.testing.assert_allclose(got, np.asarray(ragged_paged_attention_reference(*args, **blocks)), atol=1e-5)
