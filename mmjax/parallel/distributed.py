@@ -44,9 +44,17 @@ _ENV = {"coordinator_address": "MMJAX_COORDINATOR_ADDRESS", "num_processes": "MM
         "process_id": "MMJAX_PROCESS_ID"}
 
 
+# model.matmul_precision=fp8: Triton's GEMM fusion would take the fp8 dots (and run them slower than bf16);
+# without it they become cuBLASLt fp8 GEMMs with the scales folded in (docs/perf/train.md, "fp8")
+FP8_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
+
+
 def xla_flags(cfg: Config) -> list[str]:
-    """The flags `parallel.xla_flags_preset` and `parallel.xla_flags` ask for."""
-    return list(XLA_FLAG_PRESETS[cfg.parallel.xla_flags_preset]) + cfg.parallel.xla_flags.split()
+    """The flags `parallel.xla_flags_preset`, fp8 matmuls and `parallel.xla_flags` ask for (later ones win)."""
+    fp8 = FP8_FLAGS if cfg.model.matmul_precision == "fp8" else ()
+    flags = {f.split("=")[0]: f for f in (*XLA_FLAG_PRESETS[cfg.parallel.xla_flags_preset], *fp8,
+                                          *cfg.parallel.xla_flags.split())}
+    return list(flags.values())
 
 
 def apply_xla_flags(cfg: Config) -> None:

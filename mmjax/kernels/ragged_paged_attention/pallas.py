@@ -33,6 +33,7 @@ from mmjax.kernels.paged_attention.pallas import normalized, online_softmax_step
 BLOCK_TOKENS = 128  # key tokens per loop step (pages_per_block * page_size): [rows, 128] score tiles
 BLOCK_ROWS = 64     # query rows (tokens x grouped heads) a prefill block aims at
 MIN_ROWS = 16       # query rows of a dot tile
+SPLIT_TOKENS = 16   # decode steps of at most this many tokens (sequences) split each sequence's keys
 
 
 def query_tile(group: int, max_query_len: int | None = None, block_rows: int = BLOCK_ROWS) -> int:
@@ -120,15 +121,25 @@ def _schedule(t, bq, nb, query_start, query_len, context_len):
 def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
                                   kv_block_ids=None, q_block_ids=None, *, max_query_len=None,
                                   block_rows: int = BLOCK_ROWS, k_scale=None, v_scale=None, layer=None,
-                                  block_tokens: int = BLOCK_TOKENS, kv_splits: int = 1, num_warps: int = 4,
-                                  num_stages: int = 2):
+                                  block_tokens: int | None = None, kv_splits: int | None = None,
+                                  num_warps: int = 4, num_stages: int | None = None):
     """Inputs as `ragged_paged_attention` (int32 indices; pool in q's dtype, D and page_size powers of two), or
     a quantized pool with its float32 scales `k_scale` / `v_scale` [KV, P, page_size]. With `layer` (an int32
     scalar) the pools and scales carry a leading layers axis and that layer is read where it lies.
 
     `kv_splits` > 1 cuts each block's keys into that many parts walked by separate programs (more programs
-    for few, long sequences), whose partial softmax results are merged afterwards."""
+    for few, long sequences), whose partial softmax results are merged afterwards. Left as None, the tiling
+    is the decode sweep's best (docs/perf/README.md, "Serving"): a decode step of at most `SPLIT_TOKENS` tokens
+    splits the keys in 4 and walks 64 at a time; other decode steps walk 128 keys unpipelined (one stage);
+    prefill keeps 128 keys and two stages."""
     t, h, d = q.shape
+    decode = max_query_len == 1
+    if kv_splits is None:
+        kv_splits = 4 if decode and t <= SPLIT_TOKENS else 1
+    if block_tokens is None:
+        block_tokens = 64 if kv_splits > 1 else BLOCK_TOKENS
+    if num_stages is None:
+        num_stages = 1 if decode and kv_splits == 1 else 2
     if layer is None:
         k_pages, v_pages = k_pages[None], v_pages[None]
         k_scale, v_scale = (None, None) if k_scale is None else (k_scale[None], v_scale[None])

@@ -89,3 +89,19 @@ def test_fp8_decoder_trains_close_to_default_and_serving_is_unchanged(helpers):
     x, pos = inputs[0][:1, :t], inputs[1][:1, :t]
     paged = [m.decoder.forward_paged(x, pos, None, pools, meta)[0] for m in (base, fp8)]
     np.testing.assert_array_equal(np.asarray(paged[0]), np.asarray(paged[1]))
+
+
+def test_fp8_runs_ask_for_cublas_fp8_gemms(monkeypatch):
+    """fp8 matmuls switch Triton's GEMM fusion off (it would take the fp8 dots); a flag already in XLA_FLAGS
+    or given in parallel.xla_flags wins; bf16 runs add nothing."""
+    from mmjax.config import load_config
+    from mmjax.parallel.distributed import FP8_FLAGS, apply_xla_flags, xla_flags
+
+    assert xla_flags(load_config(None, [])) == []
+    fp8 = load_config(None, ["model.matmul_precision=fp8"])
+    assert xla_flags(fp8) == list(FP8_FLAGS)
+    user = load_config(None, ["model.matmul_precision=fp8", "parallel.xla_flags=--xla_gpu_enable_triton_gemm=true"])
+    assert xla_flags(user) == ["--xla_gpu_enable_triton_gemm=true"]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    apply_xla_flags(fp8)
+    assert "false" not in __import__("os").environ["XLA_FLAGS"]
