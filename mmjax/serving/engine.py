@@ -121,9 +121,14 @@ class Engine:
         self._ahead: tuple[SchedulerOutput, PendingStep] | None = None
         self._ids = itertools.count()
         if warmup:
-            self.runner.warmup()
-            if hasattr(self.proposer, "runner"):
-                self.proposer.runner.warmup()
+            self.warmup()
+
+    def warmup(self) -> int:
+        """Compile every step shape of the runner and of a draft proposer; returns the runner's compiles."""
+        n = self.runner.warmup()
+        if hasattr(self.proposer, "warmup"):
+            self.proposer.warmup()
+        return n
 
     # -- requests -----------------------------------------------------------------------------------------
 

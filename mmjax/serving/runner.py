@@ -193,10 +193,12 @@ class ModelRunner:
         self.num_steps = 0
         self._requests: dict[str, _RequestState] = {}
         self._zero_rows: dict[int, jax.Array] = {}
+        self._zero_bank: jax.Array | None = None
         rep = self._replicated
         out = None if mesh is None else (rep, pool_sharding)  # (sampled outputs, pools)
         wrap = lambda fn: in_sharding_context(fn, sharding)  # noqa: E731
         # small host inputs in two buffers and the outputs in one (see transfer.py)
+        self._wrap, self._step_out = wrap, out  # a subclass's step built the same way (DraftRunner)
         self._step = PackedStep(self._step_fn, wrap=wrap, put=self._put, out_shardings=out)
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), out_shardings=pool_sharding)
         # multi-step decode; not with speculative decoding (its steps verify drafts) nor in its draft runner
@@ -259,7 +261,8 @@ class ModelRunner:
         if self.spec_k:  # logits of every row's last known token and its drafts: [S * (k + 1), V]
             s = batch["num_draft"].shape[0]
             logits = logits.reshape(s, self.spec_k + 1, -1)
-            spec = verify(logits, sampling, batch["drafts"], batch["num_draft"], batch.get("draft_probs"))
+            q = batch["draft_bank"][batch["draft_rows"]] if "draft_bank" in batch else None  # [S, k, V]
+            spec = verify(logits, sampling, batch["drafts"], batch["num_draft"], q)
             logits = logits[jnp.arange(s), batch["num_draft"]]
         r = sample(logits, sampling, self.num_logprobs)
         return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs, *spec), pools
@@ -415,14 +418,22 @@ class ModelRunner:
         if self.spec_k:
             batch.update(logits_indices=np.zeros(s * (self.spec_k + 1), i32), drafts=np.zeros((s, self.spec_k), i32),
                          num_draft=np.zeros(s, i32))
-            if self.spec_draft_probs:
-                batch["draft_probs"] = np.zeros((s, self.spec_k, self.model_cfg.vocab_size), np.float32)
+            if self.spec_draft_probs:  # rows of the draft proposer's device bank (DraftProbs); unused rows: 0
+                batch["draft_rows"] = np.zeros((s, self.spec_k), i32)
+                batch["draft_bank"] = self._empty_bank()
         if self.use_blocks:
             batch["q_block_ids"] = np.zeros(t, i32)
             batch["kv_block_ids"] = np.zeros((s, self.max_pages * self.page_size), i32)
         if not self.text_only:
             batch["image_mask"] = np.zeros(t, bool)
         return batch
+
+    def _empty_bank(self) -> jax.Array:
+        """A zero draft-probability bank of the proposer's shape, for steps without drafts and warm-up."""
+        if self._zero_bank is None:
+            rows = self.serve.max_num_seqs * self.spec_k
+            self._zero_bank = self._put(jnp.zeros((rows, self.model_cfg.vocab_size), jnp.float32))
+        return self._zero_bank
 
     def _zeros(self, t: int) -> jax.Array:
         """Device-resident zero image rows for steps without image tokens (no host transfer)."""
@@ -437,8 +448,8 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput, draft_probs: Any = None) -> dict[str, SampledToken]:
         """Run one scheduler step; returns the sampled token of every entry with `samples=True` (several for
-        an entry with speculative tokens). `draft_probs` maps a request to its drafts' probabilities [k, V]
-        (a draft-model proposer; rows without one are one-hot)."""
+        an entry with speculative tokens). `draft_probs` is the draft-model proposer's `DraftProbs` (its
+        drafts' probabilities, on the device); without a draft model drafts are one-hot guesses."""
         return self.collect(self.dispatch(out, draft_probs))
 
     def dispatch(self, out: SchedulerOutput, draft_probs: Any = None, chain: PendingStep | None = None) -> PendingStep:
@@ -484,8 +495,9 @@ class ModelRunner:
                 batch["logits_indices"][i * k1:(i + 1) * k1] = off + n - 1 - d + np.minimum(np.arange(k1), d)
                 batch["num_draft"][i] = d
                 batch["drafts"][i, :d] = entry.token_ids[n - d:]
-                if d and self.spec_draft_probs:
-                    batch["draft_probs"][i, :d] = np.asarray(draft_probs[entry.request_id])[:d]
+                if d and self.spec_draft_probs:  # the drafts' probabilities stay on the device
+                    batch["draft_bank"] = draft_probs.bank
+                    batch["draft_rows"][i] = draft_probs.first_row[entry.request_id] + np.arange(self.spec_k)
             else:
                 batch["logits_indices"][i] = off + n - 1
             if self.use_blocks:

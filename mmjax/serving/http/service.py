@@ -111,7 +111,7 @@ class EngineService:
         try:
             if self._warmup:
                 t0 = time.perf_counter()
-                n = self.engine.runner.warmup()
+                n = self.engine.warmup()
                 log.info("warm-up: %d compiles in %.1fs", n, time.perf_counter() - t0)
             self._compiles_at_ready = self.engine.runner.num_compiles
             self._refresh()

@@ -26,6 +26,7 @@ from mmjax.serving.request import Request, RequestStatus
 from mmjax.serving.runner import ModelRunner
 from mmjax.serving.sampling import SamplingTensors, _row_keys, full_sampler_history
 from mmjax.serving.speculative.verify import processed_probs
+from mmjax.serving.transfer import PackedStep
 
 
 def decoding(request: Request) -> bool:
@@ -103,9 +104,25 @@ class _Seq:
     num_tokens: int
 
 
+@dataclasses.dataclass
+class DraftProbs:
+    """The drafts' probabilities, left on the device: `bank` f32[max_num_seqs * k, V]; request `rid`'s draft
+    j sits in row `first_row[rid] + j`. The target's step gathers its rows there (no host round trip of
+    vocabulary-wide rows)."""
+
+    bank: jax.Array
+    first_row: dict[str, int]
+
+
 class DraftRunner(ModelRunner):
-    """A `ModelRunner` over the draft model whose step returns each row's sampled token and the
-    probabilities it was drawn from (greedy rows: one-hot at the argmax)."""
+    """A `ModelRunner` over the draft model whose step returns each row's sampled token and keeps on the device
+    the probabilities it was drawn from (greedy rows: one-hot at the argmax)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        out = self._step_out  # plus the kept probabilities, replicated like the outputs
+        self._step = PackedStep(self._step_fn, wrap=self._wrap, put=self._put,
+                                out_shardings=None if out is None else (*out, self._replicated))
 
     def _step_fn(self, state, pools, batch, sampling):
         self.num_compiles += 1
@@ -121,12 +138,12 @@ class DraftRunner(ModelRunner):
         keys = _row_keys(sampling.seed ^ jnp.uint32(0x85EBCA6B), sampling.step)
         drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(q))
         tokens = jnp.where(sampling.temperature <= 0.0, jnp.argmax(q, axis=-1), drawn).astype(jnp.int32)
-        return (tokens, q), pools
+        return (tokens,), pools, q
 
     def forward(self, entries: Sequence[tuple[Request, Sequence[int], int, Sequence[int], int]],
-                seeds: Mapping[str, int]) -> tuple[np.ndarray, np.ndarray]:
+                seeds: Mapping[str, int]) -> tuple[np.ndarray, jax.Array]:
         """One draft step: per entry (request, tokens, start position, page table, draw index) -> the
-        sampled token and its probabilities at the entry's last token."""
+        sampled token (host) and its probabilities at the entry's last token (device, [slots, V])."""
         t, s = self.step_shape(sum(len(e[1]) for e in entries), len(entries))
         batch = self._empty_batch(t, s)
         ps, off = self.page_size, 0
@@ -150,7 +167,9 @@ class DraftRunner(ModelRunner):
         step = np.asarray(sampling.step).copy()
         step[:len(entries)] = step[:len(entries)] * 64 + np.asarray([e[4] for e in entries])
         sampling = sampling.replace(step=step)
-        return self._run(batch, sampling)
+        handle, self.pools = self._step.dispatch(self.state, self.pools, batch, sampling)
+        self.num_steps += 1
+        return self._step.outputs(handle)[0], handle[2]
 
     def warmup(self) -> int:
         before = self.num_compiles
@@ -177,6 +196,25 @@ class DraftProposer:
         self.seeds = seeds
         self._seqs: dict[str, _Seq] = {}
         self._live: dict[str, Request] = {}
+        # the drafts' probabilities stay on the device: each draft step stores its rows into this bank
+        self.bank_rows = serve.max_num_seqs * self.k
+        self.bank = self.runner._put(jnp.zeros((self.bank_rows, self.runner.model_cfg.vocab_size), jnp.float32))
+        self._store = jax.jit(lambda bank, q, dest: bank.at[dest].set(q, mode="drop"), donate_argnums=(0,))
+
+    def warmup(self) -> int:
+        """Compile the draft runner's steps and the bank store of each of its slot counts."""
+        n = self.runner.warmup()
+        vocab = self.runner.model_cfg.vocab_size
+        for s in sorted({s for _, s in self.runner.step_shapes}):
+            q, dest = self.runner._put((jnp.zeros((s, vocab), jnp.float32), np.full(s, self.bank_rows, np.int32)))
+            self.bank = self._store(self.bank, q, dest)
+        return n
+
+    def _keep(self, q: jax.Array, rows: Sequence[int]) -> None:
+        """Store draft-step probabilities `q` [slots, V]: slot i into bank row rows[i] (past the bank: dropped)."""
+        dest = np.full(q.shape[0], self.bank_rows, np.int32)
+        dest[:len(rows)] = rows
+        self.bank = self._store(self.bank, q, self.runner._put(dest))
 
     def _release_stale(self) -> None:
         for rid, r in list(self._live.items()):
@@ -184,8 +222,8 @@ class DraftProposer:
                 self.kv.free(rid)
                 del self._live[rid], self._seqs[rid]
 
-    def propose(self, requests: Sequence[Request]) -> dict[str, np.ndarray]:
-        """Set `spec_token_ids` of the decoding requests; returns their drafts' probabilities [k, V]."""
+    def propose(self, requests: Sequence[Request]) -> DraftProbs:
+        """Set `spec_token_ids` of the decoding requests; returns where their drafts' probabilities are."""
         self._release_stale()
         self.length.keep_only({r.request_id for r in requests})
         todo: list[Request] = []
@@ -210,7 +248,7 @@ class DraftProposer:
                 continue  # the draft pool is full: no proposal this step
             todo.append(r)
         drafts: dict[str, list[int]] = {r.request_id: [] for r in todo}
-        probs: dict[str, list[np.ndarray]] = {r.request_id: [] for r in todo}
+        first_row = {r.request_id: i * self.k for i, r in enumerate(todo)}  # todo <= max_num_seqs requests
         # catch-up chunks within the token budget; an entry that reaches the last known token draws draft 1
         pending = list(todo)
         while pending:
@@ -225,14 +263,16 @@ class DraftProposer:
                                 seq.num_computed_tokens, self.kv.block_table(r.request_id), 0))
                 budget -= n
             tokens, q = self.runner.forward(entries, self.seeds)
+            rows = [self.bank_rows] * len(entries)
             for i, (r, toks, start, _, _) in enumerate(entries):
                 seq = self._seqs[r.request_id]
                 seq.num_computed_tokens = start + len(toks)
                 if seq.num_computed_tokens == r.num_tokens:
                     drafts[r.request_id].append(int(tokens[i]))
-                    probs[r.request_id].append(q[i])
+                    rows[i] = first_row[r.request_id]  # draft 1
                 else:
                     later.append(r)
+            self._keep(q, rows)
             pending = later
         for j in range(1, self.k):  # feed draft j, draw draft j + 1
             entries = []
@@ -248,10 +288,10 @@ class DraftProposer:
             for i, (r, _, _, _, _) in enumerate(entries):
                 self._seqs[r.request_id].num_computed_tokens += 1
                 drafts[r.request_id].append(int(tokens[i]))
-                probs[r.request_id].append(q[i])
+            self._keep(q, [first_row[r.request_id] + j for r, *_ in entries])  # draft j + 1
         for r in todo:
             r.spec_token_ids = drafts[r.request_id]
-        return {rid: np.stack(p) for rid, p in probs.items() if p}
+        return DraftProbs(self.bank, first_row)
 
 
 def make_proposer(serve: ServeConfig, *, max_model_len: int, seeds: Mapping[str, int],

@@ -166,6 +166,32 @@ def test_speculative_greedy_equals_plain_greedy(hf, ngram_llm, method):
     params = [SamplingParams(max_tokens=12)] * len(REPETITIVE) + [
         SamplingParams(max_tokens=6, temperature=0.9, seed=3)]  # a sampled request in the same steps
     eng = llm.engine
+    checked = []
+    if method == "draft":  # each draft's probabilities sit in its bank row, on the device
+        propose = eng.proposer.propose
+
+        def checked_propose(requests):
+            probs = propose(requests)
+            bank = np.asarray(probs.bank)
+            for r in requests:
+                for j, tok in enumerate(r.spec_token_ids):
+                    q = bank[probs.first_row[r.request_id] + j]
+                    np.testing.assert_allclose(q.sum(), 1.0, atol=1e-5)
+                    assert q[tok] == 1.0 if r.sampling_params.greedy else q[tok] > 0
+                    checked.append(r.sampling_params.greedy)
+            return probs
+        eng.proposer.propose = checked_propose
+        run = eng.runner._run
+
+        def checked_run(batch, sampling):  # the target step gathers each slot's draft rows from the bank
+            if "draft_bank" in batch:
+                bank = np.asarray(batch["draft_bank"])
+                for i, d in enumerate(batch["num_draft"]):
+                    for j in range(d):
+                        assert bank[batch["draft_rows"][i, j], batch["drafts"][i, j]] > 0
+                        checked.append("verify")
+            return run(batch, sampling)
+        eng.runner._run = checked_run
     ids = [eng.add_request(p, sampling_params=sp) for p, sp in zip(prompts, params)]
     events = dict.fromkeys(ids, 0)  # steps in which a request got tokens
     final = {}
@@ -189,6 +215,8 @@ def test_speculative_greedy_equals_plain_greedy(hf, ngram_llm, method):
     kv = llm.engine.kv
     kv.check_consistency()
     assert kv.num_free_pages == kv.num_usable_pages
+    if method == "draft":
+        assert {True, False, "verify"} <= set(checked)  # greedy and sampled drafts, and the target's gather
 
 
 def test_ngram_lookup():
