@@ -61,10 +61,12 @@ def test_pallas_reads_scaled_pool():
     (q, k, v, *rest), blocks = make_case(4, 2, 16, 4, [(1, 9), (6, 10), (0, 0)], pad_tokens=5,
                                          images=[(1, 5, 8, 1)], seed=3)
     ks, vs = _scaled(k, dtype), _scaled(v, dtype)
-    got = np.asarray(ragged_paged_attention(q, ks, vs, *rest, **blocks, impl="pallas"))
     want = np.asarray(ragged_paged_attention(q, ks, vs, *rest, **blocks, impl="xla"))
-    np.testing.assert_allclose(got, want, atol=1e-5)
-    assert not np.any(got[-5:])
+    for max_query_len in (None, 1):  # 1: one query per block and, on this small step, the keys split in 4
+        got = np.asarray(ragged_paged_attention(q, ks, vs, *rest, **blocks, impl="pallas",
+                                                max_query_len=max_query_len))
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        assert not np.any(got[-5:])
 
 
 def test_scaled_pool_errors_and_guard():
