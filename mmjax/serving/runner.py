@@ -483,11 +483,15 @@ class ModelRunner:
             st = self._requests[entry.owner or entry.request_id]
             n, start = entry.num_tokens, entry.start
             end = start + n
-            pos = np.arange(start, end, dtype=np.int32)
-            pages = np.asarray(entry.page_ids, np.int32)
-            batch["tokens"][off:off + n] = entry.token_ids
-            batch["positions"][off:off + n] = pos
-            batch["slot_mapping"][off:off + n] = pages[pos // ps] * ps + pos % ps
+            pages = entry.page_ids
+            if n == 1:  # a decode token: plain Python, no small numpy arrays (host time per step and sequence)
+                batch["tokens"][off], batch["positions"][off] = entry.token_ids[0], start
+                batch["slot_mapping"][off] = pages[start // ps] * ps + start % ps
+            else:
+                pos = np.arange(start, end, dtype=np.int32)
+                batch["tokens"][off:off + n] = entry.token_ids
+                batch["positions"][off:off + n] = pos
+                batch["slot_mapping"][off:off + n] = np.asarray(pages, np.int32)[pos // ps] * ps + pos % ps
             batch["page_table"][i, :len(pages)] = pages
             batch["query_start"][i], batch["query_len"][i], batch["context_len"][i] = off, n, end
             if self.spec_k:  # the last known token and each draft; unused entries repeat the last one
