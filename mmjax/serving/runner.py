@@ -151,6 +151,10 @@ class ModelRunner:
     served unrolled over per-layer weights unless `serve.unroll_layers` is off (`serving/unroll.py`).
     """
 
+    # whether `_step_fn` returns a third value kept on the device (replicated over a mesh), e.g. DraftRunner's
+    # probabilities
+    step_keeps_output = False
+
     def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int,
                  mesh: jax.sharding.Mesh | None = None, sharding: MeshSharding | None = None) -> None:
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
@@ -198,8 +202,8 @@ class ModelRunner:
         out = None if mesh is None else (rep, pool_sharding)  # (sampled outputs, pools)
         wrap = lambda fn: in_sharding_context(fn, sharding)  # noqa: E731
         # small host inputs in two buffers and the outputs in one (see transfer.py)
-        self._wrap, self._step_out = wrap, out  # a subclass's step built the same way (DraftRunner)
-        self._step = PackedStep(self._step_fn, wrap=wrap, put=self._put, out_shardings=out)
+        self._step = PackedStep(self._step_fn, wrap=wrap, put=self._put,
+                                out_shardings=(*out, rep) if out and self.step_keeps_output else out)
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), out_shardings=pool_sharding)
         # multi-step decode; not with speculative decoding (its steps verify drafts) nor in its draft runner
         self.decode_steps = serve.decode_steps if serve.speculative.method == "none" else 1
@@ -476,6 +480,8 @@ class ModelRunner:
             return {}
         t, s = self.step_shape(out.num_scheduled_tokens, len(out.scheduled))
         batch = self._empty_batch(t, s)
+        if self.spec_draft_probs and draft_probs is not None:
+            batch["draft_bank"] = draft_probs.bank
         rows = None
         ps = self.page_size
         off = 0
@@ -500,7 +506,6 @@ class ModelRunner:
                 batch["num_draft"][i] = d
                 batch["drafts"][i, :d] = entry.token_ids[n - d:]
                 if d and self.spec_draft_probs:  # the drafts' probabilities stay on the device
-                    batch["draft_bank"] = draft_probs.bank
                     batch["draft_rows"][i] = draft_probs.first_row[entry.request_id] + np.arange(self.spec_k)
             else:
                 batch["logits_indices"][i] = off + n - 1

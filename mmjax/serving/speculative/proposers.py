@@ -26,7 +26,6 @@ from mmjax.serving.request import Request, RequestStatus
 from mmjax.serving.runner import ModelRunner
 from mmjax.serving.sampling import SamplingTensors, _row_keys, full_sampler_history
 from mmjax.serving.speculative.verify import processed_probs
-from mmjax.serving.transfer import PackedStep
 
 
 def decoding(request: Request) -> bool:
@@ -118,11 +117,7 @@ class DraftRunner(ModelRunner):
     """A `ModelRunner` over the draft model whose step returns each row's sampled token and keeps on the device
     the probabilities it was drawn from (greedy rows: one-hot at the argmax)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        out = self._step_out  # plus the kept probabilities, replicated like the outputs
-        self._step = PackedStep(self._step_fn, wrap=self._wrap, put=self._put,
-                                out_shardings=None if out is None else (*out, self._replicated))
+    step_keeps_output = True  # the probabilities
 
     def _step_fn(self, state, pools, batch, sampling):
         self.num_compiles += 1
