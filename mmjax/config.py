@@ -174,6 +174,10 @@ class ParallelConfig:
     pipeline_weight_gather: Literal["step", "use"] = "step"
     xla_flags_preset: Literal["none", "gpu_overlap"] = "none"  # gpu_overlap: latency-hiding scheduler, async comms
     xla_flags: str = ""  # extra XLA flags appended to XLA_FLAGS before the backend starts
+    # share of each GPU's memory JAX's allocator takes at start (XLA_CLIENT_MEM_FRACTION; JAX alone takes 0.75;
+    # 0 = JAX's choice). A training process owns its GPUs; the slack keeps steps of several shapes (data.buckets)
+    # from fragmenting the pool. An allocator setting already in the environment wins.
+    gpu_memory_fraction: float = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -659,6 +663,8 @@ def validate(cfg: Config) -> None:
          f"data.image_tiles={d.image_tiles} must be 0 (off) or >= 2 with data.max_images >= "
          f"{1 + max(d.image_tiles, 2) ** 2} (a thumbnail + g x g tile slots per image)")
     p = cfg.parallel
+    need(0.0 <= p.gpu_memory_fraction <= 1.0,
+         f"parallel.gpu_memory_fraction={p.gpu_memory_fraction} must be in (0, 1], or 0 for JAX's default")
     axes = ("data", "fsdp", "pipeline", "sequence", "tensor")
     for key, target in p.rules.items():
         targets = target if isinstance(target, list) else [] if target is None else [target]

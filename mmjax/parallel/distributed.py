@@ -67,6 +67,23 @@ def apply_xla_flags(cfg: Config) -> None:
         log.info("XLA_FLAGS += %s", " ".join(extra))
 
 
+# what JAX reads for its GPU allocator's share of memory (the second is the older spelling; JAX refuses both at once)
+MEM_FRACTION_ENV = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def apply_gpu_memory_fraction(cfg: Config) -> None:
+    """Export `parallel.gpu_memory_fraction` for the allocator (read once, when the backend starts).
+
+    A value already in the environment, or an allocator choice there that does not preallocate, wins."""
+    fraction = cfg.parallel.gpu_memory_fraction
+    if not fraction or any(os.environ.get(k) for k in MEM_FRACTION_ENV):
+        return
+    if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() in ("false", "0"):
+        return
+    os.environ[MEM_FRACTION_ENV[0]] = f"{fraction:g}"
+    log.info("%s=%g (parallel.gpu_memory_fraction)", MEM_FRACTION_ENV[0], fraction)
+
+
 def distributed_args(cfg: Config) -> dict | None:
     """kwargs for `jax.distributed.initialize`, or None for a single-process run."""
     d = cfg.distributed
@@ -96,8 +113,9 @@ def distributed_args(cfg: Config) -> dict | None:
 
 
 def setup_runtime(cfg: Config) -> None:
-    """XLA flags and (if configured) the multi-process runtime; call before any JAX device use."""
+    """XLA flags, the GPU memory share and (if configured) the multi-process runtime; call before any JAX device use."""
     apply_xla_flags(cfg)
+    apply_gpu_memory_fraction(cfg)
     kwargs = distributed_args(cfg)
     if kwargs is None:
         return
