@@ -19,6 +19,8 @@ from mmjax.kernels.norms import layer_norm, rms_norm
 from mmjax.kernels.paged_attention import OP as _PAGED_ATTENTION
 from mmjax.kernels.paged_attention import paged_attention
 from mmjax.kernels.paged_attention import tpu as _paged_tpu  # noqa: F401 - registers the TPU paged impls
+from mmjax.kernels.quant_matmul import OP as _QUANT_MATMUL
+from mmjax.kernels.quant_matmul import quant_matmul
 from mmjax.kernels.ragged_paged_attention import OP as _RAGGED_PAGED_ATTENTION
 from mmjax.kernels.ragged_paged_attention import ragged_paged_attention
 from mmjax.kernels.swiglu import OP as _SWIGLU
@@ -26,8 +28,8 @@ from mmjax.kernels.swiglu import swiglu
 
 __all__ = ["kv_pages", "MeshSharding", "use_sharding", "kv_head_axes", "pool_spec", "attention", "paged_attention",
            "ragged_paged_attention",
-           "linear_cross_entropy", "rms_norm", "layer_norm", "bias_gelu", "swiglu", "OPS"]
+           "linear_cross_entropy", "rms_norm", "layer_norm", "bias_gelu", "swiglu", "quant_matmul", "OPS"]
 
 OPS = {"attention": _ATTENTION, "paged_attention": _PAGED_ATTENTION,
        "ragged_paged_attention": _RAGGED_PAGED_ATTENTION, "cross_entropy": _CROSS_ENTROPY,
-       "norm": _NORM, "bias_gelu": _BIAS_GELU, "swiglu": _SWIGLU}
+       "norm": _NORM, "bias_gelu": _BIAS_GELU, "swiglu": _SWIGLU, "quant_matmul": _QUANT_MATMUL}

@@ -6,7 +6,9 @@ stored integers / fp8 values converted to the compute dtype and the per-channel 
 float32 result (an epilogue XLA fuses), so no dequantized copy of the weight is materialised for per-channel
 schemes. Schemes:
 
-* `int8`: symmetric, one scale per output channel: |w - dequant(w)| <= amax_channel / 254.
+* `int8`: symmetric, one scale per output channel: |w - dequant(w)| <= amax_channel / 254. A decode-sized
+  step (<= `KERNEL_MAX_ROWS` tokens) on a GPU runs `kernels.quant_matmul`'s Pallas kernel instead of XLA's
+  fusion: it reads the int8 weight once and dequantizes in registers (XLA's reads it well below copy speed).
 * `fp8`: float8_e4m3fn, one scale per output channel (amax maps to 448): |w - dequant(w)| <= max(|w| / 16,
   scale / 1024) (3 mantissa bits; the second term covers subnormals). With `act_fp8` the activations are cast
   to e4m3 too, with one scale per token, and the dot is fp8 x fp8 with a float32 result (sm89+/sm90 tensor
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.errors import ConfigError
+from mmjax.kernels.quant_matmul import quant_matmul, quant_matmul_supported
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
@@ -134,5 +137,30 @@ def _einsum(w: QuantizedWeight, spec: str, x: jax.Array, dtype) -> jax.Array:
         x_out = "".join(c for c in xs if c not in contracted)
         sx = _to_output(sx.reshape([n for i, n in enumerate(sx.shape) if i not in x_axes]), x_out, out)
         return (y * sx * w_scale).astype(dtype)
+    if w.scheme == "int8" and (y := _kernel_matmul(w, xs, contracted, w_out, out, x, dtype)) is not None:
+        return y
     y = jnp.einsum(spec, x.astype(dtype), w.q.astype(dtype), preferred_element_type=jnp.float32)
     return (y * w_scale).astype(dtype)
+
+
+KERNEL_MAX_ROWS = 64  # decode-sized steps; a prefill's wide dot is compute-bound and stays with XLA
+
+
+def _kernel_matmul(w: QuantizedWeight, xs: str, contracted: str, w_out: str, out: str, x: jax.Array,
+                   dtype) -> jax.Array | None:
+    """The fused weight-only kernel (`kernels.quant_matmul`) where the einsum is a plain [M, K] x [K, N]
+    matmul (x ends with the contracted axes, the output is x's other axes then the weight's) and the kernel
+    can run here; None leaves the einsum to XLA."""
+    x_lead = xs[:len(xs) - len(contracted)]
+    if not xs.endswith(contracted) or out != x_lead + w_out:
+        return None
+    k = math.prod(w.q.shape[:w.n_contract])
+    out_shape = w.q.shape[w.n_contract:]
+    x2 = x.astype(dtype).reshape(-1, k)
+    if x2.shape[0] > KERNEL_MAX_ROWS:
+        return None
+    q2, scale = w.q.reshape(k, -1), w.scale.reshape(-1)
+    if quant_matmul_supported(x2, q2, scale, group=0, bits=8) is not None:
+        return None
+    y = quant_matmul(x2, q2, scale, group=0, bits=8)
+    return y.reshape(*x.shape[:len(x_lead)], *out_shape).astype(dtype)

@@ -48,11 +48,12 @@ def softmax_carry(rows: int, d: int):
     return jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), MASK, jnp.float32), jnp.zeros((rows,), jnp.float32)
 
 
-def online_softmax_step(carry, s, v, valid):
+def online_softmax_step(carry, s, v, valid, v_scale=None):
     """Fold one key block into the online softmax: scores `s` [rows, bk] (float32), values `v` [bk, d].
 
     Keys outside `valid` add nothing, also to a row that has had no valid key yet (its max is still MASK).
-    Shared by the paged kernels (decode and ragged).
+    `v_scale` [bk] (a quantized pool's per-key value scales) weighs the probabilities instead of the values:
+    a [rows, bk] multiply in place of dequantizing the [bk, d] tile. Shared by the paged kernels.
     """
     o, m, l = carry
     s = jnp.where(valid, s, MASK)
@@ -60,7 +61,8 @@ def online_softmax_step(carry, s, v, valid):
     alpha = jnp.exp(m - m_new)
     p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
     l = l * alpha + jnp.sum(p, axis=1)
-    o = o * alpha[:, None] + _dot(p.astype(v.dtype), v).astype(jnp.float32)
+    pv = p if v_scale is None else p * v_scale[None, :]
+    o = o * alpha[:, None] + _dot(pv.astype(v.dtype), v).astype(jnp.float32)
     return o, m_new, l
 
 

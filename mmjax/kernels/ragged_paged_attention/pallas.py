@@ -75,17 +75,22 @@ def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_block
         pages = base + pt_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
         k = k_ref[pages].reshape(bk, d)
         v = v_ref[pages].reshape(bk, d)
-        if has_scales:  # a quantized pool: dequantize this key tile only
-            k = (k.astype(jnp.float32) * ks_ref[pages].reshape(bk, 1)).astype(q.dtype)
-            v = (v.astype(jnp.float32) * vs_ref[pages].reshape(bk, 1)).astype(q.dtype)
-        s = _dot(q, k, trans_b=True).astype(jnp.float32) * scale
         kpos = j * bk + jnp.arange(bk, dtype=jnp.int32)
+        v_scale = None
+        if has_scales:  # a quantized pool: its int8 / e4m3 values are exact in q's dtype (converted through
+            # float32, the conversion the GPU kernel has run); the per-key scales weigh the scores and the
+            # probabilities instead of the [bk, d] tiles
+            k, v = k.astype(jnp.float32).astype(q.dtype), v.astype(jnp.float32).astype(q.dtype)
+            k_scale = ks_ref[pages].reshape(bk) * scale
+            v_scale = jnp.where(kpos < ctx, vs_ref[pages].reshape(bk), 0.0)  # a stale slot's scale adds nothing
+        s = _dot(q, k, trans_b=True).astype(jnp.float32)
+        s = s * (k_scale[None, :] if has_scales else scale)
         ok = kpos[None, :] <= qpos[:, None]
         if has_blocks:
             kblk = kvblk_ref[seq, pl.ds(j * bk, bk)]
             ok = ok | ((kblk[None, :] == qblk[:, None]) & (qblk[:, None] != 0))
         ok = ok & (kpos < ctx)[None, :]
-        return online_softmax_step(carry, s, v, ok)
+        return online_softmax_step(carry, s, v, ok, v_scale)
 
     n_blocks = (hi + bk - 1) // bk
     if kv_splits == 1:

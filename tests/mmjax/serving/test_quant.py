@@ -178,3 +178,27 @@ def test_fp8_matmul_on_gpu(quant):
     state = quantize_state(quant["state"], "fp8")
     assert state["decoder"]["layers"]["qkv"][...].act_fp8
     assert np.abs(np.asarray(quant["fwd"](state)) - quant["ref"]).max() < LOGIT_TOL["fp8_act"]
+
+
+@pytest.mark.parametrize("spec,w_shape,n_contract,x_shape", [("bse,ecm->bscm", (128, 2, 64), 1, (3, 1, 128)),
+                                                             ("bshd,hde->bse", (4, 32, 128), 2, (2, 5, 4, 32))])
+def test_int8_decode_matmul_takes_the_fused_kernel_on_a_gpu(spec, w_shape, n_contract, x_shape):
+    """A decode-sized int8 matmul on a GPU (assumed here; the Pallas kernel runs in interpret mode) goes to
+    `kernels.quant_matmul` and gives XLA's fusion's result; a prefill-sized one (> KERNEL_MAX_ROWS tokens)
+    stays with XLA, as does everything on a CPU."""
+    from mmjax.kernels import _dispatch
+    from mmjax.quant.weights import KERNEL_MAX_ROWS
+
+    rng = np.random.default_rng(3)
+    w = quantize(jnp.asarray(rng.standard_normal(w_shape), jnp.float32), "int8", n_contract=n_contract)
+    x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
+    wide = jnp.asarray(rng.standard_normal((1, KERNEL_MAX_ROWS + 1, *x_shape[2:])), jnp.float32)
+    run = lambda x: w.quantized_einsum(spec, x, jnp.float32)  # noqa: E731
+    # a fresh function per trace: tracing caches by function, and the dispatch context is not in its key
+    uses_kernel = lambda x: "pallas_call" in str(jax.make_jaxpr(lambda x: run(x))(x))  # noqa: E731
+    want = np.asarray(run(x))
+    assert not uses_kernel(x)
+    with _dispatch.assume_platform("gpu", (9, 0)):
+        assert uses_kernel(x) and not uses_kernel(wide)
+        got = np.asarray(run(x))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)

@@ -1,0 +1,249 @@
+"""Weight-only quantized matmul y = x @ dequant(q) in Pallas (Triton lowering, sm80+), for decode-sized M.
+
+Why: a decode step is memory-bound, and XLA reads int8 weights well below copy speed and int4 ones slower
+than bf16 (it materialises the dequantized weight). Here each weight byte is read once and dequantized in
+registers: the q tile is converted to x's dtype in front of a tensor-core dot with float32 accumulation.
+
+* int8, per output channel (group 0): acc += dot(x_tile, q_tile); the [N] scale multiplies the float32
+  accumulator once at the end.
+* per group (int4's 128, or int8 with groups): every group's partial dot is scaled by scale[g, n-tile] and
+  added, so the scales never touch the weight tile.
+* int4: packed two per byte in `pack.py`'s layout; a 128-row pack block is one [64, BN] load, unpacked with
+  two arithmetic shifts into its two contiguous 64-row halves.
+
+Grid (M blocks, N blocks, K splits). M is padded to a power of two >= 16 (Triton's smallest dot) and at most
+`block_m`. With k_splits > 1 each program walks K / k_splits rows and writes float32 partials
+[k_splits, M, N] that are summed afterwards: small N (2048, 3072) then still gives enough programs for the
+132 SMs of an H100. A `layer` index reads one layer of stacked weights [L, K, N] where they lie, so a
+scanned decoder's layer loop slices no weight (a slice feeding a custom call is a copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from mmjax.kernels._dispatch import interpret as _interpret_default
+from mmjax.kernels._rows import compiler_params, next_pow2
+from mmjax.kernels.attention.flash_pallas import _dot
+from mmjax.kernels.quant_matmul.pack import HALF, PACK_BLOCK
+
+MIN_M = 16          # rows of Triton's smallest dot tile: M is padded up to it
+TARGET_PROGRAMS = 132  # at least one program per SM of an H100 (132) before splitting K further
+PARTIAL_SHARE = 0.5    # split-K partials ([k_splits, M, N] float32) stay under this share of the weight bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Launch shape: rows of M / columns of N / rows of K per tile, K splits, Triton warps and stages."""
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 128
+    k_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def default_tiling(bits: int, m: int, k: int, n: int, group: int = 0) -> Tiling:
+    """The default launch shape for (bits, M, K, N); to be confirmed by `sweep.py` on the GPU.
+
+    N tiles of 128 (a 128-byte line of int8 or packed int4 per weight row), K tiles of 128 rows for int8 and
+    256 for int4 (16 KiB of weight bytes per step either way), M tiles up to 64. Then, until there are
+    `TARGET_PROGRAMS` programs: split K in powers of two while the float32 partials stay below `PARTIAL_SHARE`
+    of the weight bytes, then narrow the N tiles down to 32 (shorter contiguous row segments)."""
+    block_m = min(next_pow2(max(m, MIN_M)), 64)
+    block_n = next((b for b in (128, 64, 32, 16) if n % b == 0), 128)
+    if bits == 4:
+        block_k = next((b for b in (256, 128) if k % b == 0 and _group_fits(b, group, bits)), 256)
+    else:
+        block_k = next((b for b in (128, 64, 32, 16) if k % b == 0 and _group_fits(b, group, bits)), 128)
+    m_blocks = -(-m // block_m)
+    programs = lambda: m_blocks * max(1, n // block_n) * k_splits  # noqa: E731
+    k_splits = 1
+    while (programs() < TARGET_PROGRAMS and k % (2 * k_splits * block_k) == 0
+           and 2 * k_splits * m_blocks * block_m * 4 <= PARTIAL_SHARE * k * bits / 8):
+        k_splits *= 2
+    while programs() < TARGET_PROGRAMS and block_n > 32 and n % (block_n // 2) == 0:
+        block_n //= 2
+    return Tiling(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits)
+
+
+def _group_fits(block_k: int, group: int, bits: int) -> bool:
+    """Whether a K tile of block_k rows can scale groups of `group` rows: one tile within one group, or whole
+    groups per tile made of pieces (int8: the group itself, >= 16 rows; int4: 64-row nibble halves)."""
+    if group == 0:
+        return True
+    piece = HALF if bits == 4 else 16
+    if group % piece:
+        return False
+    return group % block_k == 0 or block_k % group == 0
+
+
+def shape_problem(x_shape: tuple[int, ...], w_shape: tuple[int, ...], scale_shape: tuple[int, ...], *, group: int,
+                  bits: int, stacked: bool = False) -> str | None:
+    """Why these shapes are not a valid quantized matmul (any implementation), or None."""
+    if bits not in (4, 8):
+        return f"bits must be 4 or 8, got {bits}"
+    lead = 1 if stacked else 0
+    if len(x_shape) != 2 or len(w_shape) != 2 + lead:
+        return (f"x must be [M, K] and the weight [{'L, ' if stacked else ''}K{' // 2' if bits == 4 else ''}, N]; "
+                f"got x {tuple(x_shape)}, weight {tuple(w_shape)}")
+    m, k = x_shape
+    kw, n = w_shape[lead:]
+    want_kw = k // 2 if bits == 4 else k
+    if bits == 4 and k % PACK_BLOCK:
+        return f"int4 needs K a multiple of the pack block {PACK_BLOCK}; x {tuple(x_shape)} has K={k}"
+    if kw != want_kw:
+        return (f"weight {tuple(w_shape)} does not match x {tuple(x_shape)}: want {want_kw} rows "
+                f"({'K // 2 packed int4' if bits == 4 else 'K'})")
+    if group < 0 or (group and k % group):
+        return f"group {group} must be 0 (per channel) or divide K={k} (x {tuple(x_shape)})"
+    want_s = (n,) if group == 0 else (k // group, n)
+    want_s = (*w_shape[:lead], *want_s)
+    if tuple(scale_shape) != want_s:
+        return f"scale must have shape {want_s} for weight {tuple(w_shape)} and group {group}, got {tuple(scale_shape)}"
+    return None
+
+
+def tiling_problem(m: int, k: int, n: int, *, bits: int, group: int, tiling: Tiling) -> str | None:
+    """Why the kernel cannot run [M, K] x [K, N] with `tiling` (Triton tiles are powers of two), or None."""
+    t = tiling
+    shape = f"x [{m}, {k}], weight [{k}, {n}] (bits={bits}, group={group})"
+    if not (_pow2(t.block_m) and t.block_m >= MIN_M):
+        return f"block_m={t.block_m} must be a power of two >= {MIN_M}"
+    if not (_pow2(t.block_n) and t.block_n >= 16) or n % t.block_n:
+        return f"N={n} of {shape} needs a power-of-two block_n >= 16 that divides it, got block_n={t.block_n}"
+    if not (_pow2(t.block_k) and t.block_k >= 16) or (bits == 4 and t.block_k % PACK_BLOCK):
+        need = f"a multiple of the pack block {PACK_BLOCK}" if bits == 4 else ">= 16"
+        return f"block_k={t.block_k} must be a power of two {need}"
+    if t.k_splits < 1 or k % (t.k_splits * t.block_k):
+        return f"K={k} of {shape} must be a multiple of k_splits * block_k = {t.k_splits} * {t.block_k}"
+    if not _group_fits(t.block_k, group, bits):
+        piece = HALF if bits == 4 else 16
+        return (f"group={group} of {shape} must be a multiple of {piece} and divide or be divided by "
+                f"block_k={t.block_k}")
+    return None
+
+
+def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, bits: int, group: int, block_k: int, steps: int,
+            k: int, split: bool):
+    """One (M block, N block, K split) program: walk `steps` K tiles, dequantizing each weight tile in registers."""
+    layer = layer_ref[0]
+    dt = x_ref.dtype
+    bm, bn = o_ref.shape[-2:]
+    w_base = layer * (k // 2 if bits == 4 else k)    # first weight row of this layer in the flat [L * rows, N]
+    groups = k // group if group else 1
+    first = pl.program_id(2) * steps                  # first K tile of this split
+
+    def pieces(t):
+        """(row offset in the tile, float32 partial dot) of K tile t, cut where a scale group or nibble half ends."""
+        start = t * block_k
+        if bits == 8:
+            chunk = group if 0 < group < block_k else block_k
+            return [(c, _dot(x_ref[:, pl.ds(start + c, chunk)],
+                             w_ref[pl.ds(w_base + start + c, chunk), :].astype(dt)))
+                    for c in range(0, block_k, chunk)]
+        out = []
+        for c in range(0, block_k, PACK_BLOCK):
+            p = w_ref[pl.ds(w_base + t * (block_k // 2) + c // 2, HALF), :]
+            lo = ((p << 4) >> 4).astype(dt)            # rows c .. c + 63 of the tile, sign-extended
+            hi = (p >> 4).astype(dt)                   # rows c + 64 .. c + 127
+            out.append((c, _dot(x_ref[:, pl.ds(start + c, HALF)], lo)))
+            out.append((c + HALF, _dot(x_ref[:, pl.ds(start + c + HALF, HALF)], hi)))
+        return out
+
+    def step(i, acc):
+        t = first + i
+        parts = pieces(t)
+        if group == 0:
+            for _, part in parts:
+                acc = acc + part
+            return acc
+        by_group: dict[int, jax.Array] = {}
+        for off, part in parts:                       # sum the pieces of one group before scaling
+            rel = off // group if group < block_k else 0
+            by_group[rel] = part if rel not in by_group else by_group[rel] + part
+        if group < block_k:
+            g0 = t * (block_k // group)
+        else:
+            g0 = lax.div(t, group // block_k)          # t >= 0: truncation is floor
+        for rel, part in by_group.items():
+            s = s_ref[pl.ds(layer * groups + g0 + rel, 1), :]   # [1, BN] float32
+            acc = acc + part * s
+        return acc
+
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
+    if group == 0:
+        acc = acc * s_ref[pl.ds(layer, 1), :]
+    o_ref[...] = acc if split else acc.astype(o_ref.dtype)
+
+
+def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bits: int,
+                 layer: jax.Array | int | None = None, interpret: bool | None = None, block_m: int | None = None,
+                 block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
+    """x [M, K] @ dequant(w) -> [M, N] in x's dtype.
+
+    w: int8 [K, N] (bits=8) or `pack_int4`-packed int8 [K // 2, N] (bits=4); scale float32 [N] (group 0) or
+    [K // group, N]. With `layer` (int or int32 scalar), w and scale carry a leading layers axis and that
+    layer is read in place. Tiling arguments left None take `default_tiling`; `interpret` None means
+    interpret mode when compiling for the CPU (tests). Raises ValueError naming the shapes it cannot take."""
+    stacked = layer is not None
+    problem = shape_problem(x.shape, w.shape, scale.shape, group=group, bits=bits, stacked=stacked)
+    if problem is not None:
+        raise ValueError(f"quant_matmul: {problem}")
+    if not jnp.issubdtype(x.dtype, jnp.floating) or w.dtype != jnp.int8:
+        raise ValueError(f"quant_matmul: x must be floating and the weight int8, got x {x.dtype}, weight {w.dtype}")
+    m, k = x.shape
+    n = w.shape[-1]
+    d = default_tiling(bits, m, k, n, group)
+    given = dict(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
+                 num_stages=num_stages)
+    t = dataclasses.replace(d, **{key: v for key, v in given.items() if v is not None})
+    bm = min(next_pow2(max(m, MIN_M)), t.block_m)
+    t = dataclasses.replace(t, block_m=bm)
+    problem = tiling_problem(m, k, n, bits=bits, group=group, tiling=t)
+    if problem is not None:
+        raise ValueError(f"quant_matmul: {problem}")
+
+    if not stacked:
+        w, scale = w[None], scale[None]
+    n_layers = w.shape[0]
+    rows = w.shape[1]
+    w = w.reshape(n_layers * rows, n)                    # free reshapes: the kernel offsets rows by layer
+    scale = scale.astype(jnp.float32).reshape(-1, n)     # [L, N] per channel, [L * groups, N] per group
+    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    m_pad = -(-m // bm) * bm
+    xp = x if m_pad == m else jnp.pad(x, ((0, m_pad - m), (0, 0)))
+    split = t.k_splits > 1
+    steps = k // (t.k_splits * t.block_k)
+    grid = (m_pad // bm, n // t.block_n, t.k_splits)
+    bn = t.block_n
+    in_specs = [pl.BlockSpec((1,), lambda i, j, s: (0,)),
+                pl.BlockSpec((bm, k), lambda i, j, s: (i, 0)),
+                pl.BlockSpec((w.shape[0], bn), lambda i, j, s: (0, j)),
+                pl.BlockSpec((scale.shape[0], bn), lambda i, j, s: (0, j))]
+    if split:
+        out_specs = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
+        out_shape = jax.ShapeDtypeStruct((t.k_splits, m_pad, n), jnp.float32)
+    else:
+        out_specs = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
+        out_shape = jax.ShapeDtypeStruct((m_pad, n), x.dtype)
+    kernel = functools.partial(_kernel, bits=bits, group=group, block_k=t.block_k, steps=steps, k=k, split=split)
+    out = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                         interpret=_interpret_default() if interpret is None else interpret,
+                         compiler_params=compiler_params(t.num_warps, t.num_stages),
+                         name=f"mmjax_quant_matmul_int{bits}")(layer_arr, xp, w, scale)
+    if split:
+        out = jnp.sum(out, axis=0).astype(x.dtype)
+    return out[:m]

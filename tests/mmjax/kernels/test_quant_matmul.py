@@ -1,0 +1,149 @@
+"""`kernels.quant_matmul`: the Pallas kernel (interpret mode on CPU) against the jnp reference, int4 packing,
+shape errors and dispatch. Small shapes; the real decode shapes run on the GPU (`-m gpu`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mmjax.kernels.quant_matmul import (
+    OP,
+    pack_int4,
+    quant_matmul,
+    quant_matmul_reference,
+    quant_matmul_supported,
+    unpack_int4,
+)
+from mmjax.kernels.quant_matmul import kernel as qk
+
+
+def make_case(m: int, k: int, n: int, *, bits: int, group: int, dtype, seed: int = 0, layers: int | None = None):
+    """x, unpacked q values, scale (with a leading layers axis when `layers` is given)."""
+    rng = np.random.default_rng(seed)
+    lead = () if layers is None else (layers,)
+    qmax = 7 if bits == 4 else 127
+    q = rng.integers(-qmax, qmax + 1, size=(*lead, k, n)).astype(np.int8)
+    s_shape = (*lead, n) if group == 0 else (*lead, k // group, n)
+    scale = (rng.random(s_shape, dtype=np.float32) + 0.5) / qmax
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    return x, jnp.asarray(q), jnp.asarray(scale)
+
+
+def _close(got, want, dtype):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    # bf16: the kernel rounds x * q products into the dot at bf16 weight precision (exact for |q| <= 127
+    # times a bf16 x) and the output once; tolerances cover one bf16 rounding of |y| ~ sqrt(K)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1.0, float(np.abs(want).max())))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m", [1, 5, 16, 20])
+@pytest.mark.parametrize("bits,group,k_splits", [(8, 0, 1), (8, 0, 2), (4, 128, 1), (4, 128, 2)])
+def test_kernel_matches_reference(dtype, m, bits, group, k_splits):
+    k, n = 512, 64
+    x, q, scale = make_case(m, k, n, bits=bits, group=group, dtype=dtype, seed=m)
+    w = pack_int4(q) if bits == 4 else q
+    got = qk.quant_matmul(x, w, scale, group=group, bits=bits, interpret=True, block_n=32, k_splits=k_splits,
+                          block_k=128)
+    assert got.shape == (m, n) and got.dtype == dtype
+    _close(got, quant_matmul_reference(x, q, scale, group=group), dtype)
+
+
+@pytest.mark.parametrize("bits,group,block_k", [(8, 32, 128), (8, 256, 128), (4, 64, 256), (4, 256, 128),
+                                                (4, 0, 256)])
+def test_kernel_groups_and_tiles(bits, group, block_k):
+    """Groups smaller than, equal to and larger than the K tile (int8 with groups, int4 per channel)."""
+    x, q, scale = make_case(3, 512, 32, bits=bits, group=group, dtype=jnp.float32, seed=group)
+    w = pack_int4(q) if bits == 4 else q
+    got = qk.quant_matmul(x, w, scale, group=group, bits=bits, interpret=True, block_n=16, block_k=block_k,
+                          k_splits=2)
+    _close(got, quant_matmul_reference(x, q, scale, group=group), jnp.float32)
+
+
+def test_default_tiling_and_stacked_layer():
+    """Default tiles, and one layer of a stacked [L, K // 2, N] weight read in place under jit."""
+    x, q, scale = make_case(2, 256, 48, bits=4, group=128, dtype=jnp.float32, layers=3)
+    w = jnp.stack([pack_int4(q[i]) for i in range(3)])
+    run = jax.jit(lambda x, w, s, i: qk.quant_matmul(x, w, s, group=128, bits=4, layer=i, interpret=True))
+    for i in (0, 2):
+        _close(run(x, w, scale, jnp.int32(i)), quant_matmul_reference(x, q[i], scale[i], group=128), jnp.float32)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m", [1, 32, 64])
+def test_default_tiling_fills_the_gpu(bits, m):
+    """The 1.24B decoder's decode shapes get valid tiles and, through K splits and narrower N tiles, about a
+    program per SM (at M = 64 the partials' cap may leave fewer, never below half)."""
+    group = 128 if bits == 4 else 0
+    for k, n in ((2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048)):
+        t = qk.default_tiling(bits, m, k, n, group)
+        assert qk.tiling_problem(m, k, n, bits=bits, group=group, tiling=t) is None
+        programs = -(-m // t.block_m) * (n // t.block_n) * t.k_splits
+        assert programs >= (qk.TARGET_PROGRAMS if m <= 32 else qk.TARGET_PROGRAMS // 2), (k, n, t)
+
+
+def test_pack_roundtrip_and_layout():
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.integers(-8, 8, size=(256, 5)), jnp.int8)
+    p = pack_int4(q)
+    assert p.shape == (128, 5) and p.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(unpack_int4(p)), np.asarray(q))
+    # row r < 64 of a block: low nibble = row r, high nibble = row r + 64 (second block starts at packed row 64)
+    b = np.asarray(p).astype(np.uint8)
+    np.testing.assert_array_equal(b[70] & 0xF, np.asarray(q)[128 + 6].astype(np.uint8) & 0xF)
+    np.testing.assert_array_equal(b[70] >> 4, np.asarray(q)[128 + 64 + 6].astype(np.uint8) & 0xF)
+    with pytest.raises(ValueError, match=r"\(100, 5\)"):
+        pack_int4(jnp.zeros((100, 5), jnp.int8))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(n=40, block_n=32), r"N=40 of x \[4, 256\], weight \[256, 40\]"),
+    (dict(k_splits=4, block_k=128), r"K=256 of x \[4, 256\].*k_splits \* block_k = 4 \* 128"),
+])
+def test_kernel_rejects_bad_tiling(bad, match):
+    n = bad.pop("n", 32)
+    x, q, scale = make_case(4, 256, n, bits=8, group=0, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        qk.quant_matmul(x, q, scale, group=0, bits=8, interpret=True, **bad)
+
+
+def test_shape_errors_name_the_shapes():
+    x, q, scale = make_case(4, 256, 32, bits=8, group=0, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"weight \(256, 32\) does not match x \(4, 256\)"):
+        quant_matmul(x, q, scale, bits=4, group=128)   # unpacked int4
+    with pytest.raises(ValueError, match=r"scale must have shape \(2, 32\)"):
+        quant_matmul(x, q, scale, bits=8, group=128)
+    with pytest.raises(ValueError, match=r"pack block 128; x \(4, 192\)"):
+        quant_matmul(jnp.zeros((4, 192)), jnp.zeros((96, 32), jnp.int8), jnp.zeros((3, 32)), bits=4, group=64)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dispatch_on_cpu_uses_the_reference(bits):
+    group = 128 if bits == 4 else 0
+    x, q, scale = make_case(6, 256, 32, bits=bits, group=group, dtype=jnp.bfloat16)
+    w = pack_int4(q) if bits == 4 else q
+    assert "interpret" in quant_matmul_supported(x, w, scale, group=group, bits=bits)
+    x3 = x.reshape(2, 3, 256)
+    got = quant_matmul(x3, w, scale, group=group, bits=bits)
+    want = quant_matmul_reference(x, q, scale, group=group).reshape(2, 3, 32)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    # named explicitly, the kernel runs in interpret mode
+    _close(quant_matmul(x3, w, scale, group=group, bits=bits, impl="pallas"), want, jnp.bfloat16)
+    assert OP.available() == ["pallas", "xla"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m", [1, 32, 64])
+@pytest.mark.parametrize("k,n", [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048)])
+def test_kernel_gpu_decode_shapes(bits, m, k, n):
+    """The 1.24B decoder's decode shapes in bf16 with the default tiling on the GPU."""
+    group = 128 if bits == 4 else 0
+    x, q, scale = make_case(m, k, n, bits=bits, group=group, dtype=jnp.bfloat16)
+    w = pack_int4(q) if bits == 4 else q
+    assert quant_matmul_supported(x, w, scale, group=group, bits=bits) is None
+    _close(quant_matmul(x, w, scale, group=group, bits=bits), quant_matmul_reference(x, q, scale, group=group),
+           jnp.bfloat16)
