@@ -8,8 +8,8 @@ Shapes are the 1.24B Llama decoder's (K, N): qkv (2048, 3072), out (2048, 2048),
 Timing: each configuration runs in one jitted loop over `sets` stacked weight sets, read in place through
 the kernel's `layer` index (the scanned decoder's pattern), with enough sets that their bytes exceed the L2
 cache (50 MB) several times over, so repeats come from HBM. The loop body makes `--unroll` (16) matmul calls:
-on an H100 (jax 0.11.2) a while-loop iteration cost ~15 us, more than a whole 4 MB matmul, and one call per
-iteration measured that floor for every implementation. After warm-up (GPU clocks ramp up), batches of
+on an H100 a while-loop iteration cost more than a whole 4 MB matmul (docs/perf/quantization.md), and one
+call per iteration measured that floor for every implementation. After warm-up (GPU clocks ramp up), batches of
 back-to-back calls are timed between device syncs; a row reports the median batch's microseconds per matmul
 (launch gaps and the loop's share included, as in a decode step) and GB/s of weight bytes (q at its nominal
 width, int4 = half a byte, plus the float32 scales). Rows: every kernel tiling (a failure to compile is
