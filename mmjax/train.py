@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from mmjax.parallel.distributed import setup_runtime
 
     try:
-        setup_runtime(cfg)  # XLA flags and jax.distributed, before the backend starts
+        setup_runtime(cfg)  # XLA flags, GPU memory share, jax.distributed: before the backend starts
         log_to_file(Path(cfg.train.output_dir) / log_file_name())
         result = Trainer(cfg).run()
     except ConfigError as e:

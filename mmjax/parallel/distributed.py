@@ -74,7 +74,7 @@ MEM_FRACTION_ENV = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 def apply_gpu_memory_fraction(cfg: Config) -> None:
     """Export `parallel.gpu_memory_fraction` for the allocator (read once, when the backend starts).
 
-    A value already in the environment, or an allocator choice there that does not preallocate, wins."""
+    A share already in the environment, or `XLA_PYTHON_CLIENT_PREALLOCATE=false` there, wins."""
     fraction = cfg.parallel.gpu_memory_fraction
     if not fraction or any(os.environ.get(k) for k in MEM_FRACTION_ENV):
         return
@@ -112,10 +112,15 @@ def distributed_args(cfg: Config) -> dict | None:
     return kwargs
 
 
-def setup_runtime(cfg: Config) -> None:
-    """XLA flags, the GPU memory share and (if configured) the multi-process runtime; call before any JAX device use."""
+def configure_backend(cfg: Config) -> None:
+    """The environment the backend reads when it starts: XLA flags and the GPU memory share."""
     apply_xla_flags(cfg)
     apply_gpu_memory_fraction(cfg)
+
+
+def setup_runtime(cfg: Config) -> None:
+    """`configure_backend` and (if configured) the multi-process runtime; call before any JAX device use."""
+    configure_backend(cfg)
     kwargs = distributed_args(cfg)
     if kwargs is None:
         return

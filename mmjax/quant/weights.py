@@ -161,6 +161,6 @@ def _kernel_matmul(w: QuantizedWeight, xs: str, contracted: str, w_out: str, out
         return None
     q2, scale = w.q.reshape(k, -1), w.scale.reshape(-1)
     if quant_matmul_supported(x2, q2, scale, group=0, bits=8) is not None:
-        return None
-    y = quant_matmul(x2, q2, scale, group=0, bits=8)
+        return None  # elsewhere XLA's fusion, not the op's own reference
+    y = quant_matmul(x2, q2, scale, group=0, bits=8, impl="pallas")
     return y.reshape(*x.shape[:len(x_lead)], *out_shape).astype(dtype)

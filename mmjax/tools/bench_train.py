@@ -22,7 +22,7 @@ from mmjax.config import Config, load_config
 from mmjax.engine.bench import format_result, run_with_remat_fallback
 from mmjax.engine.convert.hf import text_config_to_hf
 from mmjax.engine.peer_process import run_peer_process
-from mmjax.parallel.distributed import apply_gpu_memory_fraction, apply_xla_flags
+from mmjax.parallel.distributed import configure_backend
 
 PEERS = {"hf-torch-compile": True, "hf-torch-eager": False}  # peer name -> torch.compile on
 
@@ -65,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = list(args.overrides) + (["model.text_only=true"] if args.text_only else [])
     cfg = load_config(args.config, overrides)
-    apply_xla_flags(cfg)  # as `mmjax.train` does, before the backend starts
-    apply_gpu_memory_fraction(cfg)
+    configure_backend(cfg)  # as `mmjax.train` does, before the backend starts
     remats = tuple(r for r in args.remat.split(",") if r) or (cfg.model.remat,)
     out = Path(args.out)
     stem = args.name or f"train_{'decoder' if cfg.model.text_only else 'mllm'}_{datetime.date.today()}"

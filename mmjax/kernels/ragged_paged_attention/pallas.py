@@ -82,7 +82,7 @@ def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_block
             # probabilities instead of the [bk, d] tiles
             k, v = k.astype(jnp.float32).astype(q.dtype), v.astype(jnp.float32).astype(q.dtype)
             k_scale = ks_ref[pages].reshape(bk) * scale
-            v_scale = jnp.where(kpos < ctx, vs_ref[pages].reshape(bk), 0.0)  # a stale slot's scale adds nothing
+            v_scale = vs_ref[pages].reshape(bk)  # keys outside the mask get probability 0 (scales are finite)
         s = _dot(q, k, trans_b=True).astype(jnp.float32)
         s = s * (k_scale[None, :] if has_scales else scale)
         ok = kpos[None, :] <= qpos[:, None]
