@@ -1,8 +1,9 @@
 """Save and load a pre-quantized serving model: `config.yaml`, `weights.npz` and `quant.json` in one folder.
 
 The state is stored as served (int8 / e4m3 / int4 values with their scales), so loading needs neither the float
-checkpoint nor the conversion. e4m3 values are stored as their uint8 bit patterns and int4 as int8 (numpy has
-no such dtypes); `quant.json` records each quantized parameter's scheme and layout and the image token id.
+checkpoint nor the conversion. e4m3 values are stored as their uint8 bit patterns, packed int4 as its int8 bytes
+and unpacked int4 as one int8 per value (numpy has no such dtypes); `quant.json` records each quantized
+parameter's scheme and layout and the image token id.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def save_quantized(folder: str | os.PathLike, cfg: Config, model: Any) -> Path:
         if isinstance(value, QuantizedWeight):
             arrays[f"{name}/q"], arrays[f"{name}/scale"] = _to_numpy(value.q), np.asarray(value.scale)
             layout[name] = dict(scheme=value.scheme, n_contract=value.n_contract, n_out=value.n_out,
-                                group=value.group, act_fp8=value.act_fp8)
+                                group=value.group, act_fp8=value.act_fp8, contract_shape=list(value.contract_shape))
         else:
             arrays[name] = _to_numpy(value)
     np.savez(folder / "weights.npz", **arrays)
@@ -78,10 +79,10 @@ def load_quantized(folder: str | os.PathLike, overrides: tuple[str, ...] = ()) -
             return var
         name = _name(path)
         if name in layout:
-            lay = layout[name]
+            lay = {**layout[name], "contract_shape": tuple(layout[name].get("contract_shape", ()))}
             q = jnp.asarray(arrays[f"{name}/q"])
             q = jax.lax.bitcast_convert_type(q, FP8) if lay["scheme"] == "fp8" else q
-            q = q.astype(jnp.int4) if lay["scheme"] == "int4" else q
+            q = q.astype(jnp.int4) if lay["scheme"] == "int4" and not lay["contract_shape"] else q
             return var.replace(value=QuantizedWeight(q, jnp.asarray(arrays[f"{name}/scale"]), **lay))
         if name not in arrays:
             raise CheckpointError(f"{folder}: weights.npz lacks {name}, which the model config needs")

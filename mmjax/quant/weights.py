@@ -14,9 +14,11 @@ schemes. Schemes:
   to e4m3 too, with one scale per token, and the dot is fp8 x fp8 with a float32 result (sm89+/sm90 tensor
   cores); otherwise the weight is upcast to the compute dtype at the dot (weight-only).
 * `int4`: symmetric, values in [-7, 7], one scale per group of `group` (128) consecutive contracted values and
-  output channel: |w - dequant(w)| <= amax_group / 14. Group scales sit inside the contraction, so the weight is
-  dequantized to the compute dtype in front of the dot (a convert-multiply producer XLA's GPU gemm fusion
-  can take in; it is not a per-channel epilogue).
+  output channel: |w - dequant(w)| <= amax_group / 14. Stored two per byte (`kernels.quant_matmul.pack_int4`'s
+  layout along the flattened contraction, `contract_shape` set) when the contraction is a multiple of the
+  128-row pack block, else as `jnp.int4`. A decode-sized step on a GPU runs the packed weight through the
+  kernel (unpacked and group-scaled in registers); elsewhere the weight is dequantized to the compute dtype in
+  front of the dot (group scales sit inside the contraction, so they cannot be a per-channel epilogue).
 
 Layout: the contracted axes of the weight come first (after any leading stack axes, e.g. scanned layers),
 then the output axes, as for every decoder matmul here.
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.errors import ConfigError
-from mmjax.kernels.quant_matmul import quant_matmul, quant_matmul_supported
+from mmjax.kernels.quant_matmul import PACK_BLOCK, pack_int4, quant_matmul, quant_matmul_supported, unpack_int4
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
@@ -44,8 +46,10 @@ _TINY = 1e-12  # floor of a scale: an all-zero channel or token quantizes to zer
 
 @flax.struct.dataclass
 class QuantizedWeight:
-    """Stored values `q` (the float weight's shape) and float32 `scale`: per channel the weight's shape with its
-    contracted axes 1; per group (int4) `[*lead, contracted // group, *out]`."""
+    """Stored values `q` and float32 `scale`. `q` has the float weight's shape, except packed int4 (where
+    `contract_shape`, the contracted axes' sizes, is set): int8 `[*lead, contracted // 2, *out]`, two values a
+    byte. `scale`: per channel the weight's shape with its contracted axes 1; per group (int4)
+    `[*lead, contracted // group, *out]`."""
 
     q: jax.Array
     scale: jax.Array
@@ -54,6 +58,7 @@ class QuantizedWeight:
     n_out: int = flax.struct.field(pytree_node=False, default=1)
     group: int = flax.struct.field(pytree_node=False, default=0)  # 0: per output channel
     act_fp8: bool = flax.struct.field(pytree_node=False, default=False)
+    contract_shape: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())  # set: packed int4
 
     def __getitem__(self, key):
         """`param[...]` yields the container itself (what `nnx.Param.__getitem__` forwards here)."""
@@ -62,13 +67,21 @@ class QuantizedWeight:
         raise TypeError("a QuantizedWeight is only read whole (param[...])")
 
     @property
+    def packed(self) -> bool:
+        return bool(self.contract_shape)
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.q.shape)
+        """The float weight's shape (a packed `q` is shorter)."""
+        if not self.packed:
+            return tuple(self.q.shape)
+        lead = self.q.ndim - 1 - self.n_out
+        return (*self.q.shape[:lead], *self.contract_shape, *self.q.shape[lead + 1:])
 
     @property
     def nbytes(self) -> int:
         """Bytes a step reads: values at their nominal width (int4 = half a byte) plus the scales."""
-        return math.prod(self.q.shape) * BITS[self.scheme] // 8 + self.scale.size * self.scale.dtype.itemsize
+        return math.prod(self.shape) * BITS[self.scheme] // 8 + self.scale.size * self.scale.dtype.itemsize
 
     def quantized_einsum(self, spec: str, x: jax.Array, dtype) -> jax.Array:
         """einsum(spec, x, dequant(w)) in `dtype`, dequantization fused (see the module docstring)."""
@@ -76,7 +89,14 @@ class QuantizedWeight:
 
 
 def _lead(w: QuantizedWeight) -> int:
-    return w.q.ndim - w.n_contract - w.n_out
+    return len(w.shape) - w.n_contract - w.n_out
+
+
+def _map_matrices(fn, a: jax.Array, n_lead: int) -> jax.Array:
+    """`fn` ([rows, N] -> [rows', N]) applied to each [rows, N] matrix of `a` = [*lead, rows, *out]."""
+    lead, rows, out = a.shape[:n_lead], a.shape[n_lead], a.shape[n_lead + 1:]
+    y = jax.vmap(fn)(a.reshape(-1, rows, math.prod(out)))
+    return y.reshape(*lead, y.shape[1], *out)
 
 
 def quantize(w: jax.Array, scheme: str, *, n_contract: int = 1, n_lead: int = 0, group: int = GROUP,
@@ -99,18 +119,29 @@ def quantize(w: jax.Array, scheme: str, *, n_contract: int = 1, n_lead: int = 0,
                           f"of the group size {group}; use int8 or fp8 for this model")
     wg = wf.reshape(*lead, c // group, group, *out)
     scale = jnp.maximum(jnp.max(jnp.abs(wg), axis=n_lead + 1), _TINY) / QMAX["int4"]  # [*lead, groups, *out]
-    q = jnp.clip(jnp.round(wg / jnp.expand_dims(scale, n_lead + 1)), -7, 7).astype(jnp.int8).astype(jnp.int4)
-    return QuantizedWeight(q.reshape(wf.shape), scale, scheme, n_contract, n_out, group)
+    q = jnp.clip(jnp.round(wg / jnp.expand_dims(scale, n_lead + 1)), -7, 7).astype(jnp.int8)
+    if c % PACK_BLOCK:
+        return QuantizedWeight(q.reshape(wf.shape).astype(jnp.int4), scale, scheme, n_contract, n_out, group)
+    packed = _map_matrices(pack_int4, q.reshape(*lead, c, *out), n_lead)
+    contract = tuple(wf.shape[n_lead:n_lead + n_contract])
+    return QuantizedWeight(packed, scale, scheme, n_contract, n_out, group, contract_shape=contract)
+
+
+def int4_values(w: QuantizedWeight) -> jax.Array:
+    """The stored int4 values of `w` in the float weight's shape (int8 holding [-7, 7]); packed ones unpacked."""
+    if not w.packed:
+        return w.q.astype(jnp.int8)
+    return _map_matrices(unpack_int4, w.q, w.q.ndim - 1 - w.n_out).reshape(w.shape)
 
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """The float weight `w` stands for, in `dtype`."""
     if not w.group:
         return (w.q.astype(jnp.float32) * w.scale).astype(dtype)
-    n = _lead(w)
+    n, shape = _lead(w), w.shape
     groups = w.scale.shape[n]
-    qg = w.q.astype(jnp.float32).reshape(*w.q.shape[:n], groups, w.group, *w.q.shape[w.q.ndim - w.n_out:])
-    return (qg * jnp.expand_dims(w.scale, n + 1)).reshape(w.q.shape).astype(dtype)
+    qg = int4_values(w).astype(jnp.float32).reshape(*shape[:n], groups, w.group, *shape[len(shape) - w.n_out:])
+    return (qg * jnp.expand_dims(w.scale, n + 1)).reshape(shape).astype(dtype)
 
 
 def _to_output(a: jax.Array, letters: str, out: str) -> jax.Array:
@@ -123,11 +154,13 @@ def _to_output(a: jax.Array, letters: str, out: str) -> jax.Array:
 def _einsum(w: QuantizedWeight, spec: str, x: jax.Array, dtype) -> jax.Array:
     ins, out = spec.replace(" ", "").split("->")
     xs, ws = ins.split(",")
-    if _lead(w) or len(ws) != w.q.ndim:
+    if _lead(w) or len(ws) != len(w.shape):
         raise ValueError(f"quantized weight {w.shape} does not match einsum {spec!r} (stack axes left?)")
+    contracted, w_out = ws[:w.n_contract], ws[w.n_contract:]
+    if w.scheme in ("int8", "int4") and (y := _kernel_matmul(w, xs, contracted, w_out, out, x, dtype)) is not None:
+        return y
     if w.group:
         return jnp.einsum(spec, x.astype(dtype), dequantize(w, dtype))
-    contracted, w_out = ws[:w.n_contract], ws[w.n_contract:]
     w_scale = _to_output(w.scale.reshape(w.scale.shape[w.n_contract:]), w_out, out)
     if w.act_fp8:
         x_axes = tuple(i for i, c in enumerate(xs) if c in contracted)
@@ -137,8 +170,6 @@ def _einsum(w: QuantizedWeight, spec: str, x: jax.Array, dtype) -> jax.Array:
         x_out = "".join(c for c in xs if c not in contracted)
         sx = _to_output(sx.reshape([n for i, n in enumerate(sx.shape) if i not in x_axes]), x_out, out)
         return (y * sx * w_scale).astype(dtype)
-    if w.scheme == "int8" and (y := _kernel_matmul(w, xs, contracted, w_out, out, x, dtype)) is not None:
-        return y
     y = jnp.einsum(spec, x.astype(dtype), w.q.astype(dtype), preferred_element_type=jnp.float32)
     return (y * w_scale).astype(dtype)
 
@@ -149,18 +180,23 @@ KERNEL_MAX_ROWS = 64  # decode-sized steps; a prefill's wide dot is compute-boun
 def _kernel_matmul(w: QuantizedWeight, xs: str, contracted: str, w_out: str, out: str, x: jax.Array,
                    dtype) -> jax.Array | None:
     """The fused weight-only kernel (`kernels.quant_matmul`) where the einsum is a plain [M, K] x [K, N]
-    matmul (x ends with the contracted axes, the output is x's other axes then the weight's) and the kernel
-    can run here; None leaves the einsum to XLA."""
+    matmul (x ends with the contracted axes, the output is x's other axes then the weight's), the weight is
+    per-channel int8 or packed int4, and the kernel can run here; None leaves the einsum to XLA."""
     x_lead = xs[:len(xs) - len(contracted)]
     if not xs.endswith(contracted) or out != x_lead + w_out:
         return None
-    k = math.prod(w.q.shape[:w.n_contract])
-    out_shape = w.q.shape[w.n_contract:]
+    if not (w.scheme == "int8" and not w.group) and not (w.scheme == "int4" and w.packed):
+        return None
+    shape = w.shape
+    k = math.prod(shape[:w.n_contract])
+    out_shape = shape[w.n_contract:]
     x2 = x.astype(dtype).reshape(-1, k)
     if x2.shape[0] > KERNEL_MAX_ROWS:
         return None
-    q2, scale = w.q.reshape(k, -1), w.scale.reshape(-1)
-    if quant_matmul_supported(x2, q2, scale, group=0, bits=8) is not None:
+    bits = BITS[w.scheme]
+    q2 = w.q.reshape(k * bits // 8, -1)
+    scale = w.scale.reshape(-1) if not w.group else w.scale.reshape(k // w.group, -1)
+    if quant_matmul_supported(x2, q2, scale, group=w.group, bits=bits) is not None:
         return None  # elsewhere XLA's fusion, not the op's own reference
-    y = quant_matmul(x2, q2, scale, group=0, bits=8, impl="pallas")
+    y = quant_matmul(x2, q2, scale, group=w.group, bits=bits, impl="pallas")
     return y.reshape(*x.shape[:len(x_lead)], *out_shape).astype(dtype)

@@ -14,7 +14,8 @@ back-to-back calls are timed between device syncs; a row reports the median batc
 (launch gaps and the loop's share included, as in a decode step) and GB/s of weight bytes (q at its nominal
 width, int4 = half a byte, plus the float32 scales). Rows: every kernel tiling (a failure to compile is
 recorded as an error), `default` (the kernel's own choice), `xla` (the serving path's jnp: int8 converted in
-the dot with the scale on the result; int4 stored as jnp.int4, dequantized per group in front of the dot)
+the dot with the scale on the result; int4 as jnp.int4, dequantized per group in front of the dot: XLA's own
+int4 path, which the serving path's packed int4 replaced on decode steps)
 and `xla_bf16` (a bf16 weight: what the quantized paths are meant to beat). `rel_err` is set 0's largest
 difference from the float32 reference over the reference's largest magnitude. `--quick` shrinks everything
 to check the script on the CPU (interpret mode; the timings mean nothing there). Results are written after

@@ -47,13 +47,25 @@ def test_quantize_dequantize_error_bound(scheme):
     if scheme == "int4":  # per group of 128 contracted values and output channel: half a step of amax / 7
         amax = wa.reshape(2, 2, 128, 4, 6, 16).max(2, keepdims=True)
         bound = np.broadcast_to(amax / 14, (2, 2, 128, 4, 6, 16)).reshape(w.shape)
-        assert q.q.dtype == jnp.int4 and q.scale.shape == (2, 2, 4, 6, 16)
+        assert q.q.dtype == jnp.int8 and q.q.shape == (2, 128, 4, 6, 16) and q.shape == w.shape  # 2 a byte
+        assert q.scale.shape == (2, 2, 4, 6, 16)
     else:
         amax = wa.max(1, keepdims=True)  # per output channel
         bound = amax / 254 if scheme == "int8" else np.maximum(wa / 16, amax / 448 / 1024)
         assert q.scale.shape == (2, 1, 4, 6, 16)
     assert np.all(err <= bound * (1 + 1e-5))  # f32 rounding of w / scale
     assert q.nbytes < w.size * (0.6 if scheme == "int4" else 1.1)
+
+
+def test_int4_off_the_pack_block_stays_unpacked():
+    """A contraction that is not a multiple of the 128-row pack block (groups of 64 over 192 values) is stored
+    as jnp.int4, one value per element, and dequantizes and multiplies as the packed form does."""
+    w = jnp.asarray(np.random.default_rng(4).standard_normal((192, 32)), jnp.float32)
+    q = quantize(w, "int4", group=64)
+    assert not q.packed and q.q.dtype == jnp.int4 and q.shape == (192, 32)
+    x = jnp.ones((2, 192), jnp.float32)
+    np.testing.assert_allclose(q.quantized_einsum("me,en->mn", x, jnp.float32), x @ dequantize(q), rtol=1e-5)
+    assert np.abs(np.asarray(dequantize(q)) - np.asarray(w)).max() <= np.abs(np.asarray(w)).max() / 14
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8_act", "int4"])
@@ -180,23 +192,26 @@ def test_fp8_matmul_on_gpu(quant):
     assert np.abs(np.asarray(quant["fwd"](state)) - quant["ref"]).max() < LOGIT_TOL["fp8_act"]
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("spec,w_shape,n_contract,x_shape", [("bse,ecm->bscm", (128, 2, 64), 1, (3, 1, 128)),
                                                              ("bshd,hde->bse", (4, 32, 128), 2, (2, 5, 4, 32))])
-def test_int8_decode_matmul_takes_the_fused_kernel_on_a_gpu(spec, w_shape, n_contract, x_shape):
-    """A decode-sized int8 matmul on a GPU (assumed here; the Pallas kernel runs in interpret mode) goes to
-    `kernels.quant_matmul` and gives XLA's fusion's result; a prefill-sized one (> KERNEL_MAX_ROWS tokens)
+def test_decode_matmul_takes_the_fused_kernel_on_a_gpu(scheme, spec, w_shape, n_contract, x_shape):
+    """A decode-sized int8 / packed int4 matmul on a GPU (assumed here; the Pallas kernel runs in interpret mode)
+    goes to `kernels.quant_matmul` and gives XLA's result; a prefill-sized one (> KERNEL_MAX_ROWS tokens)
     stays with XLA, as does everything on a CPU."""
     from mmjax.kernels import _dispatch
     from mmjax.quant.weights import KERNEL_MAX_ROWS
 
     rng = np.random.default_rng(3)
-    w = quantize(jnp.asarray(rng.standard_normal(w_shape), jnp.float32), "int8", n_contract=n_contract)
+    w = quantize(jnp.asarray(rng.standard_normal(w_shape), jnp.float32), scheme, n_contract=n_contract)
+    assert w.packed == (scheme == "int4")
     x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
     wide = jnp.asarray(rng.standard_normal((1, KERNEL_MAX_ROWS + 1, *x_shape[2:])), jnp.float32)
     run = lambda x: w.quantized_einsum(spec, x, jnp.float32)  # noqa: E731
     # a fresh function per trace: tracing caches by function, and the dispatch context is not in its key
     uses_kernel = lambda x: "pallas_call" in str(jax.make_jaxpr(lambda x: run(x))(x))  # noqa: E731
     want = np.asarray(run(x))
+    np.testing.assert_allclose(want, np.einsum(spec, np.asarray(x), np.asarray(dequantize(w))), rtol=1e-4, atol=1e-4)
     assert not uses_kernel(x)
     with _dispatch.assume_platform("gpu", (9, 0)):
         assert uses_kernel(x) and not uses_kernel(wide)
