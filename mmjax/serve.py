@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    from mmjax.parallel.distributed import configure_backend
+
+    configure_backend(cfg)  # parallel.xla_flags and the GPU memory share, before the backend starts
     try:
         from mmjax.serving.http import server
     except ImportError as e:

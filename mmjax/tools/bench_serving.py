@@ -28,6 +28,7 @@ from pathlib import Path
 from mmjax.config import load_config
 from mmjax.engine.convert import load_params
 from mmjax.engine.convert.hf import text_config_to_hf
+from mmjax.parallel.distributed import configure_backend
 from mmjax.serving import bench
 
 
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = ["model.text_only=true", "model.compute_dtype=bfloat16", "model.param_dtype=bfloat16",
                  "serve.max_num_batched_tokens=2048", *args.overrides]
     cfg = load_config(args.config, overrides)
+    configure_backend(cfg)  # parallel.xla_flags and the GPU memory share, as the server applies them
     if args.mode == "speculative":
         return _speculative(args, cfg)
     args.batches = args.batches or list(d.batches)

@@ -42,3 +42,18 @@ def test_zero_leaves_jax_default_and_bad_share_is_refused(clean_env):
     assert not any(os.environ.get(k) for k in MEM_FRACTION_ENV)
     with pytest.raises(ConfigError, match="parallel.gpu_memory_fraction=1.5"):
         load_config(None, ["parallel.gpu_memory_fraction=1.5"])
+
+
+def test_the_server_applies_the_backend_settings(clean_env, tmp_path):
+    """`python -m mmjax.serve` exports `parallel.xla_flags` and the memory share before it builds the engine, as
+    training does (a missing checkpoint then fails after that, without starting a server)."""
+    import os
+
+    from mmjax import serve
+
+    clean_env.delenv("XLA_FLAGS", raising=False)
+    rc = serve.main(["--checkpoint", str(tmp_path / "none"), "parallel.xla_flags=--xla_gpu_autotune_level=2",
+                     "parallel.gpu_memory_fraction=0.85"])
+    assert rc != 0
+    assert "--xla_gpu_autotune_level=2" in os.environ["XLA_FLAGS"].split()
+    assert os.environ["XLA_CLIENT_MEM_FRACTION"] == "0.85"
