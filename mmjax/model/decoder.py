@@ -6,11 +6,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from mmjax import kernels
 from mmjax.config import ModelConfig
-from mmjax.model.layers import RMSNorm, dense, make_stack, normal, param, rope, run_stack, zeros
+from mmjax.model.layers import RMSNorm, dense, make_stack, normal, param, remat_name, rope, run_stack, zeros
 from mmjax.parallel.sharding import attention, constrain, embed_lookup
 
 RESIDUAL = ("batch", "norm_length", "act_embed")  # logical names of the residual stream
@@ -50,6 +49,7 @@ class DecoderLayer(nnx.Module):
         self.swiglu_impl = cfg.swiglu_impl
         self.compute_dtype = compute_dtype
         self.fp8 = cfg.matmul_precision == "fp8"  # training forward only (see mmjax.model.fp8)
+        self.remat = cfg.remat
         w = normal(0.02)
         norm = dict(eps=t.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype, impl=cfg.norm_impl)
         self.attn_norm = RMSNorm(t.dim, **norm)
@@ -76,7 +76,7 @@ class DecoderLayer(nnx.Module):
         return q, k, constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
     def finish(self, x, attn, fp8: bool = False):
-        attn = checkpoint_name(constrain(attn, ("batch", "length", "heads", "head_dim")), "attention_out")
+        attn = remat_name(constrain(attn, ("batch", "length", "heads", "head_dim")), "attention_out", self.remat)
         # residual add + RMSNorm in one kernel: (norm(x + attn_out), x + attn_out)
         h, x = self.mlp_norm(dense(attn, self.out[...], "bshd,hde->bse", self.compute_dtype, fp8=fp8), residual=x)
         x = constrain(x, RESIDUAL)

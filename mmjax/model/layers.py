@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from mmjax import kernels
 from mmjax.config import ComputeDtype, RematPolicy
@@ -155,6 +156,18 @@ REMAT_POLICIES: dict[RematPolicy, Any] = {  # the names are config.RematPolicy's
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
     "save_attention_out": jax.checkpoint_policies.save_only_these_names("attention_out"),
 }
+
+
+NAMED_REMAT = frozenset({"save_attention_out"})  # policies that pick residuals by `checkpoint_name`
+
+
+def remat_name(x: jax.Array, name: str, policy: str) -> jax.Array:
+    """`checkpoint_name(x, name)` where `policy` picks residuals by name; `x` itself under any other policy.
+
+    Why not always: the name is an identity whose output is a new value, so without such a policy the backward
+    saves it beside its producer's own residual (the attention output was kept twice per layer, 64 MiB per
+    layer at the 1.2B's batch 8 x 2048, each copy written into and read out of the layer scan's stack)."""
+    return checkpoint_name(x, name) if policy in NAMED_REMAT else x
 
 
 def remat(fn: Callable, policy: str, *, prevent_cse: bool = True) -> Callable:

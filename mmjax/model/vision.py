@@ -5,12 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from mmjax import kernels
 from mmjax.config import ModelConfig
 from mmjax.errors import ModelError
-from mmjax.model.layers import LayerNorm, dense, make_stack, normal, param, run_stack, zeros
+from mmjax.model.layers import LayerNorm, dense, make_stack, normal, param, remat_name, run_stack, zeros
 from mmjax.parallel.sharding import constrain
 
 RESIDUAL = ("batch", None, "act_embed")  # [B*N, patches, dim]; patches stay whole (no context parallelism)
@@ -37,6 +36,7 @@ class VisionLayer(nnx.Module):
         v = cfg.vision
         d = v.dim // v.n_heads
         self.act = v.act
+        self.remat = cfg.remat
         self.compute_dtype = compute_dtype
         self.attention_impl = cfg.attention_impl
         self.activation_impl = cfg.activation_impl
@@ -59,7 +59,7 @@ class VisionLayer(nnx.Module):
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         attn = kernels.attention(q, k, v, q_segment_ids=ones, kv_segment_ids=ones, q_positions=positions,
                                  kv_positions=positions, causal=False, impl=self.attention_impl)
-        attn = checkpoint_name(constrain(attn, ("batch", None, "heads", "head_dim")), "attention_out")
+        attn = remat_name(constrain(attn, ("batch", None, "heads", "head_dim")), "attention_out", self.remat)
         # residual add + LayerNorm in one kernel: (norm(x + attn_out), x + attn_out)
         hn, x = self.mlp_norm(dense(attn, self.out[...], "bsnd,nde->bse", self.compute_dtype, self.out_bias[...]),
                               residual=x)

@@ -79,9 +79,13 @@ def in_sharding_context(fn: Callable, ctx: MeshSharding | None) -> Callable:
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
-    """Pin activation `x`'s layout to its logical `names`; a no-op outside a sharding context."""
+    """Pin activation `x`'s layout to its logical `names`; a no-op outside a sharding context or on one device.
+
+    Why not on one device: there is nothing to pin, and the constraint is an identity whose output is a new
+    value, so the backward saves it beside its producer's own residual (the attention output twice per layer
+    in a single-GPU run)."""
     ctx = current()
-    if ctx is None:
+    if ctx is None or ctx.mesh.size == 1:
         return x
     if len(names) != x.ndim:
         raise ValueError(f"logical names {names} do not match the rank of shape {x.shape}")

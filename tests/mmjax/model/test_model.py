@@ -237,6 +237,35 @@ def test_remat_policies_same_loss_and_grads(helpers, scan_layers):
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads0))
 
 
+def _primitives(jaxpr) -> set[str]:
+    """Every primitive's name in `jaxpr` and its sub-jaxprs (scan bodies, custom-vjp calls)."""
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(sub, (Jaxpr, ClosedJaxpr)):
+                    names |= _primitives(getattr(sub, "jaxpr", sub))
+    return names
+
+
+@pytest.mark.parametrize("policy,named", [("none", False), ("full", False), ("save_attention_out", True)])
+def test_attention_output_is_named_only_for_a_policy_that_saves_by_name(helpers, policy, named):
+    """The residual name is an identity: under a policy that ignores names, the backward would save its output
+    beside the attention's own residual (the same values twice per layer); so it exists only where it is used."""
+    model = helpers["random_model"](helpers["tiny_config"](remat=policy), seed=10)
+    graphdef, state = nnx.split(model.decoder)
+    x = jnp.zeros((1, 8, model.cfg.text.dim), jnp.float32)
+    pos, seg = jnp.arange(8)[None], jnp.ones((1, 8), jnp.int32)
+
+    def loss(state):
+        return jnp.sum(nnx.merge(graphdef, state)._layers(x, pos, seg, None))
+
+    assert ("name" in _primitives(jax.make_jaxpr(jax.grad(loss))(state).jaxpr)) == named
+
+
 def test_vision_remat_grads(helpers):
     """The ViT goes through the same stack helper; check its grads under remat too."""
     images = jnp.asarray(helpers["make_batch"](seed=11)["images"])
