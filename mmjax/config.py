@@ -350,6 +350,7 @@ class ServeConfig:
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8"] = "auto"  # auto = compute dtype;
     # int8 / fp8 (e4m3): quantized pool with a scale per token and kv head (mmjax.kernels.kv_pages)
     quantization: Literal["none", "int8", "fp8", "int4"] = "none"  # decoder matmul weights (mmjax.quant), at load
+    quantize_lm_head: bool = False  # the output matmul (tied embedding table or lm_head) in int8 per vocabulary row
     image_cache_size: int = 64  # encoded images kept (LRU by content hash) so a repeated image is encoded once
     max_logprobs: int = 5  # most top logprobs a request may ask for (every step computes this many)
     seed: int = 0  # draws the sampling seed of each request that gives none, so a run is reproducible

@@ -123,7 +123,10 @@ class Decoder(nnx.Module):
             rngs, normal(0.02), (t.dim, cfg.vocab_size), ("embed", "vocab"), param_dtype)
 
     def embed(self, tokens):
-        return embed_lookup(self.embedding[...], tokens).astype(self.compute_dtype)
+        table = self.embedding[...]
+        if hasattr(table, "rows"):  # a quantized serving table (`mmjax.quant.table`): int8 rows times their scales
+            return table.rows(tokens, self.compute_dtype)
+        return embed_lookup(table, tokens).astype(self.compute_dtype)
 
     def logits(self, x):
         x = self.final_norm(x)
@@ -131,7 +134,10 @@ class Decoder(nnx.Module):
             w, spec = self.embedding[...], "bse,ve->bsv"
         else:
             w, spec = self.lm_head[...], "bse,ev->bsv"
-        logits = jnp.einsum(spec, x, w.astype(self.compute_dtype), preferred_element_type=jnp.float32)
+        if hasattr(w, "quantized_einsum"):  # serving's quantized output matmul (`serve.quantize_lm_head`)
+            logits = w.quantized_einsum(spec, x, self.compute_dtype, out_dtype=jnp.float32)
+        else:
+            logits = jnp.einsum(spec, x, w.astype(self.compute_dtype), preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "length", "vocab"))
 
     def _layers(self, x, positions, segment_ids, block_ids):

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from mmjax.config import Config
-from mmjax.quant.apply import quantize_state, weight_bytes
+from mmjax.quant.apply import parse_variant, quantize_state, weight_bytes
 
 
 class LogitForward:
@@ -77,7 +77,7 @@ def evaluate(cfg: Config, model: Any, tokenizer: Any, tokens: np.ndarray, prompt
              schemes: Sequence[str], kv_dtypes: Sequence[str], new_tokens: int,
              mask: np.ndarray | None = None) -> list[dict[str, Any]]:
     """One row per (weight scheme, KV dtype): bytes, logit metrics (per scheme; perplexity over the `mask`ed
-    targets of `tokens`) and greedy agreement."""
+    targets of `tokens`) and greedy agreement. A scheme may carry '+head' (the int8 output matmul too)."""
     graphdef, state = nnx.split(model)
     forward = LogitForward(graphdef)
     ref_logits = forward(state, tokens)
@@ -85,11 +85,13 @@ def evaluate(cfg: Config, model: Any, tokenizer: Any, tokens: np.ndarray, prompt
                                kv_cache_dtype="auto")
     rows = []
     for scheme in schemes:
-        qstate = quantize_state(state, scheme)
+        base, head = parse_variant(scheme)
+        qstate = quantize_state(state, base, lm_head=head)
         logits = logit_report(forward, state, qstate, tokens, ref_logits, mask)
         for kv in kv_dtypes:
             row = dict(scheme=scheme, kv_cache_dtype=kv, weight_bytes=weight_bytes(qstate), **logits)
             got = ref_greedy if (scheme, kv) == ("none", "auto") else greedy_tokens(
-                cfg, model, tokenizer, prompts, new_tokens, quantization=scheme, kv_cache_dtype=kv)
+                cfg, model, tokenizer, prompts, new_tokens, quantization=base, quantize_lm_head=head,
+                kv_cache_dtype=kv)
             rows.append({**row, **greedy_agreement(ref_greedy, got)})
     return rows

@@ -2,8 +2,9 @@
 
 The state is stored as served (int8 / e4m3 / int4 values with their scales), so loading needs neither the float
 checkpoint nor the conversion. e4m3 values are stored as their uint8 bit patterns, packed int4 as its int8 bytes
-and unpacked int4 as one int8 per value (numpy has no such dtypes); `quant.json` records each quantized
-parameter's scheme and layout and the image token id.
+and unpacked int4 as one int8 per value (numpy has no such dtypes); a quantized embedding table as its int8
+[embed, vocab] output matmul; `quant.json` records each quantized parameter's scheme and layout and the image
+token id.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from flax import nnx
 from mmjax.config import Config, load_config, to_yaml
 from mmjax.errors import CheckpointError
 from mmjax.quant.apply import param_name as _name
+from mmjax.quant.table import QuantizedTable
 from mmjax.quant.weights import FP8, QuantizedWeight
 
 FILES = ("config.yaml", "weights.npz", "quant.json")
@@ -46,10 +48,13 @@ def save_quantized(folder: str | os.PathLike, cfg: Config, model: Any) -> Path:
     layout: dict[str, Any] = {}
     for path, var in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=_is_var)[0]:
         name, value = _name(path), var[...]
+        table = isinstance(value, QuantizedTable)
+        value = value.head if table else value
         if isinstance(value, QuantizedWeight):
             arrays[f"{name}/q"], arrays[f"{name}/scale"] = _to_numpy(value.q), np.asarray(value.scale)
             layout[name] = dict(scheme=value.scheme, n_contract=value.n_contract, n_out=value.n_out,
-                                group=value.group, act_fp8=value.act_fp8, contract_shape=list(value.contract_shape))
+                                group=value.group, act_fp8=value.act_fp8, contract_shape=list(value.contract_shape),
+                                table=table)
         else:
             arrays[name] = _to_numpy(value)
     np.savez(folder / "weights.npz", **arrays)
@@ -80,10 +85,12 @@ def load_quantized(folder: str | os.PathLike, overrides: tuple[str, ...] = ()) -
         name = _name(path)
         if name in layout:
             lay = {**layout[name], "contract_shape": tuple(layout[name].get("contract_shape", ()))}
+            table = lay.pop("table", False)
             q = jnp.asarray(arrays[f"{name}/q"])
             q = jax.lax.bitcast_convert_type(q, FP8) if lay["scheme"] == "fp8" else q
             q = q.astype(jnp.int4) if lay["scheme"] == "int4" and not lay["contract_shape"] else q
-            return var.replace(value=QuantizedWeight(q, jnp.asarray(arrays[f"{name}/scale"]), **lay))
+            value = QuantizedWeight(q, jnp.asarray(arrays[f"{name}/scale"]), **lay)
+            return var.replace(value=QuantizedTable(value) if table else value)
         if name not in arrays:
             raise CheckpointError(f"{folder}: weights.npz lacks {name}, which the model config needs")
         return var.replace(value=jnp.asarray(arrays[name], var.get_value().dtype))

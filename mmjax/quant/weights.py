@@ -83,9 +83,10 @@ class QuantizedWeight:
         """Bytes a step reads: values at their nominal width (int4 = half a byte) plus the scales."""
         return math.prod(self.shape) * BITS[self.scheme] // 8 + self.scale.size * self.scale.dtype.itemsize
 
-    def quantized_einsum(self, spec: str, x: jax.Array, dtype) -> jax.Array:
-        """einsum(spec, x, dequant(w)) in `dtype`, dequantization fused (see the module docstring)."""
-        return _einsum(self, spec, x, dtype)
+    def quantized_einsum(self, spec: str, x: jax.Array, dtype, out_dtype=None) -> jax.Array:
+        """einsum(spec, x, dequant(w)) computed in `dtype` with float32 accumulation and returned in `out_dtype`
+        (default `dtype`), dequantization fused (see the module docstring)."""
+        return _einsum(self, spec, x, dtype, dtype if out_dtype is None else out_dtype)
 
 
 def _lead(w: QuantizedWeight) -> int:
@@ -151,16 +152,18 @@ def _to_output(a: jax.Array, letters: str, out: str) -> jax.Array:
     return a.reshape([a.shape[order.index(c)] if c in letters else 1 for c in out])
 
 
-def _einsum(w: QuantizedWeight, spec: str, x: jax.Array, dtype) -> jax.Array:
+def _einsum(w: QuantizedWeight, spec: str, x: jax.Array, dtype, out_dtype) -> jax.Array:
     ins, out = spec.replace(" ", "").split("->")
     xs, ws = ins.split(",")
     if _lead(w) or len(ws) != len(w.shape):
         raise ValueError(f"quantized weight {w.shape} does not match einsum {spec!r} (stack axes left?)")
     contracted, w_out = ws[:w.n_contract], ws[w.n_contract:]
-    if w.scheme in ("int8", "int4") and (y := _kernel_matmul(w, xs, contracted, w_out, out, x, dtype)) is not None:
+    if w.scheme in ("int8", "int4") and (
+            y := _kernel_matmul(w, xs, contracted, w_out, out, x, dtype, out_dtype)) is not None:
         return y
     if w.group:
-        return jnp.einsum(spec, x.astype(dtype), dequantize(w, dtype))
+        return jnp.einsum(spec, x.astype(dtype), dequantize(w, dtype), preferred_element_type=jnp.float32
+                          ).astype(out_dtype)
     w_scale = _to_output(w.scale.reshape(w.scale.shape[w.n_contract:]), w_out, out)
     if w.act_fp8:
         x_axes = tuple(i for i, c in enumerate(xs) if c in contracted)
@@ -169,16 +172,16 @@ def _einsum(w: QuantizedWeight, spec: str, x: jax.Array, dtype) -> jax.Array:
         y = jnp.einsum(spec, xq, w.q, preferred_element_type=jnp.float32)
         x_out = "".join(c for c in xs if c not in contracted)
         sx = _to_output(sx.reshape([n for i, n in enumerate(sx.shape) if i not in x_axes]), x_out, out)
-        return (y * sx * w_scale).astype(dtype)
+        return (y * sx * w_scale).astype(out_dtype)
     y = jnp.einsum(spec, x.astype(dtype), w.q.astype(dtype), preferred_element_type=jnp.float32)
-    return (y * w_scale).astype(dtype)
+    return (y * w_scale).astype(out_dtype)
 
 
 KERNEL_MAX_ROWS = 64  # decode-sized steps; a prefill's wide dot is compute-bound and stays with XLA
 
 
 def _kernel_matmul(w: QuantizedWeight, xs: str, contracted: str, w_out: str, out: str, x: jax.Array,
-                   dtype) -> jax.Array | None:
+                   dtype, out_dtype) -> jax.Array | None:
     """The fused weight-only kernel (`kernels.quant_matmul`) where the einsum is a plain [M, K] x [K, N]
     matmul (x ends with the contracted axes, the output is x's other axes then the weight's), the weight is
     per-channel int8 or packed int4, and the kernel can run here; None leaves the einsum to XLA."""
@@ -198,5 +201,5 @@ def _kernel_matmul(w: QuantizedWeight, xs: str, contracted: str, w_out: str, out
     scale = w.scale.reshape(-1) if not w.group else w.scale.reshape(k // w.group, -1)
     if quant_matmul_supported(x2, q2, scale, group=w.group, bits=bits) is not None:
         return None  # elsewhere XLA's fusion, not the op's own reference
-    y = quant_matmul(x2, q2, scale, group=w.group, bits=bits, impl="pallas")
-    return y.reshape(*x.shape[:len(x_lead)], *out_shape).astype(dtype)
+    y = quant_matmul(x2, q2, scale, group=w.group, bits=bits, out_dtype=out_dtype, impl="pallas")
+    return y.reshape(*x.shape[:len(x_lead)], *out_shape)

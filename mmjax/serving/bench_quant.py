@@ -1,11 +1,12 @@
 """Decode throughput per weight scheme and KV dtype (`bench_serving --sweep-quant`), each against its own roofline.
 
-Every variant (`scheme:kv`, e.g. `int8:auto`, `none:fp8`) serves the same model through a fresh engine with
-`serve.quantization` / `serve.kv_cache_dtype` set, and runs the decode phases of `bench.bench_decode` (untimed
-pass, then timed pass) at each batch. The roofline of a variant uses the bytes it reads: its weights as stored
-(`mmjax.quant.weight_bytes`: int4 at half a byte, scales included) and its pool's bytes per context token
-(scales included), so the fraction says how close each scheme gets to its own memory bound. Quality numbers of
-`python -m mmjax.tools.eval_quant --out FILE` (on a real checkpoint) can be shown beside them (`quality`).
+Every variant (`scheme[+head]:kv`, e.g. `int8:auto`, `none:fp8`, `int8+head`) serves the same model through a
+fresh engine with `serve.quantization` / `serve.kv_cache_dtype` (and with `+head` `serve.quantize_lm_head`) set,
+and runs the decode phases of `bench.bench_decode` (untimed pass, then timed pass) at each batch. The roofline
+of a variant uses the bytes it reads: its weights as stored (`mmjax.quant.weight_bytes`: int4 at half a byte,
+scales included) and its pool's bytes per context token (scales included), so the fraction says how close each
+scheme gets to its own memory bound. Quality numbers of `python -m mmjax.tools.eval_quant --out FILE` (on a real
+checkpoint) can be shown beside them (`quality`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 from mmjax.config import Config
 from mmjax.engine.checkpoint import package_versions
 from mmjax.errors import ConfigError
-from mmjax.quant import SCHEMES, weight_bytes
+from mmjax.quant import VARIANTS, parse_variant, weight_bytes
 from mmjax.serving import bench
 from mmjax.serving.engine import Engine
 from mmjax.serving.load import build_model
@@ -34,13 +35,14 @@ KV_NAMES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 
 
 def parse_variants(items: Sequence[str]) -> list[tuple[str, str]]:
-    """'scheme[:kv]' strings -> (scheme, kv dtype) pairs; kv defaults to auto."""
+    """'scheme[+head][:kv]' strings -> (scheme[+head], kv dtype) pairs; kv defaults to auto."""
     out = []
     for item in items:
         scheme, _, kv = item.partition(":")
         kv = kv or "auto"
-        if scheme not in SCHEMES or kv not in KV_NAMES:
-            raise ConfigError(f"--sweep-quant {item!r}: want scheme[:kv] with scheme in {SCHEMES} and kv in {KV_NAMES}")
+        if scheme not in VARIANTS or kv not in KV_NAMES:
+            raise ConfigError(f"--sweep-quant {item!r}: want scheme[+head][:kv] with scheme in {VARIANTS} and kv "
+                              f"in {KV_NAMES}")
         out.append((scheme, kv))
     return out
 
@@ -62,8 +64,9 @@ def run_sweep(cfg: Config, spec: bench.BenchSpec, variants: Sequence[tuple[str, 
         "variants": [],
     }
     for scheme, kv in variants:
-        run_cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, quantization=scheme,
-                                                                     kv_cache_dtype=kv))
+        base, head = parse_variant(scheme)
+        run_cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, quantization=base,
+                                                                     quantize_lm_head=head, kv_cache_dtype=kv))
         engine = Engine(run_cfg, model, bench.IdTokenizer())
         wbytes = weight_bytes(engine.runner.state)
         kv_tok = bench.kv_bytes_per_token(engine)

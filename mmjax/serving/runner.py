@@ -160,7 +160,8 @@ class ModelRunner:
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
         self._given_graphdef = graphdef  # update_weights converts new weights of this form the same way
         self.graphdef, self.state = serving_layout(graphdef, state, serve.unroll_layers)
-        self.state = quantize_state(self.state, serve.quantization)  # none: unchanged; pre-quantized: kept
+        # none: unchanged; pre-quantized: kept
+        self.state = quantize_state(self.state, serve.quantization, lm_head=serve.quantize_lm_head)
         abstract = nnx.merge(self.graphdef, self.state)
         self.model_cfg = abstract.cfg
         self.image_token_id = abstract.image_token_id
@@ -237,7 +238,7 @@ class ModelRunner:
         nothing recompiles. Encoded images of the old weights are dropped; the caller resets the prefix cache.
         Float weights are quantized as at construction (`serve.quantization`)."""
         state = quantize_state(serving_layout(self._given_graphdef, state, self.serve.unroll_layers)[1],
-                               self.serve.quantization)
+                               self.serve.quantization, lm_head=self.serve.quantize_lm_head)
         old = jax.tree.map(lambda x: (x.shape, x.dtype), self.state)
         new = jax.tree.map(lambda x: (x.shape, x.dtype), state)
         if jax.tree.structure(old) != jax.tree.structure(new) or jax.tree.leaves(old) != jax.tree.leaves(new):

@@ -3,6 +3,7 @@
     python -m mmjax.tools.eval_quant --checkpoint runs/x/checkpoints              # a trained or imported model
     python -m mmjax.tools.eval_quant --config models/tiny_mllm.yaml --text held_out.txt
     python -m mmjax.tools.eval_quant --checkpoint DIR --schemes none int8 fp8 int4 --kv-dtypes auto fp8
+    python -m mmjax.tools.eval_quant --checkpoint DIR --schemes int8 int8+head   # + the int8 output matmul
     python -m mmjax.tools.eval_quant --checkpoint DIR --save-quantized int8 OUT   # a pre-quantized model folder
 
 The decoder is served text-only (`model.text_only=true`; only the decoder's matmuls are quantized). Held-out
@@ -31,7 +32,7 @@ import numpy as np
 
 from mmjax.config import load_config
 from mmjax.model.layers import resolve_dtype
-from mmjax.quant.apply import SCHEMES
+from mmjax.quant.apply import SCHEMES, VARIANTS, parse_variant
 from mmjax.quant.evaluate import evaluate
 
 KV_DTYPES = ("auto", "fp8", "int8")
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", default="", help="mmjax checkpoint (default: random weights of --config)")
     p.add_argument("--config", default="models/tiny_mllm.yaml", help="model config without --checkpoint")
     p.add_argument("--text", default="", help="held-out text file")
-    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=VARIANTS,
+                   help="weight schemes; '+head' adds the int8 output matmul (serve.quantize_lm_head)")
     p.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES)
     p.add_argument("--num-seqs", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         from mmjax.quant import quantize_state
         from mmjax.quant.store import save_quantized
         scheme, folder = args.save_quantized
-        nnx.update(model, quantize_state(nnx.state(model, nnx.Param), scheme))
+        base, head = parse_variant(scheme)
+        nnx.update(model, quantize_state(nnx.state(model, nnx.Param), base, lm_head=head))
         print(f"wrote {save_quantized(folder, cfg, model)} ({scheme})")
         return 0
     max_len = args.prompt_len + args.new_tokens

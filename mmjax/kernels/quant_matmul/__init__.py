@@ -1,8 +1,8 @@
 """`kernels.quant_matmul`: y = x @ dequant(w) for weight-only int8 / int4 weights, sized for decode (M = 1..64).
 
-    y = quant_matmul(x, w, scale, group=0, bits=8, layer=None, impl="auto")
+    y = quant_matmul(x, w, scale, group=0, bits=8, layer=None, out_dtype=None, impl="auto")
 
-* x [..., K] floating; y [..., N] in x's dtype, accumulated in float32.
+* x [..., K] floating; y [..., N] in `out_dtype` (default x's dtype), accumulated in float32.
 * bits=8: w int8 [K, N]. bits=4: w is `pack_int4(q)` of int4 values q [K, N] in [-7, 7]: int8 [K // 2, N],
   two values per byte in 128-row pack blocks (`pack.py` documents the layout; K a multiple of 128).
 * scale float32 [N] per output channel (group=0) or [K // group, N] per group of `group` consecutive rows
@@ -36,16 +36,16 @@ INT4_GROUP = 128  # the int4 scheme's group size along K (one pack block)
 OP = _dispatch.Op("quant_matmul")
 
 
-def _xla(x, w, scale, *, group: int, bits: int, layer=None):
+def _xla(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None):
     if layer is not None:
         take = lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
         w, scale = take(w), take(scale)
-    return quant_matmul_reference(x, unpack_int4(w) if bits == 4 else w, scale, group=group)
+    return quant_matmul_reference(x, unpack_int4(w) if bits == 4 else w, scale, group=group, out_dtype=out_dtype)
 
 
-def _pallas(x, w, scale, *, group: int, bits: int, layer=None):
+def _pallas(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None):
     from mmjax.kernels.quant_matmul import kernel
-    return kernel.quant_matmul(x, w, scale, group=group, bits=bits, layer=layer)
+    return kernel.quant_matmul(x, w, scale, group=group, bits=bits, layer=layer, out_dtype=out_dtype)
 
 
 def _pallas_guard(ctx: _dispatch.Ctx) -> str | None:
@@ -81,11 +81,11 @@ def quant_matmul_supported(x, w, scale, *, group: int, bits: int, layer=None) ->
 
 
 def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int = 0, bits: int = 8,
-                 layer: jax.Array | int | None = None, impl: str = "auto") -> jax.Array:
-    """x [..., K] @ dequant(w) -> [..., N] in x's dtype; see the module docstring."""
+                 layer: jax.Array | int | None = None, out_dtype=None, impl: str = "auto") -> jax.Array:
+    """x [..., K] @ dequant(w) -> [..., N] in `out_dtype` (default x's dtype); see the module docstring."""
     ctx = _context(x, w, scale, group=group, bits=bits, layer=layer, impl=impl)
     fn = OP.select(impl, ctx).fn
     lead, k = x.shape[:-1], x.shape[-1]
     layer = None if layer is None else jnp.asarray(layer, jnp.int32)
-    y = fn(x.reshape(-1, k), w, scale, group=group, bits=bits, layer=layer)
+    y = fn(x.reshape(-1, k), w, scale, group=group, bits=bits, layer=layer, out_dtype=out_dtype)
     return y.reshape(*lead, w.shape[-1])

@@ -189,10 +189,11 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, bits: int, group: int, blo
 
 
 def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bits: int,
-                 layer: jax.Array | int | None = None, interpret: bool | None = None, block_m: int | None = None,
+                 layer: jax.Array | int | None = None, out_dtype=None, interpret: bool | None = None,
+                 block_m: int | None = None,
                  block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
-    """x [M, K] @ dequant(w) -> [M, N] in x's dtype.
+    """x [M, K] @ dequant(w) -> [M, N] in `out_dtype` (default x's dtype), accumulated in float32.
 
     w: int8 [K, N] (bits=8) or `pack_int4`-packed int8 [K // 2, N] (bits=4); scale float32 [N] (group 0) or
     [K // group, N]. With `layer` (int or int32 scalar), w and scale carry a leading layers axis and that
@@ -206,6 +207,7 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
         raise ValueError(f"quant_matmul: x must be floating and the weight int8, got x {x.dtype}, weight {w.dtype}")
     m, k = x.shape
     n = w.shape[-1]
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     d = default_tiling(bits, m, k, n, group)
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
                  num_stages=num_stages)
@@ -238,12 +240,12 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
         out_shape = jax.ShapeDtypeStruct((t.k_splits, m_pad, n), jnp.float32)
     else:
         out_specs = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
-        out_shape = jax.ShapeDtypeStruct((m_pad, n), x.dtype)
+        out_shape = jax.ShapeDtypeStruct((m_pad, n), out_dtype)
     kernel = functools.partial(_kernel, bits=bits, group=group, block_k=t.block_k, steps=steps, k=k, split=split)
     out = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                          interpret=_interpret_default() if interpret is None else interpret,
                          compiler_params=compiler_params(t.num_warps, t.num_stages),
                          name=f"mmjax_quant_matmul_int{bits}")(layer_arr, xp, w, scale)
     if split:
-        out = jnp.sum(out, axis=0).astype(x.dtype)
+        out = jnp.sum(out, axis=0).astype(out_dtype)
     return out[:m]

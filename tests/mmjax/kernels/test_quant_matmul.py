@@ -52,6 +52,18 @@ def test_kernel_matches_reference(dtype, m, bits, group, k_splits):
     _close(got, quant_matmul_reference(x, q, scale, group=group), dtype)
 
 
+@pytest.mark.parametrize("k_splits", [1, 2])
+def test_float32_output_of_bf16_inputs(k_splits):
+    """`out_dtype=float32` (logits): the float32 accumulator is written as it is, not rounded through bf16."""
+    x, q, scale = make_case(3, 256, 32, bits=8, group=0, dtype=jnp.bfloat16, seed=9)
+    want = quant_matmul_reference(x, q, scale, group=0, out_dtype=jnp.float32)
+    got = qk.quant_matmul(x, q, scale, group=0, bits=8, interpret=True, block_n=32, block_k=128, k_splits=k_splits,
+                          out_dtype=jnp.float32)
+    assert got.dtype == jnp.float32 and want.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert quant_matmul(x, q, scale, out_dtype=jnp.float32).dtype == jnp.float32  # the op's dispatch passes it on
+
+
 @pytest.mark.parametrize("bits,group,block_k", [(8, 32, 128), (8, 256, 128), (4, 64, 256), (4, 256, 128),
                                                 (4, 0, 256)])
 def test_kernel_groups_and_tiles(bits, group, block_k):
