@@ -5,7 +5,13 @@
 
 Prints a table and writes the JSON to docs/perf/results/ (or --out). `--peer` first trains the same decoder shape
 in Hugging Face transformers + torch in a separate process (float32 weights and AdamW, bfloat16 autocast, SDPA;
-`hf-torch-compile` adds `torch.compile`) and reports its tokens/s and mmjax's ratio to it.
+`hf-torch-compile` adds `torch.compile`) and reports its tokens/s and mmjax's ratio to it. `--xla-variant
+NAME=FLAGS` (repeatable) runs the same step once more per variant, each in its own process with FLAGS added to
+`XLA_FLAGS` (the backend reads them once, at start), and reports each against the default flags:
+
+    python -m mmjax.tools.bench_train --text-only train.global_batch_size=8 \
+        --xla-variant dsf=--xla_gpu_enable_dynamic_slice_fusion=true \
+        --xla-variant "cmdbuf_off=--xla_gpu_enable_command_buffer="
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ import argparse
 import datetime
 import json
 import logging
+import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,6 +52,57 @@ def run_peers(cfg: Config, names: list[str], *, steps: int, warmup: int, on_cpu:
     return out
 
 
+def parse_variants(items: list[str]) -> list[tuple[str, str]]:
+    """'NAME=FLAGS' strings -> (name, flags); a name is a file-name-safe word."""
+    out = []
+    for item in items:
+        name, sep, flags = item.partition("=")
+        if not sep or not name.replace("_", "").replace("-", "").isalnum() or not flags.strip().startswith("--"):
+            raise ValueError(f"--xla-variant {item!r}: want NAME=FLAGS, e.g. "
+                             "dsf=--xla_gpu_enable_dynamic_slice_fusion=true")
+        out.append((name, flags.strip()))
+    return out
+
+
+def run_variant(args: argparse.Namespace, stem: str, name: str, flags: str) -> dict:
+    """This benchmark once more in a child process with `flags` appended to XLA_FLAGS; its result's summary."""
+    child = ["--config", args.config, "--steps", str(args.steps), "--warmup", str(args.warmup), "--profile-steps",
+             str(args.profile_steps), "--out", args.out, "--name", f"{stem}_{name}",
+             *(["--text-only"] if args.text_only else []), *(["--remat", args.remat] if args.remat else []),
+             *(["--dump-hlo"] if args.dump_hlo else []), *args.overrides]
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
+    done = subprocess.run([sys.executable, "-m", "mmjax.tools.bench_train", *child], env=env, capture_output=True,
+                          text=True)
+    row = {"variant": name, "xla_flags": flags}
+    path = Path(args.out) / f"{stem}_{name}.json"
+    if done.returncode != 0 or not path.is_file():
+        return {**row, "error": (done.stderr or done.stdout).strip().splitlines()[-1:] or [f"rc {done.returncode}"]}
+    r = json.loads(path.read_text())
+    return {**row, "result_file": str(path), "step_time_s": r["step_time_s"], "tokens_per_sec": r["tokens_per_sec"],
+            "mfu": r["mfu"], "compile_s": r["compile_s"],
+            "memcpy_share": (r.get("profile") or {}).get("memcpy_share")}
+
+
+def variants_table(result: dict) -> str:
+    """Markdown rows: the default flags, then each variant with its ratio of tokens/s to the default."""
+    base = result["tokens_per_sec"]
+    profile = result.get("profile") or {}
+    rows = [dict(variant="default", xla_flags="", step_time_s=result["step_time_s"], tokens_per_sec=base,
+                 mfu=result["mfu"], compile_s=result["compile_s"], memcpy_share=profile.get("memcpy_share")),
+            *result["xla_variants"]]
+    lines = ["| variant | step ms | tokens/s | MFU | compile s | memcpy share | vs default | flags |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | | `{r['xla_flags']}` |")
+            continue
+        pct = lambda v: "" if v is None else f"{100 * v:.1f}%"  # noqa: E731  (no MFU without a peak FLOP/s)
+        lines.append(f"| {r['variant']} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_sec']:,.0f} | "
+                     f"{pct(r['mfu'])} | {r['compile_s']:.1f} | {pct(r['memcpy_share'])} | "
+                     f"{r['tokens_per_sec'] / base:.3f}x | `{r['xla_flags']}` |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="models/llama_1b.yaml")
@@ -57,11 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dump-hlo", action="store_true", help="also write the compiled step's HLO to <out>/<name>.hlo.txt")
     p.add_argument("--peer", default="", help=f"comma list of peers run first, own process: {', '.join(PEERS)}")
     p.add_argument("--peer-on-cpu", action="store_true", help="let the torch peer run on the CPU (tiny models only)")
+    p.add_argument("--xla-variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="also run with FLAGS added to XLA_FLAGS, in its own process (repeatable)")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.global_batch_size=8")
     args = p.parse_args(argv)
     peers = [n for n in args.peer.split(",") if n]
     if unknown := [n for n in peers if n not in PEERS]:
         p.error(f"--peer {','.join(unknown)}: not one of {', '.join(PEERS)}")
+    try:
+        variants = parse_variants(args.xla_variant)
+    except ValueError as e:
+        p.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = list(args.overrides) + (["model.text_only=true"] if args.text_only else [])
     cfg = load_config(args.config, overrides)
@@ -70,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     stem = args.name or f"train_{'decoder' if cfg.model.text_only else 'mllm'}_{datetime.date.today()}"
     peer_results = run_peers(cfg, peers, steps=args.steps, warmup=args.warmup, on_cpu=args.peer_on_cpu)
+    variant_rows = [run_variant(args, stem, name, flags) for name, flags in variants]  # before this process's backend
     result = run_with_remat_fallback(cfg, remats, steps=args.steps, warmup=args.warmup,
                                      profile_steps=args.profile_steps, out_dir=out / f"{stem}_trace",
                                      hlo_path=out / f"{stem}.hlo.txt" if args.dump_hlo else None)
@@ -77,10 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         if "tokens_per_s" in peer:
             peer["mmjax_ratio"] = result["tokens_per_sec"] / peer["tokens_per_s"]
     result["peers"] = peer_results
+    if variants:
+        result["xla_variants"] = variant_rows
     result["command"] = "python -m mmjax.tools.bench_train " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     print(format_result(result))
+    if variants:
+        print(variants_table(result))
     print(f"wrote {out / f'{stem}.json'}")
     return 0
 

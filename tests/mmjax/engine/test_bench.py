@@ -66,3 +66,28 @@ def test_bench_train_cli_runs_the_torch_peer_on_the_same_shape(tmp_path, capsys)
     assert "peer hf-torch-eager" in capsys.readouterr().out
     with __import__("pytest").raises(SystemExit):
         bench_train.main(["--peer", "hf-torch-nope"])
+
+
+def test_bench_train_xla_variants_run_in_their_own_processes(tmp_path, capsys):
+    """`--xla-variant NAME=FLAGS`: the step again per variant in a child process with the flags added to XLA_FLAGS
+    (a flag the backend rejects is a failed row, not a failed run), reported against the default flags."""
+    import json
+
+    import pytest
+
+    from mmjax.tools import bench_train
+
+    rc = bench_train.main(["--config", "tiny_shapes.yaml", "--steps", "1", "--warmup", "1", "--profile-steps", "0",
+                           "--out", str(tmp_path), "--name", "r", "--xla-variant",
+                           "dsf=--xla_gpu_enable_dynamic_slice_fusion=true", "--xla-variant",
+                           "bad=--xla_no_such_flag_in_any_backend=1", *TINY_TEXT])
+    assert rc == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    good, bad = r["xla_variants"]
+    assert good["variant"] == "dsf" and good["tokens_per_sec"] > 0 and (tmp_path / "r_dsf.json").is_file()
+    assert json.loads((tmp_path / "r_dsf.json").read_text())["model"] == r["model"]  # the same step
+    assert bad["variant"] == "bad" and "error" in bad
+    table = capsys.readouterr().out
+    assert "| default |" in table and "| dsf |" in table and "| bad | failed" in table
+    with pytest.raises(SystemExit):
+        bench_train.main(["--xla-variant", "no flags"])
