@@ -173,6 +173,9 @@ def format_result(r: dict[str, Any]) -> str:
                      f"idle {100 * p['idle_share']:.1f}%, NCCL overlap {overlap}")
         for k in p["top_kernels"][:8]:
             lines.append(f"  {100 * k['share']:5.1f}%  {k['count']:5d}x  {k['name'][:90]}")
+        lines.append("kernel families (all kernels)")
+        for f in p.get("kernel_families", [])[:12]:
+            lines.append(f"  {100 * f['share']:5.1f}%  {f['count']:5d}x  {f['family'][:90]}")
     for peer in r.get("peers", []):
         if "tokens_per_s" in peer:
             lines.append(f"peer {peer['peer']:<16} {peer['tokens_per_s']:,.0f} tokens/s ({1e3 * peer['step_s']:.1f} ms)"

@@ -10,7 +10,9 @@ reports, per device, over the traced window (first kernel start to last kernel e
 * `overlapped_share`: time both run; `nccl_overlap_pct` = overlapped / communication x 100, the share
   of communication hidden behind compute (None when the run has no collectives, e.g. one GPU);
 * `memcpy_share`, `idle_share` (no kernel at all: launch gaps, host stalls);
-* `top_kernels`: kernels by total time, with their category and share of the window.
+* `top_kernels`: kernels by total time, with their category and share of the window;
+* `kernel_families`: every kernel counted once in a family (`kernel_family`: cuBLAS/Triton GEMMs, each mmjax
+  kernel, each kind of XLA fusion, copies, collectives), by total time: the whole window, not only the top.
 
 Only the device's own stream lines are read (the derived "XLA Ops"/"XLA Modules" lines duplicate them).
 """
@@ -44,6 +46,26 @@ def kernel_category(name: str) -> str:
     if MEMCPY_PATTERN.search(name):
         return "memcpy"
     return "compute"
+
+
+GEMM_PATTERN = re.compile(r"nvjet|gemm|cublas|cutlass|xmma|matmul", re.IGNORECASE)
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's family: 'gemm', 'memcpy', 'communication', 'mmjax:<kernel>' (the project's own kernels),
+    'xla:<fusion kind>' (XLA fusions with their numbering dropped, e.g. xla:loop_broadcast_fusion) or the name
+    itself with trailing numbers dropped."""
+    category = kernel_category(name)
+    if category != "compute":
+        return category
+    if name.startswith("mmjax_"):
+        return "mmjax:" + name.removeprefix("mmjax_")
+    if GEMM_PATTERN.search(name):
+        return "gemm"
+    stem = re.sub(r"(_\d+)+$|\.\d+$", "", name)
+    if "fusion" in stem or stem.startswith(("wrapped_", "loop_", "input_")):
+        return "xla:" + stem
+    return stem
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -104,6 +126,7 @@ def summarize_events(events: Sequence[dict[str, Any]], steps: int = 1, top: int 
         comm = [d["nccl_overlap_pct"] for d in per_device if d["nccl_overlap_pct"] is not None]
         summary["nccl_overlap_pct"] = sum(comm) / len(comm) if comm else None
         summary["top_kernels"] = per_device[0]["top_kernels"]
+        summary["kernel_families"] = per_device[0]["kernel_families"]
     return summary
 
 
@@ -125,6 +148,10 @@ def _summarize_device(name: str, kernels: list[dict[str, Any]], steps: int, top:
     comm_len = _length(comm)
     overlap = _intersection(compute, comm)
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    families: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for kernel, (dur, count) in totals.items():
+        families[kernel_family(kernel)][0] += dur
+        families[kernel_family(kernel)][1] += count
     return {
         "device": name,
         "kernels": len(kernels),
@@ -138,6 +165,8 @@ def _summarize_device(name: str, kernels: list[dict[str, Any]], steps: int, top:
         "idle_share": 1.0 - busy / window,
         "top_kernels": [{"name": k[:160], "category": kernel_category(k), "total_ms": v[0] / 1e3,
                          "count": int(v[1]), "share": v[0] / window} for k, v in ranked],
+        "kernel_families": [{"family": f[:160], "total_ms": v[0] / 1e3, "count": int(v[1]), "share": v[0] / window}
+                            for f, v in sorted(families.items(), key=lambda kv: -kv[1][0])],
     }
 
 

@@ -80,12 +80,27 @@ def test_trace_summary_shares_and_top_kernels(tmp_path):
     assert s["idle_share"] == pytest.approx(20 / 160)  # busy = [0,80] + [100,160]
     top = s["top_kernels"][0]
     assert top["name"].startswith("sm90_xmma_gemm") and top["count"] == 2 and top["total_ms"] == pytest.approx(0.1)
+    families = {f["family"]: (f["count"], f["total_ms"]) for f in s["kernel_families"]}
+    assert families == {"gemm": (2, pytest.approx(0.1)), "communication": (1, pytest.approx(0.04)),
+                        "xla:loop_fusion": (1, pytest.approx(0.02)), "memcpy": (1, pytest.approx(0.01))}
     # the same events through a trace file, as jax writes it
     run = tmp_path / "plugins" / "profile" / "2026_01_01"
     run.mkdir(parents=True)
     with gzip.open(run / "host.trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
     assert summarize_trace(tmp_path, steps=2)["compute_share"] == pytest.approx(s["compute_share"])
+
+
+def test_kernel_families_group_numbered_fusions_and_own_kernels():
+    from mmjax.observe.profile import kernel_family
+
+    assert kernel_family("loop_broadcast_fusion_10") == "xla:loop_broadcast_fusion"
+    assert kernel_family("loop_broadcast_fusion") == "xla:loop_broadcast_fusion"
+    assert kernel_family("input_reduce_fusion_3_1") == "xla:input_reduce_fusion"
+    assert kernel_family("mmjax_swiglu_bwd") == "mmjax:swiglu_bwd"
+    assert kernel_family("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "gemm"
+    assert kernel_family("gemm_fusion_dot_46") == "gemm"
+    assert kernel_family("memcpy32_post") == "memcpy" and kernel_family("ncclDevKernel_AllGather") == "communication"
 
 
 def test_watchdog_dumps_stacks_on_a_stall_and_names_the_phase(tmp_path):
