@@ -27,7 +27,7 @@ from mmjax.parallel.mesh import make_mesh
 from mmjax.parallel.sharding import context_from_config, in_sharding_context
 
 # value-preserving primitives: a residual made by one is a second copy of a value saved elsewhere as well
-IDENTITIES = frozenset({"name", "sharding_constraint", "copy", "copy_p"})
+IDENTITIES = frozenset({"name", "sharding_constraint", "copy"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,8 @@ SCHEMES = ("none", *STORAGE)
 QUANTIZED = (QuantizedWeight, QuantizedTable)  # what a quantized parameter's value is
 HEAD_SUFFIX = "+head"  # a variant name's mark for the int8 output matmul (serve.quantize_lm_head)
 VARIANTS = (*SCHEMES, *(s + HEAD_SUFFIX for s in SCHEMES))  # names the quality and speed tools take
+# per-layer rank and number of leading contracted axes of each decoder matmul's weight
+DECODER_MATMULS = {"qkv": (4, 1), "out": (3, 2), "gate_up": (3, 1), "down": (2, 1)}
 
 
 def parse_variant(name: str) -> tuple[str, bool]:
@@ -36,8 +38,6 @@ def parse_variant(name: str) -> tuple[str, bool]:
         raise ConfigError(f"quantization variant {name!r}: want a scheme of {', '.join(SCHEMES)}, optionally with "
                           f"{HEAD_SUFFIX!r} for the int8 output matmul")
     return scheme, name.endswith(HEAD_SUFFIX)
-# per-layer rank and number of leading contracted axes of each decoder matmul's weight
-DECODER_MATMULS = {"qkv": (4, 1), "out": (3, 2), "gate_up": (3, 1), "down": (2, 1)}
 
 
 def _log_fp8_mode(native: bool, platform: str) -> None:
@@ -54,7 +54,7 @@ def param_name(path) -> str:
 
 
 def is_quantized(state: Any) -> bool:
-    """Whether any parameter of `state` is a `QuantizedWeight` (a converted or pre-quantized state)."""
+    """Whether any parameter of `state` is quantized (a converted or pre-quantized state)."""
     return any(isinstance(x, QUANTIZED) for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, QUANTIZED)))
 
 

@@ -76,7 +76,8 @@ def run_variant(args: argparse.Namespace, stem: str, name: str, flags: str) -> d
     row = {"variant": name, "xla_flags": flags}
     path = Path(args.out) / f"{stem}_{name}.json"
     if done.returncode != 0 or not path.is_file():
-        return {**row, "error": (done.stderr or done.stdout).strip().splitlines()[-1:] or [f"rc {done.returncode}"]}
+        last = (done.stderr or done.stdout).strip().splitlines()
+        return {**row, "error": last[-1][:300] if last else f"exit status {done.returncode}"}
     r = json.loads(path.read_text())
     return {**row, "result_file": str(path), "step_time_s": r["step_time_s"], "tokens_per_sec": r["tokens_per_sec"],
             "mfu": r["mfu"], "compile_s": r["compile_s"],
