@@ -165,8 +165,8 @@ def remat_name(x: jax.Array, name: str, policy: str) -> jax.Array:
     """`checkpoint_name(x, name)` where `policy` picks residuals by name; `x` itself under any other policy.
 
     Why not always: the name is an identity whose output is a new value, so without such a policy the backward
-    saves it beside its producer's own residual (the attention output was kept twice per layer, 64 MiB per
-    layer at the 1.2B's batch 8 x 2048, each copy written into and read out of the layer scan's stack)."""
+    saves it beside its producer's own residual (the attention output was kept twice per layer, each copy written
+    into and read out of the layer scan's stack; docs/perf/train.md, "Where the copies come from")."""
     return checkpoint_name(x, name) if policy in NAMED_REMAT else x
 
 

@@ -150,8 +150,9 @@ def _summarize_device(name: str, kernels: list[dict[str, Any]], steps: int, top:
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
     families: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for kernel, (dur, count) in totals.items():
-        families[kernel_family(kernel)][0] += dur
-        families[kernel_family(kernel)][1] += count
+        family = families[kernel_family(kernel)]
+        family[0] += dur
+        family[1] += count
     return {
         "device": name,
         "kernels": len(kernels),

@@ -158,8 +158,7 @@ def _einsum(w: QuantizedWeight, spec: str, x: jax.Array, dtype, out_dtype) -> ja
     if _lead(w) or len(ws) != len(w.shape):
         raise ValueError(f"quantized weight {w.shape} does not match einsum {spec!r} (stack axes left?)")
     contracted, w_out = ws[:w.n_contract], ws[w.n_contract:]
-    if w.scheme in ("int8", "int4") and (
-            y := _kernel_matmul(w, xs, contracted, w_out, out, x, dtype, out_dtype)) is not None:
+    if (y := _kernel_matmul(w, xs, contracted, w_out, out, x, dtype, out_dtype)) is not None:
         return y
     if w.group:
         return jnp.einsum(spec, x.astype(dtype), dequantize(w, dtype), preferred_element_type=jnp.float32
