@@ -50,7 +50,7 @@ def parse_variants(items: Sequence[str]) -> list[tuple[str, str]]:
 def run_sweep(cfg: Config, spec: bench.BenchSpec, variants: Sequence[tuple[str, str]], *,
               params: dict | None = None, save: Callable[[dict], None] | None = None) -> dict:
     """Decode rows of every variant at `spec.batches` on one model; returns the record."""
-    spec = dataclasses.replace(spec, ttft_prompts=(), num_requests=0)
+    spec = dataclasses.replace(spec, ttft_prompts=(), num_requests=0)  # profile_steps kept: see below
     cfg = bench.serving_config(cfg, spec)
     model = build_model(cfg, params)
     dev = jax.devices()[0]
@@ -79,8 +79,16 @@ def run_sweep(cfg: Config, spec: bench.BenchSpec, variants: Sequence[tuple[str, 
             row["fraction_of_roofline"] = None if tok_s is None else tok_s / row["roofline"]["tok_s"]
             rows.append(row)
             log.info("%s:%s batch %d: %s tok/s", scheme, kv, b, tok_s)
-        record["variants"].append({"quantization": scheme, "kv_cache_dtype": kv, "weight_bytes": wbytes,
-                                   "kv_bytes_per_token": kv_tok, "decode": rows})
+        variant = {"quantization": scheme, "kv_cache_dtype": kv, "weight_bytes": wbytes,
+                   "kv_bytes_per_token": kv_tok, "decode": rows}
+        if spec.profile_steps:  # where the smallest batch's token step goes, per variant
+            prof = variant["profile"] = bench.profile_decode(engine, min(spec.batches), spec, rng)
+            steps = max(prof.get("token_steps", 1), 1)
+            log.info("%s:%s batch %d, device ms per token step %.3f (idle %.1f%%): %s", scheme, kv,
+                     min(spec.batches), prof.get("step_ms", float("nan")), 100 * prof.get("idle_share", float("nan")),
+                     ", ".join(f"{f['family']} {f['total_ms'] / steps:.3f} x{f['count'] // steps}"
+                               for f in prof.get("kernel_families", [])[:12]))
+        record["variants"].append(variant)
         del engine
         if save is not None:
             save(record)

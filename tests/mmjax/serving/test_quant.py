@@ -203,7 +203,7 @@ def test_bench_sweep_rooflines_from_own_bytes(quant):
     cfg = dataclasses.replace(Config(), model=quant["tiny"]["config"](text_only=True),
                               serve=quant["tiny"]["serve"](page_size=4, num_pages=8, max_num_batched_tokens=8,
                                                            max_num_seqs=1, min_token_bucket=8))
-    spec = bench.BenchSpec(batches=(1,), prompt_len=6, new_tokens=4, hbm_gbps=100.0)
+    spec = bench.BenchSpec(batches=(1,), prompt_len=6, new_tokens=4, hbm_gbps=100.0, profile_steps=1)
     record = bench_quant.run_sweep(cfg, spec, bench_quant.parse_variants(["int8:fp8"]))
     (v,) = record["variants"]
     t = cfg.model.text
@@ -214,6 +214,7 @@ def test_bench_sweep_rooflines_from_own_bytes(quant):
     assert row["compiles_during_timing"] == 0 and 0 < row["fraction_of_roofline"]
     assert row["roofline"]["step_bytes"] == v["weight_bytes"] + 1 * (6 + 4 / 2) * v["kv_bytes_per_token"]
     assert "int8 | fp8" in bench_quant.table(record)
+    assert v["profile"]["batch"] == 1 and v["profile"]["token_steps"] >= 1  # the variant's own trace
     assert bench_quant.parse_variants(["int8+head:fp8", "none"]) == [("int8+head", "fp8"), ("none", "auto")]
     with pytest.raises(ConfigError, match="--sweep-quant"):
         bench_quant.parse_variants(["int3"])
