@@ -10,8 +10,8 @@ Grid (blocks, KV): one program walks its sequence's pages in steps of `pages_per
 page ids from the page table and the pages straight from the pool (no dense copy of the cache), with an
 online softmax in float32. It stops at its causal limit (the last query's position + 1, or the context
 length when a query of the block is an image token), so a decode token reads only its own context and
-the early queries of a prefill chunk skip the chunk's later pages. The outputs are scattered back to
-their token rows; tokens of no sequence stay zero.
+the early queries of a prefill chunk skip the chunk's later pages. Each token then gathers its output row
+from the blocks; tokens of no sequence get zero rows.
 """
 
 from __future__ import annotations
@@ -220,4 +220,14 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
         out = normalized(jnp.sum(w[..., None] * o, axis=2).reshape(nb * kvh * rows, d),
                          jnp.sum(w * l, axis=2).reshape(-1)).reshape(nb, kvh, rows, d).astype(q.dtype)
     out = out[:, :, :bq * gp].reshape(nb, kvh, bq, gp, d)[:, :, :, :g].transpose(0, 2, 1, 3, 4)
-    return jnp.zeros_like(q).at[idx.reshape(-1)].set(out.reshape(nb * bq, h, d), mode="drop")
+    return _token_rows(out.reshape(nb * bq, h, d), idx, t)
+
+
+def _token_rows(out, idx, t: int):
+    """[T, H, D]: token i's row of the blocks' query rows `out` [nb * bq, H, D] (idx [nb, bq]: each row's token,
+    t where none), zero for a token of no block. A gather, where `zeros.at[idx].set(out)` was a zero fill and a
+    scatter: one kernel instead of two per layer of every step. The inverse index depends on the step's metadata
+    only, so the layers of a step share it."""
+    n = out.shape[0]
+    row = jnp.full((t,), n, jnp.int32).at[idx.reshape(-1)].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    return jnp.where((row < n)[:, None, None], out[jnp.minimum(row, n - 1)], 0).astype(out.dtype)
