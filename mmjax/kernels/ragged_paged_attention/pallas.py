@@ -225,9 +225,9 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
 
 def _token_rows(out, idx, t: int):
     """[T, H, D]: token i's row of the blocks' query rows `out` [nb * bq, H, D] (idx [nb, bq]: each row's token,
-    t where none), zero for a token of no block. A gather, where `zeros.at[idx].set(out)` was a zero fill and a
-    scatter: one kernel instead of two per layer of every step. The inverse index depends on the step's metadata
-    only, so the layers of a step share it."""
+    t where none), zero for a token of no block. A gather rather than `zeros.at[idx].set(out)`, whose zero fill
+    and scatter XLA may run as two kernels per layer of every step. The inverse index depends on the step's
+    metadata only, so the layers of a step can share it."""
     n = out.shape[0]
     row = jnp.full((t,), n, jnp.int32).at[idx.reshape(-1)].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
     return jnp.where((row < n)[:, None, None], out[jnp.minimum(row, n - 1)], 0).astype(out.dtype)
