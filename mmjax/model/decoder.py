@@ -75,14 +75,17 @@ class DecoderLayer(nnx.Module):
                       ("batch", "length", "kv_heads", "head_dim"))
         return q, k, constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
-    def finish(self, x, attn, fp8: bool = False):
+    def finish(self, x, attn, fp8: bool = False, *, defer_add: bool = False):
+        """The layer after attention: x + mlp(norm(x + out(attn))); with `defer_add`, (x + out(attn), mlp(...))
+        unsummed, for the next layer's norm to add in its kernel."""
         attn = remat_name(constrain(attn, ("batch", "length", "heads", "head_dim")), "attention_out", self.remat)
         # residual add + RMSNorm in one kernel: (norm(x + attn_out), x + attn_out)
         h, x = self.mlp_norm(dense(attn, self.out[...], "bshd,hde->bse", self.compute_dtype, fp8=fp8), residual=x)
         x = constrain(x, RESIDUAL)
         h = dense(h, self.gate_up[...], "bse,ecm->bscm", self.compute_dtype, fp8=fp8)
         h = constrain(kernels.swiglu(h, impl=self.swiglu_impl), ("batch", "length", "mlp"))
-        return constrain(x + dense(h, self.down[...], "bsm,me->bse", self.compute_dtype, fp8=fp8), RESIDUAL)
+        mlp = dense(h, self.down[...], "bsm,me->bse", self.compute_dtype, fp8=fp8)
+        return (x, constrain(mlp, RESIDUAL)) if defer_add else constrain(x + mlp, RESIDUAL)
 
     def __call__(self, x, positions, segment_ids, block_ids):
         """Training forward over the sequence itself."""
@@ -92,18 +95,23 @@ class DecoderLayer(nnx.Module):
                          q_block_ids=block_ids, kv_block_ids=block_ids, impl=self.attention_impl)
         return self.finish(x, attn, self.fp8)
 
-    def paged(self, x, positions, k_pool, v_pool, layer, meta: PagedMeta):
-        """Serving forward of a flat token batch (x [1,T,E], positions [1,T]) as layer `layer` of the stacked
-        paged KV pools ([L, KV, P, page_size, D]): writes this step's k, v at `meta.slot_mapping`, then ragged
-        paged attention. The pools stay whole (no per-layer slice), so XLA updates them in place."""
-        q, k, v = self.qkv_proj(self.attn_norm(x), positions)
+    def paged(self, x, pending, positions, k_pool, v_pool, layer, meta: PagedMeta):
+        """Serving forward of a flat token batch (positions [1,T]) as layer `layer` of the stacked paged KV pools
+        ([L, KV, P, page_size, D]): writes this step's k, v at `meta.slot_mapping`, then ragged paged attention.
+        The pools stay whole (no per-layer slice), so XLA updates them in place.
+
+        The residual stream comes in two parts, x + pending [1,T,E] (the previous layer's MLP output not yet
+        added), and goes out the same way: the add runs inside this layer's norm kernel instead of as a kernel
+        of its own in every layer of every step."""
+        h, x = self.attn_norm(pending, residual=x)
+        q, k, v = self.qkv_proj(h, positions)
         k_pool = kernels.kv_pages.write_pages(k_pool, k[0], meta.slot_mapping, layer)  # quantizes a ScaledPages pool
         v_pool = kernels.kv_pages.write_pages(v_pool, v[0], meta.slot_mapping, layer)
         attn = kernels.ragged_paged_attention(
             q[0], k_pool, v_pool, meta.page_table, meta.query_start, meta.query_len, meta.context_len,
             kv_block_ids=meta.kv_block_ids, q_block_ids=meta.q_block_ids, max_query_len=meta.max_query_len,
             layer=layer)
-        return self.finish(x, attn[None]), (k_pool, v_pool)
+        return self.finish(x, attn[None], defer_add=True), (k_pool, v_pool)
 
 
 class Decoder(nnx.Module):
@@ -179,9 +187,12 @@ class Decoder(nnx.Module):
             meta = meta.replace(q_block_ids=block_ids[0])
 
         def body(layer, carry, index):  # the pools ride in the carry: updated in place, never sliced per layer
-            h, pools = carry
-            return layer.paged(h, positions, *pools, index, meta), None
+            (h, pending), pools = carry
+            return layer.paged(h, pending, positions, *pools, index, meta), None
 
         layer_ids = jnp.arange(self.cfg.text.n_layers, dtype=jnp.int32)
-        (x, kv), _ = run_stack(self.layers, body, (constrain(x, RESIDUAL), kv), layer_ids, scan=self.scan)
-        return self.logits(x[:, meta.logits_indices])[0], kv
+        x = constrain(x, RESIDUAL)
+        ((x, pending), kv), _ = run_stack(self.layers, body, ((x, jnp.zeros_like(x)), kv), layer_ids,
+                                          scan=self.scan)
+        rows = meta.logits_indices
+        return self.logits((x[:, rows] + pending[:, rows]).astype(x.dtype))[0], kv
