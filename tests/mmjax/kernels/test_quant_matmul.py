@@ -185,17 +185,3 @@ def test_kernel_gpu_decode_shapes(bits, m, k, n):
     assert quant_matmul_supported(x, w, scale, group=group, bits=bits) is None
     _close(quant_matmul(x, w, scale, group=group, bits=bits), quant_matmul_reference(x, q, scale, group=group),
            jnp.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("m", [1, 16, 64])
-def test_swiglu_epilogue_gpu_gate_up(bits, m):
-    """The 1.24B's fused gate/up [2048, 2 x 8192] with the SwiGLU epilogue, bf16, default tiling, on the GPU."""
-    group = 128 if bits == 4 else 0
-    x, q, scale = make_case(m, 2048, 2 * 8192, bits=bits, group=group, dtype=jnp.bfloat16)
-    w = pack_int4(q) if bits == 4 else q
-    assert quant_matmul_supported(x, w, scale, group=group, bits=bits, swiglu=True) is None
-    y = quant_matmul_reference(x, q, scale, group=group, out_dtype=jnp.float32)
-    _close(quant_matmul(x, w, scale, group=group, bits=bits, swiglu=True), jax.nn.silu(y[:, :8192]) * y[:, 8192:],
-           jnp.bfloat16)
