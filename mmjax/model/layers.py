@@ -92,16 +92,6 @@ def dense(x, w, spec: str, dtype, bias=None, *, fp8: bool = False):
     return y
 
 
-def gate_up_swiglu(x, w, spec: str, dtype, *, impl: str = "auto", fp8: bool = False):
-    """silu(gate) * up of the fused gate/up projection dense(x, w, spec) ([..., 2, F] -> [..., F]). A weight that
-    fuses the activation into its matmul (`QuantizedWeight.fused_swiglu`, decode-sized steps on a GPU) runs one
-    kernel; otherwise the matmul, then `kernels.swiglu`."""
-    fused = getattr(w, "fused_swiglu", None)
-    if fused is not None and (y := fused(spec, x, dtype)) is not None:
-        return y
-    return kernels.swiglu(dense(x, w, spec, dtype, fp8=fp8), impl=impl)
-
-
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype, impl: str = "auto"):
         self.scale = param(None, ones, (dim,), ("embed",), param_dtype)

@@ -88,17 +88,6 @@ class QuantizedWeight:
         (default `dtype`), dequantization fused (see the module docstring)."""
         return _einsum(self, spec, x, dtype, dtype if out_dtype is None else out_dtype)
 
-    def fused_swiglu(self, spec: str, x: jax.Array, dtype) -> jax.Array | None:
-        """silu(gate) * up of einsum(spec, x, dequant(w)) for a fused gate/up weight (its output axes [2, F] last
-        in spec's output) -> [..., F] in `dtype`, from one kernel (the activation in the matmul's epilogue) where
-        the decode-sized kernel runs; None elsewhere, for the caller to run the matmul and the activation."""
-        ins, out = spec.replace(" ", "").split("->")
-        xs, ws = ins.split(",")
-        contracted, w_out = ws[:self.n_contract], ws[self.n_contract:]
-        if _lead(self) or len(w_out) != 2 or self.shape[self.n_contract] != 2:
-            return None
-        return _kernel_matmul(self, xs, contracted, w_out, out, x, dtype, dtype, swiglu=True)
-
 
 def _lead(w: QuantizedWeight) -> int:
     return len(w.shape) - w.n_contract - w.n_out
@@ -191,11 +180,10 @@ KERNEL_MAX_ROWS = 64  # decode-sized steps; a prefill's wide dot is compute-boun
 
 
 def _kernel_matmul(w: QuantizedWeight, xs: str, contracted: str, w_out: str, out: str, x: jax.Array,
-                   dtype, out_dtype, swiglu: bool = False) -> jax.Array | None:
+                   dtype, out_dtype) -> jax.Array | None:
     """The fused weight-only kernel (`kernels.quant_matmul`) where the einsum is a plain [M, K] x [K, N]
     matmul (x ends with the contracted axes, the output is x's other axes then the weight's), the weight is
-    per-channel int8 or packed int4, and the kernel can run here; None leaves the einsum to XLA. `swiglu`: the
-    weight's output axes are [2, F] (gate, up) and the result silu(gate) * up [..., F]."""
+    per-channel int8 or packed int4, and the kernel can run here; None leaves the einsum to XLA."""
     x_lead = xs[:len(xs) - len(contracted)]
     if not xs.endswith(contracted) or out != x_lead + w_out:
         return None
@@ -210,7 +198,7 @@ def _kernel_matmul(w: QuantizedWeight, xs: str, contracted: str, w_out: str, out
     bits = BITS[w.scheme]
     q2 = w.q.reshape(k * bits // 8, -1)
     scale = w.scale.reshape(-1) if not w.group else w.scale.reshape(k // w.group, -1)
-    if quant_matmul_supported(x2, q2, scale, group=w.group, bits=bits, swiglu=swiglu) is not None:
+    if quant_matmul_supported(x2, q2, scale, group=w.group, bits=bits) is not None:
         return None  # elsewhere XLA's fusion, not the op's own reference
-    y = quant_matmul(x2, q2, scale, group=w.group, bits=bits, out_dtype=out_dtype, swiglu=swiglu, impl="pallas")
-    return y.reshape(*x.shape[:len(x_lead)], *(out_shape[1:] if swiglu else out_shape))
+    y = quant_matmul(x2, q2, scale, group=w.group, bits=bits, out_dtype=out_dtype, impl="pallas")
+    return y.reshape(*x.shape[:len(x_lead)], *out_shape)

@@ -1,6 +1,6 @@
 """`kernels.quant_matmul`: y = x @ dequant(w) for weight-only int8 / int4 weights, sized for decode (M = 1..64).
 
-    y = quant_matmul(x, w, scale, group=0, bits=8, layer=None, out_dtype=None, swiglu=False, impl="auto")
+    y = quant_matmul(x, w, scale, group=0, bits=8, layer=None, out_dtype=None, impl="auto")
 
 * x [..., K] floating; y [..., N] in `out_dtype` (default x's dtype), accumulated in float32.
 * bits=8: w int8 [K, N]. bits=4: w is `pack_int4(q)` of int4 values q [K, N] in [-7, 7]: int8 [K // 2, N],
@@ -9,9 +9,6 @@
   of K (int4 uses 128): y[m, n] = sum_k x[m, k] * q[k, n] * scale[k // group, n].
 * layer (int or int32 scalar, optional): w and scale are every layer's stack ([L, ...] in front) and layer
   `layer` is read in place, so a scanned decoder slices (copies) no weight for the kernel.
-* swiglu: w's N columns are a gate half then an up half (a fused gate/up projection [K, 2, F] flattened), and
-  y = silu(x @ gate) * (x @ up) [..., F] from the float32 accumulators: the MLP's activation in the matmul's
-  epilogue, so a decode step runs no separate SwiGLU kernel (and never writes the [M, 2F] projection).
 
 Implementations (`impl="auto"` takes the first that can run):
 
@@ -39,21 +36,16 @@ INT4_GROUP = 128  # the int4 scheme's group size along K (one pack block)
 OP = _dispatch.Op("quant_matmul")
 
 
-def _xla(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None, swiglu: bool = False):
+def _xla(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None):
     if layer is not None:
         take = lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
         w, scale = take(w), take(scale)
-    q = unpack_int4(w) if bits == 4 else w
-    if not swiglu:
-        return quant_matmul_reference(x, q, scale, group=group, out_dtype=out_dtype)
-    y = quant_matmul_reference(x, q, scale, group=group, out_dtype=jnp.float32)
-    f = y.shape[-1] // 2
-    return (jax.nn.silu(y[..., :f]) * y[..., f:]).astype(x.dtype if out_dtype is None else out_dtype)
+    return quant_matmul_reference(x, unpack_int4(w) if bits == 4 else w, scale, group=group, out_dtype=out_dtype)
 
 
-def _pallas(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None, swiglu: bool = False):
+def _pallas(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None):
     from mmjax.kernels.quant_matmul import kernel
-    return kernel.quant_matmul(x, w, scale, group=group, bits=bits, layer=layer, out_dtype=out_dtype, swiglu=swiglu)
+    return kernel.quant_matmul(x, w, scale, group=group, bits=bits, layer=layer, out_dtype=out_dtype)
 
 
 def _pallas_guard(ctx: _dispatch.Ctx) -> str | None:
@@ -61,17 +53,15 @@ def _pallas_guard(ctx: _dispatch.Ctx) -> str | None:
     reason = _dispatch.pallas_triton(ctx)
     if reason is not None:
         return reason
-    m, k, n, bits, group, swiglu = (ctx.get(key) for key in ("m", "k", "n", "bits", "group", "swiglu"))
-    n = n // 2 if swiglu else n
-    return tiling_problem(m, k, n, bits=bits, group=group,
-                          tiling=default_tiling(bits, m, k, n, group, split_k=not swiglu))
+    m, k, n, bits, group = (ctx.get(key) for key in ("m", "k", "n", "bits", "group"))
+    return tiling_problem(m, k, n, bits=bits, group=group, tiling=default_tiling(bits, m, k, n, group))
 
 
 OP.register("xla", _xla, _dispatch.any_float, priority=0)
 OP.register("pallas", _pallas, _pallas_guard, priority=10)
 
 
-def _context(x, w, scale, *, group: int, bits: int, layer, impl: str, swiglu: bool = False) -> _dispatch.Ctx:
+def _context(x, w, scale, *, group: int, bits: int, layer, impl: str) -> _dispatch.Ctx:
     m = 1
     for d in x.shape[:-1]:
         m *= d
@@ -80,27 +70,22 @@ def _context(x, w, scale, *, group: int, bits: int, layer, impl: str, swiglu: bo
         raise ValueError(f"quant_matmul: {problem} (x {tuple(x.shape)} flattened to [M, K])")
     if w.dtype != jnp.int8:
         raise ValueError(f"quant_matmul: the weight must be int8 (int4 packed by pack_int4), got {w.dtype}")
-    if swiglu and w.shape[-1] % 2:
-        raise ValueError(f"quant_matmul: swiglu needs an even N (gate and up halves), got weight {tuple(w.shape)}")
     # row_wise: under a mesh a custom call would be replicated, where XLA partitions the dot natively
     return _dispatch.make_ctx(x.dtype, explicit=impl != "auto", m=m, k=x.shape[-1], n=w.shape[-1], bits=bits,
-                              group=group, swiglu=swiglu, row_wise=True)
+                              group=group, row_wise=True)
 
 
-def quant_matmul_supported(x, w, scale, *, group: int, bits: int, layer=None, swiglu: bool = False) -> str | None:
+def quant_matmul_supported(x, w, scale, *, group: int, bits: int, layer=None) -> str | None:
     """Why `impl="auto"` would not take the Pallas kernel for these arguments here, or None if it would."""
-    return OP.reason("pallas", _context(x, w, scale, group=group, bits=bits, layer=layer, impl="auto",
-                                        swiglu=swiglu))
+    return OP.reason("pallas", _context(x, w, scale, group=group, bits=bits, layer=layer, impl="auto"))
 
 
 def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int = 0, bits: int = 8,
-                 layer: jax.Array | int | None = None, out_dtype=None, swiglu: bool = False,
-                 impl: str = "auto") -> jax.Array:
-    """x [..., K] @ dequant(w) -> [..., N] in `out_dtype` (default x's dtype); with `swiglu`, silu(gate) * up
-    [..., N // 2] of the two column halves; see the module docstring."""
-    ctx = _context(x, w, scale, group=group, bits=bits, layer=layer, impl=impl, swiglu=swiglu)
+                 layer: jax.Array | int | None = None, out_dtype=None, impl: str = "auto") -> jax.Array:
+    """x [..., K] @ dequant(w) -> [..., N] in `out_dtype` (default x's dtype); see the module docstring."""
+    ctx = _context(x, w, scale, group=group, bits=bits, layer=layer, impl=impl)
     fn = OP.select(impl, ctx).fn
     lead, k = x.shape[:-1], x.shape[-1]
     layer = None if layer is None else jnp.asarray(layer, jnp.int32)
-    y = fn(x.reshape(-1, k), w, scale, group=group, bits=bits, layer=layer, out_dtype=out_dtype, swiglu=swiglu)
-    return y.reshape(*lead, y.shape[-1])
+    y = fn(x.reshape(-1, k), w, scale, group=group, bits=bits, layer=layer, out_dtype=out_dtype)
+    return y.reshape(*lead, w.shape[-1])

@@ -54,14 +54,13 @@ def _pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
-def default_tiling(bits: int, m: int, k: int, n: int, group: int = 0, *, split_k: bool = True) -> Tiling:
+def default_tiling(bits: int, m: int, k: int, n: int, group: int = 0) -> Tiling:
     """The default launch shape for (bits, M, K, N); to be confirmed by `sweep.py` on the GPU.
 
     N tiles of 128 (a 128-byte line of int8 or packed int4 per weight row), K tiles of 128 rows for int8 and
     256 for int4 (16 KiB of weight bytes per step either way), M tiles up to 64. Then, until there are
-    `TARGET_PROGRAMS` programs: split K in powers of two (unless `split_k` is False) while the float32 partials
-    stay below `PARTIAL_SHARE` of the weight bytes, then narrow the N tiles down to 32 (shorter contiguous row
-    segments)."""
+    `TARGET_PROGRAMS` programs: split K in powers of two while the float32 partials stay below `PARTIAL_SHARE`
+    of the weight bytes, then narrow the N tiles down to 32 (shorter contiguous row segments)."""
     block_m = min(next_pow2(max(m, MIN_M)), 64)
     block_n = next((b for b in (128, 64, 32, 16) if n % b == 0), 128)
     if bits == 4:
@@ -71,7 +70,7 @@ def default_tiling(bits: int, m: int, k: int, n: int, group: int = 0, *, split_k
     m_blocks = -(-m // block_m)
     programs = lambda: m_blocks * max(1, n // block_n) * k_splits  # noqa: E731
     k_splits = 1
-    while (split_k and programs() < TARGET_PROGRAMS and k % (2 * k_splits * block_k) == 0
+    while (programs() < TARGET_PROGRAMS and k % (2 * k_splits * block_k) == 0
            and 2 * k_splits * m_blocks * block_m * 4 <= PARTIAL_SHARE * k * bits / 8):
         k_splits *= 2
     while programs() < TARGET_PROGRAMS and block_n > 32 and n % (block_n // 2) == 0:
@@ -136,13 +135,9 @@ def tiling_problem(m: int, k: int, n: int, *, bits: int, group: int, tiling: Til
     return None
 
 
-def _kernel(layer_ref, x_ref, *refs, bits: int, group: int, block_k: int, steps: int, k: int, split: bool,
-            swiglu: bool):
-    """One (M block, N block, K split) program: walk `steps` K tiles, dequantizing each weight tile in registers.
-    With `swiglu` the program holds a gate tile and the up tile of the same columns (two weight and scale refs)
-    and writes silu(gate) * up from the two float32 accumulators."""
-    *operands, o_ref = refs
-    pairs = [(operands[i], operands[i + 1]) for i in range(0, len(operands), 2)]   # (weight, scale) refs
+def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, bits: int, group: int, block_k: int, steps: int,
+            k: int, split: bool):
+    """One (M block, N block, K split) program: walk `steps` K tiles, dequantizing each weight tile in registers."""
     layer = layer_ref[0]
     dt = x_ref.dtype
     bm, bn = o_ref.shape[-2:]
@@ -150,7 +145,7 @@ def _kernel(layer_ref, x_ref, *refs, bits: int, group: int, block_k: int, steps:
     groups = k // group if group else 1
     first = pl.program_id(2) * steps                  # first K tile of this split
 
-    def pieces(w_ref, t):
+    def pieces(t):
         """(row offset in the tile, float32 partial dot) of K tile t, cut where a scale group or nibble half ends."""
         start = t * block_k
         if bits == 8:
@@ -167,8 +162,9 @@ def _kernel(layer_ref, x_ref, *refs, bits: int, group: int, block_k: int, steps:
             out.append((c + HALF, _dot(x_ref[:, pl.ds(start + c + HALF, HALF)], hi)))
         return out
 
-    def accumulate(w_ref, s_ref, t, acc):
-        parts = pieces(w_ref, t)
+    def step(i, acc):
+        t = first + i
+        parts = pieces(t)
         if group == 0:
             for _, part in parts:
                 acc = acc + part
@@ -186,34 +182,23 @@ def _kernel(layer_ref, x_ref, *refs, bits: int, group: int, block_k: int, steps:
             acc = acc + part * s
         return acc
 
-    def step(i, accs):
-        return tuple(accumulate(w_ref, s_ref, first + i, acc) for (w_ref, s_ref), acc in zip(pairs, accs))
-
-    accs = lax.fori_loop(0, steps, step, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in pairs))
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
     if group == 0:
-        accs = tuple(acc * s_ref[pl.ds(layer, 1), :] for (_, s_ref), acc in zip(pairs, accs))
-    if swiglu:
-        gate, up = accs
-        acc = gate / (1.0 + jnp.exp(-gate)) * up      # silu(gate) * up, in float32
-    else:
-        (acc,) = accs
+        acc = acc * s_ref[pl.ds(layer, 1), :]
     o_ref[...] = acc if split else acc.astype(o_ref.dtype)
 
 
 def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bits: int,
-                 layer: jax.Array | int | None = None, out_dtype=None, swiglu: bool = False,
-                 interpret: bool | None = None, block_m: int | None = None,
+                 layer: jax.Array | int | None = None, out_dtype=None, interpret: bool | None = None,
+                 block_m: int | None = None,
                  block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
     """x [M, K] @ dequant(w) -> [M, N] in `out_dtype` (default x's dtype), accumulated in float32.
 
     w: int8 [K, N] (bits=8) or `pack_int4`-packed int8 [K // 2, N] (bits=4); scale float32 [N] (group 0) or
     [K // group, N]. With `layer` (int or int32 scalar), w and scale carry a leading layers axis and that
-    layer is read in place. With `swiglu`, w's columns are a gate half then an up half (a fused gate/up
-    projection [K, 2, F] flattened) and the result is silu(x @ gate) * (x @ up) [M, F] from the float32
-    accumulators (no K split: the nonlinearity needs whole sums). Tiling arguments left None take
-    `default_tiling`; `interpret` None means interpret mode when compiling for the CPU (tests). Raises
-    ValueError naming the shapes it cannot take."""
+    layer is read in place. Tiling arguments left None take `default_tiling`; `interpret` None means
+    interpret mode when compiling for the CPU (tests). Raises ValueError naming the shapes it cannot take."""
     stacked = layer is not None
     problem = shape_problem(x.shape, w.shape, scale.shape, group=group, bits=bits, stacked=stacked)
     if problem is not None:
@@ -222,18 +207,14 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
         raise ValueError(f"quant_matmul: x must be floating and the weight int8, got x {x.dtype}, weight {w.dtype}")
     m, k = x.shape
     n = w.shape[-1]
-    if swiglu and (n % 2 or k_splits not in (None, 1)):
-        raise ValueError(f"quant_matmul: swiglu needs an even N (gate and up halves) and no K split; got weight "
-                         f"{tuple(w.shape)}, k_splits={k_splits}")
-    n_out = n // 2 if swiglu else n                      # columns of the output (and of a tile's index space)
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    d = default_tiling(bits, m, k, n_out, group, split_k=not swiglu)
+    d = default_tiling(bits, m, k, n, group)
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
                  num_stages=num_stages)
     t = dataclasses.replace(d, **{key: v for key, v in given.items() if v is not None})
     bm = min(next_pow2(max(m, MIN_M)), t.block_m)
     t = dataclasses.replace(t, block_m=bm)
-    problem = tiling_problem(m, k, n_out, bits=bits, group=group, tiling=t)
+    problem = tiling_problem(m, k, n, bits=bits, group=group, tiling=t)
     if problem is not None:
         raise ValueError(f"quant_matmul: {problem}")
 
@@ -248,27 +229,23 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
     xp = x if m_pad == m else jnp.pad(x, ((0, m_pad - m), (0, 0)))
     split = t.k_splits > 1
     steps = k // (t.k_splits * t.block_k)
+    grid = (m_pad // bm, n // t.block_n, t.k_splits)
     bn = t.block_n
-    grid = (m_pad // bm, n_out // bn, t.k_splits)
-    in_specs = [pl.BlockSpec((1,), lambda i, j, s: (0,)), pl.BlockSpec((bm, k), lambda i, j, s: (i, 0))]
-    operands = [layer_arr, xp]
-    for half in range(2 if swiglu else 1):             # the up tile sits n_out columns after the gate tile
-        off = half * (n_out // bn)
-        in_specs += [pl.BlockSpec((w.shape[0], bn), lambda i, j, s, off=off: (0, j + off)),
-                     pl.BlockSpec((scale.shape[0], bn), lambda i, j, s, off=off: (0, j + off))]
-        operands += [w, scale]
+    in_specs = [pl.BlockSpec((1,), lambda i, j, s: (0,)),
+                pl.BlockSpec((bm, k), lambda i, j, s: (i, 0)),
+                pl.BlockSpec((w.shape[0], bn), lambda i, j, s: (0, j)),
+                pl.BlockSpec((scale.shape[0], bn), lambda i, j, s: (0, j))]
     if split:
         out_specs = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
-        out_shape = jax.ShapeDtypeStruct((t.k_splits, m_pad, n_out), jnp.float32)
+        out_shape = jax.ShapeDtypeStruct((t.k_splits, m_pad, n), jnp.float32)
     else:
         out_specs = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
-        out_shape = jax.ShapeDtypeStruct((m_pad, n_out), out_dtype)
-    kernel = functools.partial(_kernel, bits=bits, group=group, block_k=t.block_k, steps=steps, k=k, split=split,
-                               swiglu=swiglu)
+        out_shape = jax.ShapeDtypeStruct((m_pad, n), out_dtype)
+    kernel = functools.partial(_kernel, bits=bits, group=group, block_k=t.block_k, steps=steps, k=k, split=split)
     out = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                          interpret=_interpret_default() if interpret is None else interpret,
                          compiler_params=compiler_params(t.num_warps, t.num_stages),
-                         name=f"mmjax_quant_matmul_int{bits}{'_swiglu' if swiglu else ''}")(*operands)
+                         name=f"mmjax_quant_matmul_int{bits}")(layer_arr, xp, w, scale)
     if split:
         out = jnp.sum(out, axis=0).astype(out_dtype)
     return out[:m]

@@ -3,9 +3,7 @@
     python -m mmjax.kernels.quant_matmul.sweep OUT.json [--quick] [--bits 8 4] [--shapes qkv down] [--m 1 64]
 
 Shapes are the 1.24B Llama decoder's (K, N): qkv (2048, 3072), out (2048, 2048), gate_up (2048, 16384), down
-(8192, 2048), at M in {1, 32, 64} tokens, int8 per channel and int4 with groups of 128, x in bf16. For gate_up
-also the SwiGLU epilogue (`swiglu=True`: [M, F] out) at a few N tiles, against the plain kernel followed by
-XLA's SwiGLU.
+(8192, 2048), at M in {1, 32, 64} tokens, int8 per channel and int4 with groups of 128, x in bf16.
 
 Timing: each configuration runs in one jitted loop over `sets` stacked weight sets, read in place through
 the kernel's `layer` index (the scanned decoder's pattern), with enough sets that their bytes exceed the L2
@@ -79,12 +77,6 @@ def xla_path(bits: int) -> Callable:
     return f4
 
 
-def _swiglu_halves(y: jax.Array) -> jax.Array:
-    """silu(gate) * up of a [M, 2F] matmul result (gate columns first), in float32, in y's dtype."""
-    f = y.shape[-1] // 2
-    return (jax.nn.silu(y[:, :f].astype(jnp.float32)) * y[:, f:].astype(jnp.float32)).astype(y.dtype)
-
-
 def looped(one: Callable, sets: int, unroll: int) -> Callable:
     """jit of: sum over the weight sets of one(x, weights, scales, i), `unroll` calls per loop iteration (a decode
     step's layer loop, with the while loop's per-iteration cost spread over `unroll` matmuls)."""
@@ -94,8 +86,7 @@ def looped(one: Callable, sets: int, unroll: int) -> Callable:
             for u in range(unroll):
                 acc = acc + one(x, w, scale, j * unroll + u).astype(jnp.float32)
             return acc
-        out = jax.eval_shape(one, x, w, scale, 0)
-        return jax.lax.fori_loop(0, sets // unroll, body, jnp.zeros(out.shape, jnp.float32))
+        return jax.lax.fori_loop(0, sets // unroll, body, jnp.zeros((x.shape[0], w.shape[-1]), jnp.float32))
     return run
 
 
@@ -148,15 +139,12 @@ def sweep_case(name: str, bits: int, m: int, *, quick: bool, unroll: int = 16, d
     base = dict(shape=name, k=k, n=n, m=m, bits=bits, sets=sets, weight_bytes=nbytes)
     rows = []
 
-    want_swiglu = np.asarray(_swiglu_halves(jnp.asarray(want)), np.float32) if name == "gate_up" else None
-
-    def record(impl: str, one: Callable, args, swiglu: bool = False, **extra):
+    def record(impl: str, one: Callable, args, **extra):
         try:
             seconds = time_loop(looped(one, sets, unroll), args, **timing) / sets
             y0 = np.asarray(jax.jit(one)(*args, 0), np.float32)
-            want0 = want_swiglu if swiglu else want
             row = dict(base, impl=impl, us=round(seconds * 1e6, 2), gbps=round(nbytes / seconds / 1e9, 1),
-                       rel_err=float(np.abs(y0 - want0).max() / max(np.abs(want0).max(), 1e-30)), **extra)
+                       rel_err=float(np.abs(y0 - want).max() / max(np.abs(want).max(), 1e-30)), **extra)
         except Exception as e:  # noqa: BLE001 - a tiling that does not compile (shared memory, registers) is a row
             row = dict(base, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}", **extra)
         print(json.dumps(row), flush=True)
@@ -165,13 +153,6 @@ def sweep_case(name: str, bits: int, m: int, *, quick: bool, unroll: int = 16, d
     for kw in [{}] + tilings(bits, m, k, n, quick):
         one = lambda x, w, s, i, kw=kw: quant_matmul(x, w, s, group=group, bits=bits, layer=i, **kw)  # noqa: E731
         record("pallas", one, (x, w, scale), tiling=kw or "default")
-    if name == "gate_up":  # the activation in the epilogue: [M, F] out, against the plain kernel + XLA's SwiGLU
-        for kw in ({}, *({"block_n": bn} for bn in (32, 64, 128) if not quick)):
-            one = lambda x, w, s, i, kw=kw: quant_matmul(x, w, s, group=group, bits=bits, layer=i, swiglu=True,  # noqa: E731
-                                                         **kw)
-            record("pallas_swiglu", one, (x, w, scale), swiglu=True, tiling=kw or "default")
-        unfused = lambda x, w, s, i: _swiglu_halves(quant_matmul(x, w, s, group=group, bits=bits, layer=i))  # noqa: E731
-        record("pallas_then_swiglu", unfused, (x, w, scale), swiglu=True, tiling="default")
     if bits == 8:
         record("xla", xla_path(8), (x, q, scale))
     else:

@@ -75,32 +75,6 @@ def test_kernel_groups_and_tiles(bits, group, block_k):
     _close(got, quant_matmul_reference(x, q, scale, group=group), jnp.float32)
 
 
-@pytest.mark.parametrize("bits,group", [(8, 0), (4, 128)])
-def test_swiglu_epilogue_matches_reference(bits, group):
-    """`swiglu=True`: silu(x @ gate) * (x @ up) from a [K, 2F] weight (gate half, then up), in the kernel
-    (interpret mode, one layer of a stack) and in the op's XLA path, against the float32 reference."""
-    k, f = 512, 64
-    x, q, scale = make_case(5, k, 2 * f, bits=bits, group=group, dtype=jnp.float32, seed=7, layers=2)
-    w = jnp.stack([pack_int4(q[i]) for i in range(2)]) if bits == 4 else q
-    y = quant_matmul_reference(x, q[1], scale[1], group=group, out_dtype=jnp.float32)
-    want = jax.nn.silu(y[:, :f]) * y[:, f:]
-    got = qk.quant_matmul(x, w, scale, group=group, bits=bits, layer=1, swiglu=True, interpret=True, block_n=32)
-    assert got.shape == (5, f)
-    _close(got, want, jnp.float32)
-    _close(quant_matmul(x, w, scale, group=group, bits=bits, layer=1, swiglu=True, impl="xla"), want, jnp.float32)
-    with pytest.raises(ValueError, match="no K split"):
-        qk.quant_matmul(x, w, scale, group=group, bits=bits, layer=1, swiglu=True, interpret=True, k_splits=2)
-    with pytest.raises(ValueError, match="even N"):
-        quant_matmul(x, q[0][:, :-1], scale[0][..., :-1], group=group, bits=8, swiglu=True)
-
-
-def test_swiglu_default_tiling_never_splits_k():
-    """The fused gate/up of the 1.24B at decode sizes: whole-K programs, still about one per SM."""
-    for m in (1, 16, 64):
-        t = qk.default_tiling(8, m, 2048, 8192, 0, split_k=False)
-        assert t.k_splits == 1 and -(-m // t.block_m) * (8192 // t.block_n) >= qk.TARGET_PROGRAMS // 2
-
-
 def test_default_tiling_and_stacked_layer():
     """Default tiles, and one layer of a stacked [L, K // 2, N] weight read in place under jit."""
     x, q, scale = make_case(2, 256, 48, bits=4, group=128, dtype=jnp.float32, layers=3)
