@@ -44,15 +44,22 @@ _ENV = {"coordinator_address": "MMJAX_COORDINATOR_ADDRESS", "num_processes": "MM
         "process_id": "MMJAX_PROCESS_ID"}
 
 
+# Every run (any later setting of the same flag wins; other backends parse and ignore them): the layer scan's
+# residual stacks are not zero-filled before the loop overwrites them, and the loop is unrolled by two with
+# double-buffered operands. 1.031x and 1.042x together on the 1.2B train step (docs/perf/train.md, "XLA flags").
+DEFAULT_FLAGS = ("--xla_gpu_enable_dus_accumulator_zero_init_elimination=true",
+                 "--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_DOUBLE_BUFFER")
+
 # model.matmul_precision=fp8: Triton's GEMM fusion would take the fp8 dots (and run them slower than bf16);
 # without it they become cuBLASLt fp8 GEMMs with the scales folded in (docs/perf/train.md, "fp8")
 FP8_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
 
 
 def xla_flags(cfg: Config) -> list[str]:
-    """The flags `parallel.xla_flags_preset`, fp8 matmuls and `parallel.xla_flags` ask for (later ones win)."""
+    """The defaults, then the flags `parallel.xla_flags_preset`, fp8 matmuls and `parallel.xla_flags` ask for
+    (later ones win)."""
     fp8 = FP8_FLAGS if cfg.model.matmul_precision == "fp8" else ()
-    flags = {f.split("=")[0]: f for f in (*XLA_FLAG_PRESETS[cfg.parallel.xla_flags_preset], *fp8,
+    flags = {f.split("=")[0]: f for f in (*DEFAULT_FLAGS, *XLA_FLAG_PRESETS[cfg.parallel.xla_flags_preset], *fp8,
                                           *cfg.parallel.xla_flags.split())}
     return list(flags.values())
 

@@ -14,7 +14,7 @@ registers: the q tile is converted to x's dtype in front of a tensor-core dot wi
 Grid (M blocks, N blocks, K splits). M is padded to a power of two >= 16 (Triton's smallest dot) and at most
 `block_m`. With k_splits > 1 each program walks K / k_splits rows and writes float32 partials
 [k_splits, M, N] that are summed afterwards: small N (2048, 3072) then still gives enough programs for the
-132 SMs of an H100. A `layer` index reads one layer of stacked weights [L, K, N] where they lie, so a
+SMs of an H100 (TARGET_PROGRAMS). A `layer` index reads one layer of stacked weights [L, K, N] where they lie, so a
 scanned decoder's layer loop slices no weight (a slice feeding a custom call is a copy).
 """
 
@@ -34,7 +34,10 @@ from mmjax.kernels.attention.flash_pallas import _dot
 from mmjax.kernels.quant_matmul.pack import HALF, PACK_BLOCK
 
 MIN_M = 16          # rows of Triton's smallest dot tile: M is padded up to it
-TARGET_PROGRAMS = 132  # at least one program per SM of an H100 (132) before splitting K further
+# K is split (and N tiles narrowed) until there are this many programs: about three quarters of an H100's 132
+# SMs. At 16 tokens every decode shape measured ran fastest at 96-128 programs; splitting on to >= 132 added a
+# partials pass for nothing (docs/perf/quantization.md, "The weight-only matmul kernel").
+TARGET_PROGRAMS = 96
 PARTIAL_SHARE = 0.5    # split-K partials ([k_splits, M, N] float32) stay under this share of the weight bytes
 
 

@@ -93,15 +93,17 @@ def test_fp8_decoder_trains_close_to_default_and_serving_is_unchanged(helpers):
 
 def test_fp8_runs_ask_for_cublas_fp8_gemms(monkeypatch):
     """fp8 matmuls switch Triton's GEMM fusion off (it would take the fp8 dots); a flag already in XLA_FLAGS
-    or given in parallel.xla_flags wins; bf16 runs add nothing."""
+    or given in parallel.xla_flags wins (the defaults' too); bf16 runs add only the defaults."""
     from mmjax.config import load_config
-    from mmjax.parallel.distributed import FP8_FLAGS, apply_xla_flags, xla_flags
+    from mmjax.parallel.distributed import DEFAULT_FLAGS, FP8_FLAGS, apply_xla_flags, xla_flags
 
-    assert xla_flags(load_config(None, [])) == []
+    assert xla_flags(load_config(None, [])) == list(DEFAULT_FLAGS)
     fp8 = load_config(None, ["model.matmul_precision=fp8"])
-    assert xla_flags(fp8) == list(FP8_FLAGS)
-    user = load_config(None, ["model.matmul_precision=fp8", "parallel.xla_flags=--xla_gpu_enable_triton_gemm=true"])
-    assert xla_flags(user) == ["--xla_gpu_enable_triton_gemm=true"]
+    assert xla_flags(fp8) == [*DEFAULT_FLAGS, *FP8_FLAGS]
+    user = load_config(None, ["model.matmul_precision=fp8", "parallel.xla_flags=--xla_gpu_enable_triton_gemm=true "
+                              "--xla_gpu_enable_dus_accumulator_zero_init_elimination=false"])
+    assert xla_flags(user) == ["--xla_gpu_enable_dus_accumulator_zero_init_elimination=false", DEFAULT_FLAGS[1],
+                               "--xla_gpu_enable_triton_gemm=true"]  # a default switched off by the user
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
     apply_xla_flags(fp8)
     assert "false" not in __import__("os").environ["XLA_FLAGS"]
