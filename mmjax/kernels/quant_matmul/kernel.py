@@ -35,8 +35,8 @@ from mmjax.kernels.quant_matmul.pack import HALF, PACK_BLOCK
 
 MIN_M = 16          # rows of Triton's smallest dot tile: M is padded up to it
 # K is split (and N tiles narrowed) until there are this many programs: about three quarters of an H100's 132
-# SMs. At 16 tokens every decode shape measured ran fastest at 96-128 programs; splitting on to >= 132 added a
-# partials pass for nothing (docs/perf/quantization.md, "The weight-only matmul kernel").
+# SMs, where the decode shapes' sweep found each shape's fastest tiling; splitting on to a program per SM cost
+# more in partials than it gained (docs/perf/quantization.md, "The weight-only matmul kernel").
 TARGET_PROGRAMS = 96
 PARTIAL_SHARE = 0.5    # split-K partials ([k_splits, M, N] float32) stay under this share of the weight bytes
 
