@@ -115,7 +115,7 @@ _INTERP = fm.MgpuFlashConfig(interpret=True, block_kv=64, max_concurrent_steps=2
 # A barrier bug deadlocks the interpreter in a wait that SIGALRM does not interrupt: the thread method ends
 # the run with a stack dump instead of hanging CI (checked by dropping the last late dQ).
 @pytest.mark.timeout(300, method="thread")
-@pytest.mark.parametrize("d,causal,blocks,h,kv", [(128, True, True, 2, 1), (64, True, False, 4, 2),
+@pytest.mark.parametrize("d,causal,blocks,h,kv", [(128, True, True, 2, 1), (64, True, False, 2, 1),
                                                   (128, False, False, 2, 2)])
 def test_interpret_gradients_match_reference(d, causal, blocks, h, kv):
     q, k, v, lay = _case(b=1, s=130, h=h, kv=kv, d=d, causal=causal, blocks=blocks, seed=3)  # 3 tiles, last padded
