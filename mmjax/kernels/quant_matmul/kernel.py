@@ -51,6 +51,7 @@ class Tiling:
     k_splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False   # transposed weights: the weight tile is the dot's first operand ([BN, BK] x [BK, BM])
 
 
 def _pow2(v: int) -> bool:
@@ -93,11 +94,24 @@ def _group_fits(block_k: int, group: int, bits: int) -> bool:
 
 
 def shape_problem(x_shape: tuple[int, ...], w_shape: tuple[int, ...], scale_shape: tuple[int, ...], *, group: int,
-                  bits: int, stacked: bool = False) -> str | None:
-    """Why these shapes are not a valid quantized matmul (any implementation), or None."""
+                  bits: int, stacked: bool = False, transposed: bool = False) -> str | None:
+    """Why these shapes are not a valid quantized matmul (any implementation), or None. `transposed`: the
+    weight is stored [N, K] (int8 per channel only)."""
     if bits not in (4, 8):
         return f"bits must be 4 or 8, got {bits}"
     lead = 1 if stacked else 0
+    if transposed:
+        if bits != 8 or group:
+            return f"a transposed [N, K] weight is int8 per channel only, got bits={bits}, group={group}"
+        if len(x_shape) != 2 or len(w_shape) != 2 + lead:
+            return (f"x must be [M, K] and the weight [{'L, ' if stacked else ''}N, K]; "
+                    f"got x {tuple(x_shape)}, weight {tuple(w_shape)}")
+        if w_shape[-1] != x_shape[1]:
+            return f"weight {tuple(w_shape)} ([N, K]) does not match x {tuple(x_shape)}: want K={x_shape[1]} columns"
+        want_s = (*w_shape[:lead], w_shape[-2])
+        if tuple(scale_shape) != want_s:
+            return f"scale must have shape {want_s} for weight {tuple(w_shape)}, got {tuple(scale_shape)}"
+        return None
     if len(x_shape) != 2 or len(w_shape) != 2 + lead:
         return (f"x must be [M, K] and the weight [{'L, ' if stacked else ''}K{' // 2' if bits == 4 else ''}, N]; "
                 f"got x {tuple(x_shape)}, weight {tuple(w_shape)}")
@@ -191,29 +205,55 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, bits: int, group: int, blo
     o_ref[...] = acc if split else acc.astype(o_ref.dtype)
 
 
+def _kernel_transposed(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k: int, steps: int, n: int, split: bool,
+                       swap_ab: bool):
+    """One program over an int8 weight stored [N, K] (each output channel's K values contiguous, the layout a
+    tensor-core dot reads its second operand in): y tile = x tile @ w tile^T, per channel scale at the end.
+    With `swap_ab` the weight tile is the first operand instead (w tile @ x tile^T, transposed at the end)."""
+    layer = layer_ref[0]
+    dt = x_ref.dtype
+    bm, bn = o_ref.shape[-2:]
+    row0 = layer * n + pl.program_id(1) * bn
+    first = pl.program_id(2) * steps
+
+    def step(i, acc):
+        start = (first + i) * block_k
+        w = w_ref[pl.ds(row0, bn), pl.ds(start, block_k)].astype(dt)    # [BN, BK]
+        x = x_ref[:, pl.ds(start, block_k)]                               # [BM, BK]
+        return acc + (_dot(w, x, trans_b=True) if swap_ab else _dot(x, w, trans_b=True))
+
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((bn, bm) if swap_ab else (bm, bn), jnp.float32))
+    if swap_ab:
+        acc = acc.T
+    acc = acc * s_ref[pl.ds(layer, 1), :]
+    o_ref[...] = acc if split else acc.astype(o_ref.dtype)
+
+
 def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bits: int,
                  layer: jax.Array | int | None = None, out_dtype=None, interpret: bool | None = None,
-                 block_m: int | None = None,
+                 transposed: bool = False, block_m: int | None = None,
                  block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
+                 num_warps: int | None = None, num_stages: int | None = None, swap_ab: bool | None = None) -> jax.Array:
     """x [M, K] @ dequant(w) -> [M, N] in `out_dtype` (default x's dtype), accumulated in float32.
 
-    w: int8 [K, N] (bits=8) or `pack_int4`-packed int8 [K // 2, N] (bits=4); scale float32 [N] (group 0) or
-    [K // group, N]. With `layer` (int or int32 scalar), w and scale carry a leading layers axis and that
-    layer is read in place. Tiling arguments left None take `default_tiling`; `interpret` None means
-    interpret mode when compiling for the CPU (tests). Raises ValueError naming the shapes it cannot take."""
+    w: int8 [K, N] (bits=8) or `pack_int4`-packed int8 [K // 2, N] (bits=4); with `transposed`, int8 [N, K]
+    (per channel only). scale float32 [N] (group 0) or [K // group, N]. With `layer` (int or int32 scalar), w
+    and scale carry a leading layers axis and that layer is read in place. Tiling arguments left None take
+    `default_tiling`; `interpret` None means interpret mode when compiling for the CPU (tests). Raises
+    ValueError naming the shapes it cannot take."""
     stacked = layer is not None
-    problem = shape_problem(x.shape, w.shape, scale.shape, group=group, bits=bits, stacked=stacked)
+    problem = shape_problem(x.shape, w.shape, scale.shape, group=group, bits=bits, stacked=stacked,
+                            transposed=transposed)
     if problem is not None:
         raise ValueError(f"quant_matmul: {problem}")
     if not jnp.issubdtype(x.dtype, jnp.floating) or w.dtype != jnp.int8:
         raise ValueError(f"quant_matmul: x must be floating and the weight int8, got x {x.dtype}, weight {w.dtype}")
     m, k = x.shape
-    n = w.shape[-1]
+    n = w.shape[-2] if transposed else w.shape[-1]
     out_dtype = x.dtype if out_dtype is None else out_dtype
     d = default_tiling(bits, m, k, n, group)
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                 num_stages=num_stages)
+                 num_stages=num_stages, swap_ab=swap_ab)
     t = dataclasses.replace(d, **{key: v for key, v in given.items() if v is not None})
     bm = min(next_pow2(max(m, MIN_M)), t.block_m)
     t = dataclasses.replace(t, block_m=bm)
@@ -225,7 +265,7 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
         w, scale = w[None], scale[None]
     n_layers = w.shape[0]
     rows = w.shape[1]
-    w = w.reshape(n_layers * rows, n)                    # free reshapes: the kernel offsets rows by layer
+    w = w.reshape(n_layers * rows, w.shape[2])           # free reshapes: the kernel offsets rows by layer
     scale = scale.astype(jnp.float32).reshape(-1, n)     # [L, N] per channel, [L * groups, N] per group
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     m_pad = -(-m // bm) * bm
@@ -234,9 +274,11 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
     steps = k // (t.k_splits * t.block_k)
     grid = (m_pad // bm, n // t.block_n, t.k_splits)
     bn = t.block_n
+    w_spec = pl.BlockSpec(w.shape, lambda i, j, s: (0, 0)) if transposed else \
+        pl.BlockSpec((w.shape[0], bn), lambda i, j, s: (0, j))
     in_specs = [pl.BlockSpec((1,), lambda i, j, s: (0,)),
                 pl.BlockSpec((bm, k), lambda i, j, s: (i, 0)),
-                pl.BlockSpec((w.shape[0], bn), lambda i, j, s: (0, j)),
+                w_spec,
                 pl.BlockSpec((scale.shape[0], bn), lambda i, j, s: (0, j))]
     if split:
         out_specs = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
@@ -244,11 +286,15 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
     else:
         out_specs = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
         out_shape = jax.ShapeDtypeStruct((m_pad, n), out_dtype)
-    kernel = functools.partial(_kernel, bits=bits, group=group, block_k=t.block_k, steps=steps, k=k, split=split)
+    if transposed:
+        kernel = functools.partial(_kernel_transposed, block_k=t.block_k, steps=steps, n=n, split=split,
+                                   swap_ab=t.swap_ab)
+    else:
+        kernel = functools.partial(_kernel, bits=bits, group=group, block_k=t.block_k, steps=steps, k=k, split=split)
     out = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                          interpret=_interpret_default() if interpret is None else interpret,
                          compiler_params=compiler_params(t.num_warps, t.num_stages),
-                         name=f"mmjax_quant_matmul_int{bits}")(layer_arr, xp, w, scale)
+                         name=f"mmjax_quant_matmul_int{bits}{'_t' if transposed else ''}")(layer_arr, xp, w, scale)
     if split:
         out = jnp.sum(out, axis=0).astype(out_dtype)
     return out[:m]

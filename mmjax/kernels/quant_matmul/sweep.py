@@ -77,7 +77,7 @@ def xla_path(bits: int) -> Callable:
     return f4
 
 
-def looped(one: Callable, sets: int, unroll: int) -> Callable:
+def looped(one: Callable, sets: int, unroll: int, n: int) -> Callable:
     """jit of: sum over the weight sets of one(x, weights, scales, i), `unroll` calls per loop iteration (a decode
     step's layer loop, with the while loop's per-iteration cost spread over `unroll` matmuls)."""
     @jax.jit
@@ -86,7 +86,7 @@ def looped(one: Callable, sets: int, unroll: int) -> Callable:
             for u in range(unroll):
                 acc = acc + one(x, w, scale, j * unroll + u).astype(jnp.float32)
             return acc
-        return jax.lax.fori_loop(0, sets // unroll, body, jnp.zeros((x.shape[0], w.shape[-1]), jnp.float32))
+        return jax.lax.fori_loop(0, sets // unroll, body, jnp.zeros((x.shape[0], n), jnp.float32))
     return run
 
 
@@ -126,7 +126,23 @@ def tilings(bits: int, m: int, k: int, n: int, quick: bool) -> list[dict]:
     return keep
 
 
-def sweep_case(name: str, bits: int, m: int, *, quick: bool, unroll: int = 16, dtype=jnp.bfloat16) -> list[dict]:
+def transposed_tilings(m: int, k: int, n: int, quick: bool) -> list[dict]:
+    """Tilings of the transposed ([N, K]) int8 weight: 48 to 264 programs (the range where every layout has
+    run fastest), either operand order, three and four stages."""
+    d = default_tiling(8, m, k, n, 0)
+    if quick:
+        return [dict(block_n=32, block_k=128, k_splits=2, swap_ab=swap) for swap in (False, True)]
+    keep = []
+    for bn, bk, ks, swap, st in itertools.product((64, 128, 256), (128, 256), (1, 2, 4, 8), (False, True), (3, 4)):
+        programs = -(-m // d.block_m) * (n // bn) * ks
+        t = Tiling(block_m=d.block_m, block_n=bn, block_k=bk, k_splits=ks, num_stages=st, swap_ab=swap)
+        if 48 <= programs <= 264 and tiling_problem(m, k, n, bits=8, group=0, tiling=t) is None:
+            keep.append(dict(block_n=bn, block_k=bk, k_splits=ks, swap_ab=swap, num_stages=st))
+    return keep
+
+
+def sweep_case(name: str, bits: int, m: int, *, quick: bool, unroll: int = 16, dtype=jnp.bfloat16,
+               layouts: tuple[str, ...] = ("kn",)) -> list[dict]:
     k, n = SHAPES[name] if not quick else (512, 256)
     group = GROUP if bits == 4 else 0
     nbytes = weight_bytes(k, n, bits, group)
@@ -141,7 +157,7 @@ def sweep_case(name: str, bits: int, m: int, *, quick: bool, unroll: int = 16, d
 
     def record(impl: str, one: Callable, args, **extra):
         try:
-            seconds = time_loop(looped(one, sets, unroll), args, **timing) / sets
+            seconds = time_loop(looped(one, sets, unroll, n), args, **timing) / sets
             y0 = np.asarray(jax.jit(one)(*args, 0), np.float32)
             row = dict(base, impl=impl, us=round(seconds * 1e6, 2), gbps=round(nbytes / seconds / 1e9, 1),
                        rel_err=float(np.abs(y0 - want).max() / max(np.abs(want).max(), 1e-30)), **extra)
@@ -150,9 +166,17 @@ def sweep_case(name: str, bits: int, m: int, *, quick: bool, unroll: int = 16, d
         print(json.dumps(row), flush=True)
         rows.append(row)
 
-    for kw in [{}] + tilings(bits, m, k, n, quick):
-        one = lambda x, w, s, i, kw=kw: quant_matmul(x, w, s, group=group, bits=bits, layer=i, **kw)  # noqa: E731
-        record("pallas", one, (x, w, scale), tiling=kw or "default")
+    if "kn" in layouts:
+        for kw in [{}] + tilings(bits, m, k, n, quick):
+            one = lambda x, w, s, i, kw=kw: quant_matmul(x, w, s, group=group, bits=bits, layer=i, **kw)  # noqa: E731
+            record("pallas", one, (x, w, scale), tiling=kw or "default")
+    if "nk" in layouts and bits == 8:
+        wt = jnp.swapaxes(w, 1, 2)  # [S, N, K]
+        for kw in [{}] + transposed_tilings(m, k, n, quick):
+            one = lambda x, w, s, i, kw=kw: quant_matmul(x, w, s, group=0, bits=8, layer=i, transposed=True,  # noqa: E731
+                                                         **kw)
+            record("pallas_nk", one, (x, wt, scale), tiling=kw or "default")
+        del wt
     if bits == 8:
         record("xla", xla_path(8), (x, q, scale))
     else:
@@ -160,7 +184,7 @@ def sweep_case(name: str, bits: int, m: int, *, quick: bool, unroll: int = 16, d
     del q, w
     w16 = jnp.asarray(np.random.default_rng(2).standard_normal((sets, k, n)), dtype)  # same set count, 2 B/elem
     bf16 = lambda x, w, s, i: jnp.dot(x, w[i], preferred_element_type=jnp.float32).astype(x.dtype)  # noqa: E731
-    seconds = time_loop(looped(bf16, sets, unroll), (x, w16, scale), **timing) / sets
+    seconds = time_loop(looped(bf16, sets, unroll, n), (x, w16, scale), **timing) / sets
     row = dict(base, impl="xla_bf16", us=round(seconds * 1e6, 2), gbps=round(k * n * 2 / seconds / 1e9, 1),
                weight_bytes=k * n * 2)
     print(json.dumps(row), flush=True)
@@ -176,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--m", type=int, nargs="+", default=[1, 32, 64])
     p.add_argument("--unroll", type=int, default=16, help="matmul calls per loop iteration")
+    p.add_argument("--layouts", nargs="+", default=["kn"], choices=["kn", "nk"],
+                   help="weight layouts: kn ([K, N], the serving layout) and nk (transposed [N, K], int8 only)")
     args = p.parse_args(argv)
     shapes = args.shapes[:1] if args.quick else args.shapes
     ms = [5] if args.quick else args.m
@@ -184,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
     rows: list[dict] = []
     for bits, name, m in itertools.product(args.bits, shapes, ms):
-        rows += sweep_case(name, bits, m, quick=args.quick, unroll=args.unroll)
+        rows += sweep_case(name, bits, m, quick=args.quick, unroll=args.unroll, layouts=tuple(args.layouts))
         with open(args.out, "w") as f:
             json.dump({**meta, "rows": rows}, f, indent=1)
     return 0

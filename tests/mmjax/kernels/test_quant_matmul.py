@@ -84,6 +84,22 @@ def test_default_tiling_and_stacked_layer():
         _close(run(x, w, scale, jnp.int32(i)), quant_matmul_reference(x, q[i], scale[i], group=128), jnp.float32)
 
 
+@pytest.mark.parametrize("swap_ab,k_splits", [(False, 1), (True, 2)])
+def test_transposed_weight_of_a_stacked_layer(swap_ab, k_splits):
+    """An int8 weight stored [L, N, K] (either operand order): one layer read in place equals the [K, N] result."""
+    x, q, scale = make_case(5, 512, 64, bits=8, group=0, dtype=jnp.float32, layers=3, seed=4)
+    qt = jnp.swapaxes(q, 1, 2)
+    run = jax.jit(lambda x, w, s, i: qk.quant_matmul(x, w, s, group=0, bits=8, layer=i, transposed=True,
+                                                     interpret=True, block_n=32, block_k=128, k_splits=k_splits,
+                                                     swap_ab=swap_ab))
+    for i in (0, 2):
+        _close(run(x, qt, scale, jnp.int32(i)), quant_matmul_reference(x, q[i], scale[i], group=0), jnp.float32)
+    with pytest.raises(ValueError, match=r"transposed \[N, K\] weight is int8 per channel only"):
+        qk.quant_matmul(x, qt[0], scale[0], group=0, bits=4, transposed=True, interpret=True)
+    with pytest.raises(ValueError, match=r"want K=512 columns"):
+        qk.quant_matmul(x, q[0], scale[0], group=0, bits=8, transposed=True, interpret=True)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("m", [1, 32, 64])
 def test_default_tiling_fills_the_gpu(bits, m):
