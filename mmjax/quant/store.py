@@ -54,7 +54,7 @@ def save_quantized(folder: str | os.PathLike, cfg: Config, model: Any) -> Path:
             arrays[f"{name}/q"], arrays[f"{name}/scale"] = _to_numpy(value.q), np.asarray(value.scale)
             layout[name] = dict(scheme=value.scheme, n_contract=value.n_contract, n_out=value.n_out,
                                 group=value.group, act_fp8=value.act_fp8, contract_shape=list(value.contract_shape),
-                                table=table)
+                                transposed=value.transposed, table=table)
         else:
             arrays[name] = _to_numpy(value)
     np.savez(folder / "weights.npz", **arrays)

@@ -2,9 +2,11 @@
 
 Why: with tied embeddings (Llama 3.2, Qwen2) the [vocab, embed] table is also the output projection, the largest
 single matmul of a decode step (a 128k x 2048 table is 0.5 GB in bf16, a fifth of the 1.24B's bytes per step).
-The values are stored transposed, `[embed, vocab]` int8 with one float32 scale per vocabulary row (the logits'
-output channel), so the logits are the per-channel int8 matmul of `weights.QuantizedWeight` (the fused decode
-kernel included) and a lookup gathers columns and scales them (`rows`): a few tokens' strided reads per step.
+The values are the logits' `[embed, vocab]` output matmul, int8 with one float32 scale per vocabulary row (the
+logits' output channel), so the logits are the per-channel int8 matmul of `weights.QuantizedWeight` (the fused
+decode kernel included), and a lookup gathers rows and scales them (`rows`). int8 values are stored output
+channels first (`QuantizedWeight.transposed`), which is the table's own [vocab, embed] layout: a token's row is
+contiguous.
 `serve.quantize_lm_head` turns it on (an untied `lm_head` [embed, vocab] becomes a plain `QuantizedWeight`).
 """
 
@@ -14,7 +16,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from mmjax.quant.weights import QuantizedWeight, quantize
+from mmjax.quant.weights import QuantizedWeight, dequantize, quantize
 
 
 @flax.struct.dataclass
@@ -40,9 +42,12 @@ class QuantizedTable:
 
     def rows(self, tokens: jax.Array, dtype) -> jax.Array:
         """The dequantized embedding rows of `tokens` ([...] -> [..., embed]) in `dtype`."""
-        q = jnp.take(self.head.q, tokens, axis=1)                      # [embed, ...]
+        if self.head.transposed:
+            q = jnp.take(self.head.q, tokens, axis=0)                  # [..., embed]
+        else:
+            q = jnp.moveaxis(jnp.take(self.head.q, tokens, axis=1), 0, -1)
         scale = jnp.take(self.head.scale[0], tokens, axis=0)           # [...]
-        return (jnp.moveaxis(q, 0, -1).astype(jnp.float32) * scale[..., None]).astype(dtype)
+        return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
     def quantized_einsum(self, spec: str, x: jax.Array, dtype, out_dtype=None) -> jax.Array:
         """einsum(spec, x, table) for a spec whose table operand is '<vocab letter><embed letter>' (the logits)."""
@@ -60,4 +65,4 @@ def quantize_table(table: jax.Array) -> QuantizedTable:
 
 def dequantize_table(t: QuantizedTable, dtype=jnp.float32) -> jax.Array:
     """The [vocab, embed] float table `t` stands for."""
-    return (t.head.q.astype(jnp.float32) * t.head.scale).T.astype(dtype)
+    return dequantize(t.head).T.astype(dtype)

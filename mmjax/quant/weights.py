@@ -21,7 +21,10 @@ schemes. Schemes:
   front of the dot (group scales sit inside the contraction, so they cannot be a per-channel epilogue).
 
 Layout: the contracted axes of the weight come first (after any leading stack axes, e.g. scanned layers),
-then the output axes, as for every decoder matmul here.
+then the output axes, as for every decoder matmul here. int8 values are stored transposed (`transposed`: output
+axes, then contracted axes), so each output channel's contracted values are contiguous: the layout the decode
+kernel's tensor-core dot reads its weight operand in without reshuffling int8 bytes (docs/perf/quantization.md).
+`shape` and `dequantize` always speak of the float weight's own layout.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ STORAGE = {"int8": jnp.int8, "fp8": FP8, "int4": jnp.int4}
 BITS = {"int8": 8, "fp8": 8, "int4": 4}
 GROUP = 128  # int4 group size along the contraction
 _TINY = 1e-12  # floor of a scale: an all-zero channel or token quantizes to zeros
+INT8_TRANSPOSED = True  # int8 values stored output axes first (see the module docstring)
 
 
 @flax.struct.dataclass
@@ -59,6 +63,7 @@ class QuantizedWeight:
     group: int = flax.struct.field(pytree_node=False, default=0)  # 0: per output channel
     act_fp8: bool = flax.struct.field(pytree_node=False, default=False)
     contract_shape: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())  # set: packed int4
+    transposed: bool = flax.struct.field(pytree_node=False, default=False)  # q is [*lead, *out, *contracted]
 
     def __getitem__(self, key):
         """`param[...]` yields the container itself (what `nnx.Param.__getitem__` forwards here)."""
@@ -72,7 +77,11 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The float weight's shape (a packed `q` is shorter)."""
+        """The float weight's shape (a packed `q` is shorter, a transposed one has its axes in another order)."""
+        if self.transposed:
+            lead = self.q.ndim - self.n_out - self.n_contract
+            qs = self.q.shape
+            return (*qs[:lead], *qs[lead + self.n_out:], *qs[lead:lead + self.n_out])
         if not self.packed:
             return tuple(self.q.shape)
         lead = self.q.ndim - 1 - self.n_out
@@ -101,8 +110,9 @@ def _map_matrices(fn, a: jax.Array, n_lead: int) -> jax.Array:
 
 
 def quantize(w: jax.Array, scheme: str, *, n_contract: int = 1, n_lead: int = 0, group: int = GROUP,
-             act_fp8: bool = False, name: str = "weight") -> QuantizedWeight:
-    """Quantize float `w` whose axes are `n_lead` stack axes, `n_contract` contracted axes, then output axes."""
+             act_fp8: bool = False, name: str = "weight", transposed: bool | None = None) -> QuantizedWeight:
+    """Quantize float `w` whose axes are `n_lead` stack axes, `n_contract` contracted axes, then output axes.
+    `transposed` (int8 only; default `INT8_TRANSPOSED`) stores the values output axes first."""
     if scheme not in STORAGE:
         raise ConfigError(f"serve.quantization={scheme!r}: choose one of none, {', '.join(STORAGE)}")
     wf = jnp.asarray(w, jnp.float32)
@@ -112,7 +122,11 @@ def quantize(w: jax.Array, scheme: str, *, n_contract: int = 1, n_lead: int = 0,
         scale = jnp.maximum(jnp.max(jnp.abs(wf), axis=axes, keepdims=True), _TINY) / QMAX[scheme]
         x = wf / scale
         q = x.astype(FP8) if scheme == "fp8" else jnp.clip(jnp.round(x), -127, 127).astype(jnp.int8)
-        return QuantizedWeight(q, scale, scheme, n_contract, n_out, 0, act_fp8 and scheme == "fp8")
+        transposed = scheme == "int8" and (INT8_TRANSPOSED if transposed is None else transposed)
+        if transposed:
+            q = _to_stored(q, n_lead, n_contract)
+        return QuantizedWeight(q, scale, scheme, n_contract, n_out, 0, act_fp8 and scheme == "fp8",
+                               transposed=transposed)
     lead, out = wf.shape[:n_lead], wf.shape[n_lead + n_contract:]
     c = math.prod(wf.shape[n_lead:n_lead + n_contract])
     if c % group:
@@ -128,6 +142,23 @@ def quantize(w: jax.Array, scheme: str, *, n_contract: int = 1, n_lead: int = 0,
     return QuantizedWeight(packed, scale, scheme, n_contract, n_out, group, contract_shape=contract)
 
 
+def _to_stored(q: jax.Array, n_lead: int, n_contract: int) -> jax.Array:
+    """[*lead, *contracted, *out] -> [*lead, *out, *contracted] (the transposed storage)."""
+    c = list(range(n_lead, n_lead + n_contract))
+    o = list(range(n_lead + n_contract, q.ndim))
+    return jnp.transpose(q, [*range(n_lead), *o, *c])
+
+
+def values(w: QuantizedWeight) -> jax.Array:
+    """The stored values of a per-channel `w` in the float weight's layout (a transposed one transposed back)."""
+    if not w.transposed:
+        return w.q
+    lead = w.q.ndim - w.n_out - w.n_contract
+    o = list(range(lead, lead + w.n_out))
+    c = list(range(lead + w.n_out, w.q.ndim))
+    return jnp.transpose(w.q, [*range(lead), *c, *o])
+
+
 def int4_values(w: QuantizedWeight) -> jax.Array:
     """The stored int4 values of `w` in the float weight's shape (int8 holding [-7, 7]); packed ones unpacked."""
     if not w.packed:
@@ -138,7 +169,7 @@ def int4_values(w: QuantizedWeight) -> jax.Array:
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """The float weight `w` stands for, in `dtype`."""
     if not w.group:
-        return (w.q.astype(jnp.float32) * w.scale).astype(dtype)
+        return (values(w).astype(jnp.float32) * w.scale).astype(dtype)
     n, shape = _lead(w), w.shape
     groups = w.scale.shape[n]
     qg = int4_values(w).astype(jnp.float32).reshape(*shape[:n], groups, w.group, *shape[len(shape) - w.n_out:])
@@ -172,6 +203,8 @@ def _einsum(w: QuantizedWeight, spec: str, x: jax.Array, dtype, out_dtype) -> ja
         x_out = "".join(c for c in xs if c not in contracted)
         sx = _to_output(sx.reshape([n for i, n in enumerate(sx.shape) if i not in x_axes]), x_out, out)
         return (y * sx * w_scale).astype(out_dtype)
+    if w.transposed:  # the einsum reads the stored [*out, *contracted] values as they lie
+        spec = f"{xs},{w_out}{contracted}->{out}"
     y = jnp.einsum(spec, x.astype(dtype), w.q.astype(dtype), preferred_element_type=jnp.float32)
     return (y * w_scale).astype(out_dtype)
 
@@ -196,9 +229,10 @@ def _kernel_matmul(w: QuantizedWeight, xs: str, contracted: str, w_out: str, out
     if x2.shape[0] > KERNEL_MAX_ROWS:
         return None
     bits = BITS[w.scheme]
-    q2 = w.q.reshape(k * bits // 8, -1)
+    q2 = w.q.reshape(-1, k) if w.transposed else w.q.reshape(k * bits // 8, -1)
     scale = w.scale.reshape(-1) if not w.group else w.scale.reshape(k // w.group, -1)
-    if quant_matmul_supported(x2, q2, scale, group=w.group, bits=bits) is not None:
+    if quant_matmul_supported(x2, q2, scale, group=w.group, bits=bits, transposed=w.transposed) is not None:
         return None  # elsewhere XLA's fusion, not the op's own reference
-    y = quant_matmul(x2, q2, scale, group=w.group, bits=bits, out_dtype=out_dtype, impl="pallas")
+    y = quant_matmul(x2, q2, scale, group=w.group, bits=bits, out_dtype=out_dtype, impl="pallas",
+                     transposed=w.transposed)
     return y.reshape(*x.shape[:len(x_lead)], *out_shape)

@@ -9,6 +9,7 @@
   of K (int4 uses 128): y[m, n] = sum_k x[m, k] * q[k, n] * scale[k // group, n].
 * layer (int or int32 scalar, optional): w and scale are every layer's stack ([L, ...] in front) and layer
   `layer` is read in place, so a scanned decoder slices (copies) no weight for the kernel.
+* transposed (int8 per channel only): w is stored [N, K], each output channel's K values contiguous.
 
 Implementations (`impl="auto"` takes the first that can run):
 
@@ -36,16 +37,19 @@ INT4_GROUP = 128  # the int4 scheme's group size along K (one pack block)
 OP = _dispatch.Op("quant_matmul")
 
 
-def _xla(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None):
+def _xla(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None, transposed: bool = False):
     if layer is not None:
         take = lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
         w, scale = take(w), take(scale)
+    if transposed:
+        w = w.T
     return quant_matmul_reference(x, unpack_int4(w) if bits == 4 else w, scale, group=group, out_dtype=out_dtype)
 
 
-def _pallas(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None):
+def _pallas(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None, transposed: bool = False):
     from mmjax.kernels.quant_matmul import kernel
-    return kernel.quant_matmul(x, w, scale, group=group, bits=bits, layer=layer, out_dtype=out_dtype)
+    return kernel.quant_matmul(x, w, scale, group=group, bits=bits, layer=layer, out_dtype=out_dtype,
+                               transposed=transposed)
 
 
 def _pallas_guard(ctx: _dispatch.Ctx) -> str | None:
@@ -61,31 +65,36 @@ OP.register("xla", _xla, _dispatch.any_float, priority=0)
 OP.register("pallas", _pallas, _pallas_guard, priority=10)
 
 
-def _context(x, w, scale, *, group: int, bits: int, layer, impl: str) -> _dispatch.Ctx:
+def _context(x, w, scale, *, group: int, bits: int, layer, impl: str, transposed: bool = False) -> _dispatch.Ctx:
     m = 1
     for d in x.shape[:-1]:
         m *= d
-    problem = shape_problem((m, x.shape[-1]), w.shape, scale.shape, group=group, bits=bits, stacked=layer is not None)
+    problem = shape_problem((m, x.shape[-1]), w.shape, scale.shape, group=group, bits=bits, stacked=layer is not None,
+                            transposed=transposed)
     if problem is not None:
         raise ValueError(f"quant_matmul: {problem} (x {tuple(x.shape)} flattened to [M, K])")
     if w.dtype != jnp.int8:
         raise ValueError(f"quant_matmul: the weight must be int8 (int4 packed by pack_int4), got {w.dtype}")
     # row_wise: under a mesh a custom call would be replicated, where XLA partitions the dot natively
-    return _dispatch.make_ctx(x.dtype, explicit=impl != "auto", m=m, k=x.shape[-1], n=w.shape[-1], bits=bits,
+    n = w.shape[-2] if transposed else w.shape[-1]
+    return _dispatch.make_ctx(x.dtype, explicit=impl != "auto", m=m, k=x.shape[-1], n=n, bits=bits,
                               group=group, row_wise=True)
 
 
-def quant_matmul_supported(x, w, scale, *, group: int, bits: int, layer=None) -> str | None:
+def quant_matmul_supported(x, w, scale, *, group: int, bits: int, layer=None, transposed: bool = False) -> str | None:
     """Why `impl="auto"` would not take the Pallas kernel for these arguments here, or None if it would."""
-    return OP.reason("pallas", _context(x, w, scale, group=group, bits=bits, layer=layer, impl="auto"))
+    return OP.reason("pallas", _context(x, w, scale, group=group, bits=bits, layer=layer, impl="auto",
+                                        transposed=transposed))
 
 
 def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int = 0, bits: int = 8,
-                 layer: jax.Array | int | None = None, out_dtype=None, impl: str = "auto") -> jax.Array:
+                 layer: jax.Array | int | None = None, out_dtype=None, impl: str = "auto",
+                 transposed: bool = False) -> jax.Array:
     """x [..., K] @ dequant(w) -> [..., N] in `out_dtype` (default x's dtype); see the module docstring."""
-    ctx = _context(x, w, scale, group=group, bits=bits, layer=layer, impl=impl)
+    ctx = _context(x, w, scale, group=group, bits=bits, layer=layer, impl=impl, transposed=transposed)
     fn = OP.select(impl, ctx).fn
     lead, k = x.shape[:-1], x.shape[-1]
     layer = None if layer is None else jnp.asarray(layer, jnp.int32)
-    y = fn(x.reshape(-1, k), w, scale, group=group, bits=bits, layer=layer, out_dtype=out_dtype)
-    return y.reshape(*lead, w.shape[-1])
+    y = fn(x.reshape(-1, k), w, scale, group=group, bits=bits, layer=layer, out_dtype=out_dtype,
+           transposed=transposed)
+    return y.reshape(*lead, ctx.get("n"))

@@ -133,7 +133,7 @@ def transposed_tilings(m: int, k: int, n: int, quick: bool) -> list[dict]:
     if quick:
         return [dict(block_n=32, block_k=128, k_splits=2, swap_ab=swap) for swap in (False, True)]
     keep = []
-    for bn, bk, ks, swap, st in itertools.product((64, 128, 256), (128, 256), (1, 2, 4, 8), (False, True), (3, 4)):
+    for bn, bk, ks, swap, st in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (False, True), (3, 4)):
         programs = -(-m // d.block_m) * (n // bn) * ks
         t = Tiling(block_m=d.block_m, block_n=bn, block_k=bk, k_splits=ks, num_stages=st, swap_ab=swap)
         if 48 <= programs <= 264 and tiling_problem(m, k, n, bits=8, group=0, tiling=t) is None:

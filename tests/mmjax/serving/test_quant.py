@@ -67,6 +67,27 @@ def test_quantize_dequantize_error_bound(scheme):
     assert q.nbytes < w.size * (0.6 if scheme == "int4" else 1.1)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_int8_storage_layouts_agree(transposed):
+    """int8 stored output axes first ([L, KV, G, D, E] for a [L, E, KV, G, D] qkv weight) or as the float weight:
+    same shape, dequantization and einsum, on XLA and (a GPU assumed, interpret mode) through the kernel."""
+    from mmjax.kernels import _dispatch
+
+    w = jnp.asarray(np.random.default_rng(3).standard_normal((256, 4, 6, 16)), jnp.float32)  # [E, KV, G, D]
+    q = quantize(w, "int8", transposed=transposed)
+    ref = quantize(w, "int8", transposed=False)
+    assert q.transposed == transposed and q.shape == w.shape
+    assert q.q.shape == ((4, 6, 16, 256) if transposed else (256, 4, 6, 16))
+    np.testing.assert_array_equal(np.asarray(dequantize(q)), np.asarray(dequantize(ref)))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((1, 3, 256)), jnp.float32)
+    want = np.einsum("bse,ekgd->bskgd", np.asarray(x), np.asarray(dequantize(ref)))
+    run = lambda x: q.quantized_einsum("bse,ekgd->bskgd", x, jnp.float32)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(run(x)), want, rtol=1e-5, atol=1e-4)
+    with _dispatch.assume_platform("gpu", (9, 0)):
+        assert "pallas_call" in str(jax.make_jaxpr(run)(x))
+        np.testing.assert_allclose(np.asarray(run(x)), want, rtol=1e-5, atol=1e-4)
+
+
 def test_int4_off_the_pack_block_stays_unpacked():
     """A contraction that is not a multiple of the 128-row pack block (groups of 64 over 192 values) is stored
     as jnp.int4, one value per element, and dequantizes and multiplies as the packed form does."""
@@ -96,14 +117,15 @@ def test_quantized_logits_close_to_float(quant, scheme):
 def test_quantized_table_lookup_and_logits():
     """The int8 table: per-row error bound, lookups equal the dequantized rows, the logits' einsum equals the one
     on the dequantized table (in float32), and a decode-sized logits matmul on a GPU (assumed; interpret mode)
-    takes the fused kernel on the stored [embed, vocab] int8 values with float32 output."""
+    takes the fused kernel on the stored int8 values (the table's own [vocab, embed] rows) with float32 output."""
     from mmjax.kernels import _dispatch
 
     rng = np.random.default_rng(5)
     w = jnp.asarray(rng.standard_normal((64, 128)), jnp.float32)  # [vocab, embed]
     t = quantize_table(w)
     deq = np.asarray(dequantize_table(t))
-    assert t.shape == (64, 128) and t.head.q.shape == (128, 64) and t.nbytes == 64 * 128 + 64 * 4
+    assert t.shape == (64, 128) and t.head.shape == (128, 64) and t.nbytes == 64 * 128 + 64 * 4
+    assert t.head.transposed and t.head.q.shape == (64, 128)
     assert np.all(np.abs(deq - np.asarray(w)) <= np.abs(np.asarray(w)).max(1, keepdims=True) / 254 * (1 + 1e-5))
     tokens = jnp.asarray([[3, 0, 63], [5, 5, 1]])
     np.testing.assert_allclose(np.asarray(t.rows(tokens, jnp.float32)), deq[np.asarray(tokens)], rtol=1e-6)
