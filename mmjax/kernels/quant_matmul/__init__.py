@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.kernels import _dispatch
-from mmjax.kernels.quant_matmul.kernel import default_tiling, shape_problem, tiling_problem
+from mmjax.kernels.quant_matmul.kernel import default_tiling, shape_problem, tiling_problem, transposed_tiling
 from mmjax.kernels.quant_matmul.pack import PACK_BLOCK, pack_int4, unpack_int4
 from mmjax.kernels.quant_matmul.reference import quant_matmul_reference
 
@@ -58,7 +58,8 @@ def _pallas_guard(ctx: _dispatch.Ctx) -> str | None:
     if reason is not None:
         return reason
     m, k, n, bits, group = (ctx.get(key) for key in ("m", "k", "n", "bits", "group"))
-    return tiling_problem(m, k, n, bits=bits, group=group, tiling=default_tiling(bits, m, k, n, group))
+    tiling = transposed_tiling(m, k, n) if ctx.get("transposed") else default_tiling(bits, m, k, n, group)
+    return tiling_problem(m, k, n, bits=bits, group=group, tiling=tiling)
 
 
 OP.register("xla", _xla, _dispatch.any_float, priority=0)
@@ -78,7 +79,7 @@ def _context(x, w, scale, *, group: int, bits: int, layer, impl: str, transposed
     # row_wise: under a mesh a custom call would be replicated, where XLA partitions the dot natively
     n = w.shape[-2] if transposed else w.shape[-1]
     return _dispatch.make_ctx(x.dtype, explicit=impl != "auto", m=m, k=x.shape[-1], n=n, bits=bits,
-                              group=group, row_wise=True)
+                              group=group, transposed=transposed, row_wise=True)
 
 
 def quant_matmul_supported(x, w, scale, *, group: int, bits: int, layer=None, transposed: bool = False) -> str | None:

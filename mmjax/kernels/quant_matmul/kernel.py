@@ -82,6 +82,25 @@ def default_tiling(bits: int, m: int, k: int, n: int, group: int = 0) -> Tiling:
     return Tiling(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits)
 
 
+TRANSPOSED_TARGET_PROGRAMS = 128
+
+
+def transposed_tiling(m: int, k: int, n: int) -> Tiling:
+    """The default launch shape of a transposed ([N, K]) int8 weight: N tiles of 64 channels, K tiles of 256
+    (a 256-byte contiguous run per channel and step), K split in powers of two until there are
+    `TRANSPOSED_TARGET_PROGRAMS` programs: the fastest tiling of each 16-token decode shape in the sweep
+    (docs/perf/quantization.md)."""
+    block_m = min(next_pow2(max(m, MIN_M)), 64)
+    block_n = next((b for b in (64, 32, 16) if n % b == 0), 64)
+    block_k = next((b for b in (256, 128, 64, 32, 16) if k % b == 0), 256)
+    m_blocks = -(-m // block_m)
+    k_splits = 1
+    while (m_blocks * (n // block_n) * k_splits < TRANSPOSED_TARGET_PROGRAMS and k % (2 * k_splits * block_k) == 0
+           and 2 * k_splits * m_blocks * block_m * 4 <= PARTIAL_SHARE * k):
+        k_splits *= 2
+    return Tiling(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits)
+
+
 def _group_fits(block_k: int, group: int, bits: int) -> bool:
     """Whether a K tile of block_k rows can scale groups of `group` rows: one tile within one group, or whole
     groups per tile made of pieces (int8: the group itself, >= 16 rows; int4: 64-row nibble halves)."""
@@ -251,7 +270,7 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
     m, k = x.shape
     n = w.shape[-2] if transposed else w.shape[-1]
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    d = default_tiling(bits, m, k, n, group)
+    d = transposed_tiling(m, k, n) if transposed else default_tiling(bits, m, k, n, group)
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
                  num_stages=num_stages, swap_ab=swap_ab)
     t = dataclasses.replace(d, **{key: v for key, v in given.items() if v is not None})
