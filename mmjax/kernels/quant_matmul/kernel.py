@@ -89,7 +89,9 @@ def transposed_tiling(m: int, k: int, n: int) -> Tiling:
     """The default launch shape of a transposed ([N, K]) int8 weight: N tiles of 64 channels, K tiles of 256
     (a 256-byte contiguous run per channel and step), K split in powers of two until there are
     `TRANSPOSED_TARGET_PROGRAMS` programs: the fastest tiling of each 16-token decode shape in the sweep
-    (docs/perf/quantization.md)."""
+    (docs/perf/quantization.md). Above 32 tokens the untransposed weight's default measured faster end to end."""
+    if m > 32:
+        return default_tiling(8, m, k, n, 0)
     block_m = min(next_pow2(max(m, MIN_M)), 64)
     block_n = next((b for b in (64, 32, 16) if n % b == 0), 64)
     block_k = next((b for b in (256, 128, 64, 32, 16) if k % b == 0), 256)
