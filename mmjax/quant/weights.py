@@ -24,7 +24,9 @@ Layout: the contracted axes of the weight come first (after any leading stack ax
 then the output axes, as for every decoder matmul here. int8 values are stored transposed (`transposed`: output
 axes, then contracted axes), so each output channel's contracted values are contiguous: the layout the decode
 kernel's tensor-core dot reads its weight operand in without reshuffling int8 bytes (docs/perf/quantization.md).
-`shape` and `dequantize` always speak of the float weight's own layout.
+Packed int4 can be stored so too (`quantize(..., transposed=True)`: the packed bytes output axes first); its
+default stays [K // 2, N] until the GPU measures the two (`TRANSPOSED`). `shape` and `dequantize` always speak of
+the float weight's own layout.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ STORAGE = {"int8": jnp.int8, "fp8": FP8, "int4": jnp.int4}
 BITS = {"int8": 8, "fp8": 8, "int4": 4}
 GROUP = 128  # int4 group size along the contraction
 _TINY = 1e-12  # floor of a scale: an all-zero channel or token quantizes to zeros
-INT8_TRANSPOSED = True  # int8 values stored output axes first (see the module docstring)
+# Whether each scheme's values are stored output axes first by default (see the module docstring): int8 measured
+# faster so; packed int4 can be (the kernel reads both layouts) but keeps its [K // 2, N] default until measured.
+TRANSPOSED = {"int8": True, "int4": False}
 
 
 @flax.struct.dataclass
@@ -79,9 +83,10 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, ...]:
         """The float weight's shape (a packed `q` is shorter, a transposed one has its axes in another order)."""
         if self.transposed:
-            lead = self.q.ndim - self.n_out - self.n_contract
             qs = self.q.shape
-            return (*qs[:lead], *qs[lead + self.n_out:], *qs[lead:lead + self.n_out])
+            lead = self.q.ndim - self.n_out - (1 if self.packed else self.n_contract)
+            contracted = self.contract_shape if self.packed else qs[lead + self.n_out:]
+            return (*qs[:lead], *contracted, *qs[lead:lead + self.n_out])
         if not self.packed:
             return tuple(self.q.shape)
         lead = self.q.ndim - 1 - self.n_out
@@ -112,7 +117,7 @@ def _map_matrices(fn, a: jax.Array, n_lead: int) -> jax.Array:
 def quantize(w: jax.Array, scheme: str, *, n_contract: int = 1, n_lead: int = 0, group: int = GROUP,
              act_fp8: bool = False, name: str = "weight", transposed: bool | None = None) -> QuantizedWeight:
     """Quantize float `w` whose axes are `n_lead` stack axes, `n_contract` contracted axes, then output axes.
-    `transposed` (int8 only; default `INT8_TRANSPOSED`) stores the values output axes first."""
+    `transposed` (int8, and int4 where packed; default `TRANSPOSED`) stores the values output axes first."""
     if scheme not in STORAGE:
         raise ConfigError(f"serve.quantization={scheme!r}: choose one of none, {', '.join(STORAGE)}")
     wf = jnp.asarray(w, jnp.float32)
@@ -122,7 +127,7 @@ def quantize(w: jax.Array, scheme: str, *, n_contract: int = 1, n_lead: int = 0,
         scale = jnp.maximum(jnp.max(jnp.abs(wf), axis=axes, keepdims=True), _TINY) / QMAX[scheme]
         x = wf / scale
         q = x.astype(FP8) if scheme == "fp8" else jnp.clip(jnp.round(x), -127, 127).astype(jnp.int8)
-        transposed = scheme == "int8" and (INT8_TRANSPOSED if transposed is None else transposed)
+        transposed = scheme == "int8" and (TRANSPOSED["int8"] if transposed is None else transposed)
         if transposed:
             q = _to_stored(q, n_lead, n_contract)
         return QuantizedWeight(q, scale, scheme, n_contract, n_out, 0, act_fp8 and scheme == "fp8",
@@ -139,7 +144,11 @@ def quantize(w: jax.Array, scheme: str, *, n_contract: int = 1, n_lead: int = 0,
         return QuantizedWeight(q.reshape(wf.shape).astype(jnp.int4), scale, scheme, n_contract, n_out, group)
     packed = _map_matrices(pack_int4, q.reshape(*lead, c, *out), n_lead)
     contract = tuple(wf.shape[n_lead:n_lead + n_contract])
-    return QuantizedWeight(packed, scale, scheme, n_contract, n_out, group, contract_shape=contract)
+    transposed = TRANSPOSED["int4"] if transposed is None else transposed
+    if transposed:
+        packed = _to_stored(packed, n_lead, 1)
+    return QuantizedWeight(packed, scale, scheme, n_contract, n_out, group, contract_shape=contract,
+                           transposed=transposed)
 
 
 def _to_stored(q: jax.Array, n_lead: int, n_contract: int) -> jax.Array:
@@ -163,7 +172,8 @@ def int4_values(w: QuantizedWeight) -> jax.Array:
     """The stored int4 values of `w` in the float weight's shape (int8 holding [-7, 7]); packed ones unpacked."""
     if not w.packed:
         return w.q.astype(jnp.int8)
-    return _map_matrices(unpack_int4, w.q, w.q.ndim - 1 - w.n_out).reshape(w.shape)
+    q = jnp.moveaxis(w.q, -1, w.q.ndim - 1 - w.n_out) if w.transposed else w.q   # [*lead, c // 2, *out]
+    return _map_matrices(unpack_int4, q, q.ndim - 1 - w.n_out).reshape(w.shape)
 
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
@@ -229,7 +239,7 @@ def _kernel_matmul(w: QuantizedWeight, xs: str, contracted: str, w_out: str, out
     if x2.shape[0] > KERNEL_MAX_ROWS:
         return None
     bits = BITS[w.scheme]
-    q2 = w.q.reshape(-1, k) if w.transposed else w.q.reshape(k * bits // 8, -1)
+    q2 = w.q.reshape(-1, k * bits // 8) if w.transposed else w.q.reshape(k * bits // 8, -1)
     scale = w.scale.reshape(-1) if not w.group else w.scale.reshape(k // w.group, -1)
     if quant_matmul_supported(x2, q2, scale, group=w.group, bits=bits, transposed=w.transposed) is not None:
         return None  # elsewhere XLA's fusion, not the op's own reference

@@ -9,7 +9,8 @@
   of K (int4 uses 128): y[m, n] = sum_k x[m, k] * q[k, n] * scale[k // group, n].
 * layer (int or int32 scalar, optional): w and scale are every layer's stack ([L, ...] in front) and layer
   `layer` is read in place, so a scanned decoder slices (copies) no weight for the kernel.
-* transposed (int8 per channel only): w is stored [N, K], each output channel's K values contiguous.
+* transposed: w is stored [N, K] (int8) or [N, K // 2] (int4, `pack_int4(q).T`), each output channel's values
+  contiguous.
 
 Implementations (`impl="auto"` takes the first that can run):
 
@@ -58,7 +59,7 @@ def _pallas_guard(ctx: _dispatch.Ctx) -> str | None:
     if reason is not None:
         return reason
     m, k, n, bits, group = (ctx.get(key) for key in ("m", "k", "n", "bits", "group"))
-    tiling = transposed_tiling(m, k, n) if ctx.get("transposed") else default_tiling(bits, m, k, n, group)
+    tiling = transposed_tiling(bits, m, k, n, group) if ctx.get("transposed") else default_tiling(bits, m, k, n, group)
     return tiling_problem(m, k, n, bits=bits, group=group, tiling=tiling)
 
 

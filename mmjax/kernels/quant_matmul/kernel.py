@@ -51,7 +51,6 @@ class Tiling:
     k_splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    swap_ab: bool = False   # transposed weights: the weight tile is the dot's first operand ([BN, BK] x [BK, BM])
 
 
 def _pow2(v: int) -> bool:
@@ -85,20 +84,22 @@ def default_tiling(bits: int, m: int, k: int, n: int, group: int = 0) -> Tiling:
 TRANSPOSED_TARGET_PROGRAMS = 128
 
 
-def transposed_tiling(m: int, k: int, n: int) -> Tiling:
-    """The default launch shape of a transposed ([N, K]) int8 weight: N tiles of 64 channels, K tiles of 256
-    (a 256-byte contiguous run per channel and step), K split in powers of two until there are
-    `TRANSPOSED_TARGET_PROGRAMS` programs: the fastest tiling of each 16-token decode shape in the sweep
-    (docs/perf/quantization.md). Above 32 tokens the untransposed weight's default measured faster end to end."""
+def transposed_tiling(bits: int, m: int, k: int, n: int, group: int = 0) -> Tiling:
+    """The default launch shape of a transposed ([N, K]) weight: N tiles of 64 channels, K tiles of 256 (a
+    256-byte contiguous run per int8 channel and step), K split in powers of two until there are
+    `TRANSPOSED_TARGET_PROGRAMS` programs: the fastest tiling of each 16-token int8 decode shape in the sweep
+    (docs/perf/quantization.md; int4 takes the same shape, not yet swept). Above 32 tokens the untransposed
+    weight's default measured faster end to end."""
     if m > 32:
-        return default_tiling(8, m, k, n, 0)
+        return default_tiling(bits, m, k, n, group)
     block_m = min(next_pow2(max(m, MIN_M)), 64)
     block_n = next((b for b in (64, 32, 16) if n % b == 0), 64)
-    block_k = next((b for b in (256, 128, 64, 32, 16) if k % b == 0), 256)
+    sizes = (256, 128) if bits == 4 else (256, 128, 64, 32, 16)
+    block_k = next((b for b in sizes if k % b == 0 and _group_fits(b, group, bits)), sizes[0])
     m_blocks = -(-m // block_m)
     k_splits = 1
     while (m_blocks * (n // block_n) * k_splits < TRANSPOSED_TARGET_PROGRAMS and k % (2 * k_splits * block_k) == 0
-           and 2 * k_splits * m_blocks * block_m * 4 <= PARTIAL_SHARE * k):
+           and 2 * k_splits * m_blocks * block_m * 4 <= PARTIAL_SHARE * k * bits / 8):
         k_splits *= 2
     return Tiling(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits)
 
@@ -117,33 +118,22 @@ def _group_fits(block_k: int, group: int, bits: int) -> bool:
 def shape_problem(x_shape: tuple[int, ...], w_shape: tuple[int, ...], scale_shape: tuple[int, ...], *, group: int,
                   bits: int, stacked: bool = False, transposed: bool = False) -> str | None:
     """Why these shapes are not a valid quantized matmul (any implementation), or None. `transposed`: the
-    weight is stored [N, K] (int8 per channel only)."""
+    weight is stored [N, K] ([N, K // 2] packed int4)."""
     if bits not in (4, 8):
         return f"bits must be 4 or 8, got {bits}"
     lead = 1 if stacked else 0
-    if transposed:
-        if bits != 8 or group:
-            return f"a transposed [N, K] weight is int8 per channel only, got bits={bits}, group={group}"
-        if len(x_shape) != 2 or len(w_shape) != 2 + lead:
-            return (f"x must be [M, K] and the weight [{'L, ' if stacked else ''}N, K]; "
-                    f"got x {tuple(x_shape)}, weight {tuple(w_shape)}")
-        if w_shape[-1] != x_shape[1]:
-            return f"weight {tuple(w_shape)} ([N, K]) does not match x {tuple(x_shape)}: want K={x_shape[1]} columns"
-        want_s = (*w_shape[:lead], w_shape[-2])
-        if tuple(scale_shape) != want_s:
-            return f"scale must have shape {want_s} for weight {tuple(w_shape)}, got {tuple(scale_shape)}"
-        return None
+    layout = ("N, K // 2" if bits == 4 else "N, K") if transposed else ("K // 2, N" if bits == 4 else "K, N")
     if len(x_shape) != 2 or len(w_shape) != 2 + lead:
-        return (f"x must be [M, K] and the weight [{'L, ' if stacked else ''}K{' // 2' if bits == 4 else ''}, N]; "
+        return (f"x must be [M, K] and the weight [{'L, ' if stacked else ''}{layout}]; "
                 f"got x {tuple(x_shape)}, weight {tuple(w_shape)}")
     m, k = x_shape
-    kw, n = w_shape[lead:]
+    (n, kw) = w_shape[lead:] if transposed else w_shape[lead:][::-1]
     want_kw = k // 2 if bits == 4 else k
     if bits == 4 and k % PACK_BLOCK:
         return f"int4 needs K a multiple of the pack block {PACK_BLOCK}; x {tuple(x_shape)} has K={k}"
     if kw != want_kw:
-        return (f"weight {tuple(w_shape)} does not match x {tuple(x_shape)}: want {want_kw} rows "
-                f"({'K // 2 packed int4' if bits == 4 else 'K'})")
+        return (f"weight {tuple(w_shape)} does not match x {tuple(x_shape)}: want {want_kw} "
+                f"{'columns' if transposed else 'rows'} ({'K // 2 packed int4' if bits == 4 else 'K'}) of [{layout}]")
     if group < 0 or (group and k % group):
         return f"group {group} must be 0 (per channel) or divide K={k} (x {tuple(x_shape)})"
     want_s = (n,) if group == 0 else (k // group, n)
@@ -174,30 +164,48 @@ def tiling_problem(m: int, k: int, n: int, *, bits: int, group: int, tiling: Til
 
 
 def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, bits: int, group: int, block_k: int, steps: int,
-            k: int, split: bool):
-    """One (M block, N block, K split) program: walk `steps` K tiles, dequantizing each weight tile in registers."""
+            k: int, n: int, split: bool, transposed: bool):
+    """One (M block, N block, K split) program: walk `steps` K tiles, dequantizing each weight tile in registers.
+
+    The weight is [L * rows, N] ([K, N] or packed [K // 2, N] per layer), or with `transposed` [L * N, cols]
+    ([N, K] or packed [N, K // 2] per layer: each channel's values contiguous, the dot's native layout for its
+    second operand)."""
     layer = layer_ref[0]
     dt = x_ref.dtype
     bm, bn = o_ref.shape[-2:]
-    w_base = layer * (k // 2 if bits == 4 else k)    # first weight row of this layer in the flat [L * rows, N]
     groups = k // group if group else 1
     first = pl.program_id(2) * steps                  # first K tile of this split
+    if transposed:
+        row0 = layer * n + pl.program_id(1) * bn      # this program's first channel in the flat [L * N, cols]
+
+        def w_tile(offset, size):                    # stored columns offset .. offset + size: [BN, size]
+            return w_ref[pl.ds(row0, bn), pl.ds(offset, size)]
+
+        def mm(x, w):
+            return _dot(x, w.astype(dt), trans_b=True)
+    else:
+        w_base = layer * (k // 2 if bits == 4 else k)  # first weight row of this layer in the flat [L * rows, N]
+
+        def w_tile(offset, size):                    # stored rows offset .. offset + size: [size, BN]
+            return w_ref[pl.ds(w_base + offset, size), :]
+
+        def mm(x, w):
+            return _dot(x, w.astype(dt))
 
     def pieces(t):
-        """(row offset in the tile, float32 partial dot) of K tile t, cut where a scale group or nibble half ends."""
+        """(K offset in the tile, float32 partial dot) of K tile t, cut where a scale group or nibble half ends."""
         start = t * block_k
         if bits == 8:
             chunk = group if 0 < group < block_k else block_k
-            return [(c, _dot(x_ref[:, pl.ds(start + c, chunk)],
-                             w_ref[pl.ds(w_base + start + c, chunk), :].astype(dt)))
+            return [(c, mm(x_ref[:, pl.ds(start + c, chunk)], w_tile(start + c, chunk)))
                     for c in range(0, block_k, chunk)]
         out = []
         for c in range(0, block_k, PACK_BLOCK):
-            p = w_ref[pl.ds(w_base + t * (block_k // 2) + c // 2, HALF), :]
-            lo = ((p << 4) >> 4).astype(dt)            # rows c .. c + 63 of the tile, sign-extended
-            hi = (p >> 4).astype(dt)                   # rows c + 64 .. c + 127
-            out.append((c, _dot(x_ref[:, pl.ds(start + c, HALF)], lo)))
-            out.append((c + HALF, _dot(x_ref[:, pl.ds(start + c + HALF, HALF)], hi)))
+            p = w_tile(t * (block_k // 2) + c // 2, HALF)
+            lo = (p << 4) >> 4                        # K offsets c .. c + 63 of the tile, sign-extended
+            hi = p >> 4                               # K offsets c + 64 .. c + 127
+            out.append((c, mm(x_ref[:, pl.ds(start + c, HALF)], lo)))
+            out.append((c + HALF, mm(x_ref[:, pl.ds(start + c + HALF, HALF)], hi)))
         return out
 
     def step(i, acc):
@@ -226,35 +234,11 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, bits: int, group: int, blo
     o_ref[...] = acc if split else acc.astype(o_ref.dtype)
 
 
-def _kernel_transposed(layer_ref, x_ref, w_ref, s_ref, o_ref, *, block_k: int, steps: int, n: int, split: bool,
-                       swap_ab: bool):
-    """One program over an int8 weight stored [N, K] (each output channel's K values contiguous, the layout a
-    tensor-core dot reads its second operand in): y tile = x tile @ w tile^T, per channel scale at the end.
-    With `swap_ab` the weight tile is the first operand instead (w tile @ x tile^T, transposed at the end)."""
-    layer = layer_ref[0]
-    dt = x_ref.dtype
-    bm, bn = o_ref.shape[-2:]
-    row0 = layer * n + pl.program_id(1) * bn
-    first = pl.program_id(2) * steps
-
-    def step(i, acc):
-        start = (first + i) * block_k
-        w = w_ref[pl.ds(row0, bn), pl.ds(start, block_k)].astype(dt)    # [BN, BK]
-        x = x_ref[:, pl.ds(start, block_k)]                               # [BM, BK]
-        return acc + (_dot(w, x, trans_b=True) if swap_ab else _dot(x, w, trans_b=True))
-
-    acc = lax.fori_loop(0, steps, step, jnp.zeros((bn, bm) if swap_ab else (bm, bn), jnp.float32))
-    if swap_ab:
-        acc = acc.T
-    acc = acc * s_ref[pl.ds(layer, 1), :]
-    o_ref[...] = acc if split else acc.astype(o_ref.dtype)
-
-
 def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bits: int,
                  layer: jax.Array | int | None = None, out_dtype=None, interpret: bool | None = None,
                  transposed: bool = False, block_m: int | None = None,
                  block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None, swap_ab: bool | None = None) -> jax.Array:
+                 num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
     """x [M, K] @ dequant(w) -> [M, N] in `out_dtype` (default x's dtype), accumulated in float32.
 
     w: int8 [K, N] (bits=8) or `pack_int4`-packed int8 [K // 2, N] (bits=4); with `transposed`, int8 [N, K]
@@ -272,9 +256,9 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
     m, k = x.shape
     n = w.shape[-2] if transposed else w.shape[-1]
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    d = transposed_tiling(m, k, n) if transposed else default_tiling(bits, m, k, n, group)
+    d = transposed_tiling(bits, m, k, n, group) if transposed else default_tiling(bits, m, k, n, group)
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
-                 num_stages=num_stages, swap_ab=swap_ab)
+                 num_stages=num_stages)
     t = dataclasses.replace(d, **{key: v for key, v in given.items() if v is not None})
     bm = min(next_pow2(max(m, MIN_M)), t.block_m)
     t = dataclasses.replace(t, block_m=bm)
@@ -307,11 +291,8 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
     else:
         out_specs = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
         out_shape = jax.ShapeDtypeStruct((m_pad, n), out_dtype)
-    if transposed:
-        kernel = functools.partial(_kernel_transposed, block_k=t.block_k, steps=steps, n=n, split=split,
-                                   swap_ab=t.swap_ab)
-    else:
-        kernel = functools.partial(_kernel, bits=bits, group=group, block_k=t.block_k, steps=steps, k=k, split=split)
+    kernel = functools.partial(_kernel, bits=bits, group=group, block_k=t.block_k, steps=steps, k=k, n=n, split=split,
+                               transposed=transposed)
     out = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                          interpret=_interpret_default() if interpret is None else interpret,
                          compiler_params=compiler_params(t.num_warps, t.num_stages),

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmjax.kernels.quant_matmul.kernel import Tiling, default_tiling, quant_matmul, tiling_problem
+from mmjax.kernels.quant_matmul.kernel import Tiling, default_tiling, quant_matmul, tiling_problem, transposed_tiling
 from mmjax.kernels.quant_matmul.pack import pack_int4
 from mmjax.kernels.quant_matmul.reference import quant_matmul_reference
 
@@ -126,18 +126,19 @@ def tilings(bits: int, m: int, k: int, n: int, quick: bool) -> list[dict]:
     return keep
 
 
-def transposed_tilings(m: int, k: int, n: int, quick: bool) -> list[dict]:
-    """Tilings of the transposed ([N, K]) int8 weight: 48 to 264 programs (the range where every layout has
-    run fastest), either operand order, three and four stages."""
-    d = default_tiling(8, m, k, n, 0)
+def transposed_tilings(bits: int, m: int, k: int, n: int, quick: bool) -> list[dict]:
+    """Tilings of the transposed ([N, K]) weight: 48 to 264 programs (the range where every layout has run
+    fastest), three and four stages."""
+    group = GROUP if bits == 4 else 0
+    d = transposed_tiling(bits, m, k, n, group)
     if quick:
-        return [dict(block_n=32, block_k=128, k_splits=2, swap_ab=swap) for swap in (False, True)]
+        return [dict(block_n=32, block_k=max(d.block_k, 128), k_splits=2)]
     keep = []
-    for bn, bk, ks, swap, st in itertools.product((64, 128), (128, 256), (1, 2, 4, 8), (False, True), (3, 4)):
+    for bn, bk, ks, st in itertools.product((64, 128), (128, 256) if bits == 8 else (256, 512), (1, 2, 4, 8), (3, 4)):
         programs = -(-m // d.block_m) * (n // bn) * ks
-        t = Tiling(block_m=d.block_m, block_n=bn, block_k=bk, k_splits=ks, num_stages=st, swap_ab=swap)
-        if 48 <= programs <= 264 and tiling_problem(m, k, n, bits=8, group=0, tiling=t) is None:
-            keep.append(dict(block_n=bn, block_k=bk, k_splits=ks, swap_ab=swap, num_stages=st))
+        t = Tiling(block_m=d.block_m, block_n=bn, block_k=bk, k_splits=ks, num_stages=st)
+        if 48 <= programs <= 264 and tiling_problem(m, k, n, bits=bits, group=group, tiling=t) is None:
+            keep.append(dict(block_n=bn, block_k=bk, k_splits=ks, num_stages=st))
     return keep
 
 
@@ -170,11 +171,11 @@ def sweep_case(name: str, bits: int, m: int, *, quick: bool, unroll: int = 16, d
         for kw in [{}] + tilings(bits, m, k, n, quick):
             one = lambda x, w, s, i, kw=kw: quant_matmul(x, w, s, group=group, bits=bits, layer=i, **kw)  # noqa: E731
             record("pallas", one, (x, w, scale), tiling=kw or "default")
-    if "nk" in layouts and bits == 8:
-        wt = jnp.swapaxes(w, 1, 2)  # [S, N, K]
-        for kw in [{}] + transposed_tilings(m, k, n, quick):
-            one = lambda x, w, s, i, kw=kw: quant_matmul(x, w, s, group=0, bits=8, layer=i, transposed=True,  # noqa: E731
-                                                         **kw)
+    if "nk" in layouts:
+        wt = jnp.swapaxes(w, 1, 2)  # [S, N, K] (int8) or [S, N, K // 2] (packed int4)
+        for kw in [{}] + transposed_tilings(bits, m, k, n, quick):
+            one = lambda x, w, s, i, kw=kw: quant_matmul(x, w, s, group=group, bits=bits, layer=i,  # noqa: E731
+                                                         transposed=True, **kw)
             record("pallas_nk", one, (x, wt, scale), tiling=kw or "default")
         del wt
     if bits == 8:
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--m", type=int, nargs="+", default=[1, 32, 64])
     p.add_argument("--unroll", type=int, default=16, help="matmul calls per loop iteration")
     p.add_argument("--layouts", nargs="+", default=["kn"], choices=["kn", "nk"],
-                   help="weight layouts: kn ([K, N], the serving layout) and nk (transposed [N, K], int8 only)")
+                   help="weight layouts: kn ([K, N]) and nk (transposed [N, K], int8's serving layout)")
     args = p.parse_args(argv)
     shapes = args.shapes[:1] if args.quick else args.shapes
     ms = [5] if args.quick else args.m

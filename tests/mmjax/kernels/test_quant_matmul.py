@@ -84,20 +84,22 @@ def test_default_tiling_and_stacked_layer():
         _close(run(x, w, scale, jnp.int32(i)), quant_matmul_reference(x, q[i], scale[i], group=128), jnp.float32)
 
 
-@pytest.mark.parametrize("swap_ab,k_splits", [(False, 1), (True, 2)])
-def test_transposed_weight_of_a_stacked_layer(swap_ab, k_splits):
-    """An int8 weight stored [L, N, K] (either operand order): one layer read in place equals the [K, N] result."""
-    x, q, scale = make_case(5, 512, 64, bits=8, group=0, dtype=jnp.float32, layers=3, seed=4)
-    qt = jnp.swapaxes(q, 1, 2)
-    run = jax.jit(lambda x, w, s, i: qk.quant_matmul(x, w, s, group=0, bits=8, layer=i, transposed=True,
-                                                     interpret=True, block_n=32, block_k=128, k_splits=k_splits,
-                                                     swap_ab=swap_ab))
+@pytest.mark.parametrize("bits,group,k_splits", [(8, 0, 1), (8, 0, 2), (4, 128, 1), (4, 256, 2)])
+def test_transposed_weight_of_a_stacked_layer(bits, group, k_splits):
+    """A weight stored [L, N, K] (int8) or [L, N, K // 2] (packed int4, `pack_int4(q).T`): one layer read in place
+    equals the [K, N] result; its own default tiling too."""
+    x, q, scale = make_case(5, 512, 64, bits=bits, group=group, dtype=jnp.float32, layers=3, seed=4)
+    w = jnp.stack([pack_int4(q[i]) for i in range(3)]) if bits == 4 else q
+    wt = jnp.swapaxes(w, 1, 2)
+    run = jax.jit(lambda x, w, s, i: qk.quant_matmul(x, w, s, group=group, bits=bits, layer=i, transposed=True,
+                                                     interpret=True, block_n=32, block_k=256, k_splits=k_splits))
     for i in (0, 2):
-        _close(run(x, qt, scale, jnp.int32(i)), quant_matmul_reference(x, q[i], scale[i], group=0), jnp.float32)
-    with pytest.raises(ValueError, match=r"transposed \[N, K\] weight is int8 per channel only"):
-        qk.quant_matmul(x, qt[0], scale[0], group=0, bits=4, transposed=True, interpret=True)
-    with pytest.raises(ValueError, match=r"want K=512 columns"):
-        qk.quant_matmul(x, q[0], scale[0], group=0, bits=8, transposed=True, interpret=True)
+        _close(run(x, wt, scale, jnp.int32(i)), quant_matmul_reference(x, q[i], scale[i], group=group), jnp.float32)
+    got = qk.quant_matmul(x, wt[1], scale[1], group=group, bits=bits, transposed=True, interpret=True)
+    _close(got, quant_matmul_reference(x, q[1], scale[1], group=group), jnp.float32)
+    want_cols = 256 if bits == 4 else 512
+    with pytest.raises(ValueError, match=rf"want {want_cols} columns"):
+        qk.quant_matmul(x, w[0], scale[0], group=group, bits=bits, transposed=True, interpret=True)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -67,17 +67,20 @@ def test_quantize_dequantize_error_bound(scheme):
     assert q.nbytes < w.size * (0.6 if scheme == "int4" else 1.1)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_int8_storage_layouts_agree(transposed):
-    """int8 stored output axes first ([L, KV, G, D, E] for a [L, E, KV, G, D] qkv weight) or as the float weight:
-    same shape, dequantization and einsum, on XLA and (a GPU assumed, interpret mode) through the kernel."""
+def test_storage_layouts_agree(scheme, transposed):
+    """int8 and packed int4 stored output axes first ([KV, G, D, E(/2)] for an [E, KV, G, D] qkv weight) or as the
+    float weight: same shape, dequantization and einsum, on XLA and (a GPU assumed, interpret mode) through the
+    kernel."""
     from mmjax.kernels import _dispatch
 
     w = jnp.asarray(np.random.default_rng(3).standard_normal((256, 4, 6, 16)), jnp.float32)  # [E, KV, G, D]
-    q = quantize(w, "int8", transposed=transposed)
-    ref = quantize(w, "int8", transposed=False)
+    q = quantize(w, scheme, transposed=transposed)
+    ref = quantize(w, scheme, transposed=False)
     assert q.transposed == transposed and q.shape == w.shape
-    assert q.q.shape == ((4, 6, 16, 256) if transposed else (256, 4, 6, 16))
+    e = 128 if scheme == "int4" else 256
+    assert q.q.shape == ((4, 6, 16, e) if transposed else (e, 4, 6, 16))
     np.testing.assert_array_equal(np.asarray(dequantize(q)), np.asarray(dequantize(ref)))
     x = jnp.asarray(np.random.default_rng(4).standard_normal((1, 3, 256)), jnp.float32)
     want = np.einsum("bse,ekgd->bskgd", np.asarray(x), np.asarray(dequantize(ref)))
