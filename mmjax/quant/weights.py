@@ -12,7 +12,9 @@ schemes. Schemes:
 * `fp8`: float8_e4m3fn, one scale per output channel (amax maps to 448): |w - dequant(w)| <= max(|w| / 16,
   scale / 1024) (3 mantissa bits; the second term covers subnormals). With `act_fp8` the activations are cast
   to e4m3 too, with one scale per token, and the dot is fp8 x fp8 with a float32 result (sm89+/sm90 tensor
-  cores); otherwise the weight is upcast to the compute dtype at the dot (weight-only).
+  cores); otherwise the weight is upcast to the compute dtype at the dot (weight-only). A decode-sized step on
+  a GPU (sm89+) runs the e4m3 weight through the same kernel as int8, weight-only: a decode step is bound by
+  reading the weight, which the kernel does near copy speed, and the activations stay in the compute dtype.
 * `int4`: symmetric, values in [-7, 7], one scale per group of `group` (128) consecutive contracted values and
   output channel: |w - dequant(w)| <= amax_group / 14. Stored two per byte (`kernels.quant_matmul.pack_int4`'s
   layout along the flattened contraction, `contract_shape` set) when the contraction is a multiple of the
@@ -48,8 +50,9 @@ BITS = {"int8": 8, "fp8": 8, "int4": 4}
 GROUP = 128  # int4 group size along the contraction
 _TINY = 1e-12  # floor of a scale: an all-zero channel or token quantizes to zeros
 # Whether each scheme's values are stored output axes first by default (see the module docstring): int8 measured
-# faster so; packed int4 can be (the kernel reads both layouts) but keeps its [K // 2, N] default until measured.
-TRANSPOSED = {"int8": True, "int4": False}
+# faster so, fp8 takes the same kernel path; packed int4 can be (the kernel reads both layouts) but keeps its
+# [K // 2, N] default until measured.
+TRANSPOSED = {"int8": True, "fp8": True, "int4": False}
 
 
 @flax.struct.dataclass
@@ -127,7 +130,7 @@ def quantize(w: jax.Array, scheme: str, *, n_contract: int = 1, n_lead: int = 0,
         scale = jnp.maximum(jnp.max(jnp.abs(wf), axis=axes, keepdims=True), _TINY) / QMAX[scheme]
         x = wf / scale
         q = x.astype(FP8) if scheme == "fp8" else jnp.clip(jnp.round(x), -127, 127).astype(jnp.int8)
-        transposed = scheme == "int8" and (TRANSPOSED["int8"] if transposed is None else transposed)
+        transposed = TRANSPOSED[scheme] if transposed is None else transposed
         if transposed:
             q = _to_stored(q, n_lead, n_contract)
         return QuantizedWeight(q, scale, scheme, n_contract, n_out, 0, act_fp8 and scheme == "fp8",
@@ -209,14 +212,18 @@ def _einsum(w: QuantizedWeight, spec: str, x: jax.Array, dtype, out_dtype) -> ja
         x_axes = tuple(i for i, c in enumerate(xs) if c in contracted)
         sx = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=x_axes, keepdims=True), _TINY) / FP8_MAX
         xq = (x.astype(jnp.float32) / sx).astype(FP8)
-        y = jnp.einsum(spec, xq, w.q, preferred_element_type=jnp.float32)
+        y = jnp.einsum(_stored_spec(w, xs, contracted, w_out, out, spec), xq, w.q, preferred_element_type=jnp.float32)
         x_out = "".join(c for c in xs if c not in contracted)
         sx = _to_output(sx.reshape([n for i, n in enumerate(sx.shape) if i not in x_axes]), x_out, out)
         return (y * sx * w_scale).astype(out_dtype)
-    if w.transposed:  # the einsum reads the stored [*out, *contracted] values as they lie
-        spec = f"{xs},{w_out}{contracted}->{out}"
-    y = jnp.einsum(spec, x.astype(dtype), w.q.astype(dtype), preferred_element_type=jnp.float32)
+    y = jnp.einsum(_stored_spec(w, xs, contracted, w_out, out, spec), x.astype(dtype), w.q.astype(dtype),
+                   preferred_element_type=jnp.float32)
     return (y * w_scale).astype(out_dtype)
+
+
+def _stored_spec(w: QuantizedWeight, xs: str, contracted: str, w_out: str, out: str, spec: str) -> str:
+    """The einsum spec over the stored values: a transposed weight's are read as they lie, [*out, *contracted]."""
+    return f"{xs},{w_out}{contracted}->{out}" if w.transposed else spec
 
 
 KERNEL_MAX_ROWS = 64  # decode-sized steps; a prefill's wide dot is compute-bound and stays with XLA
@@ -226,11 +233,11 @@ def _kernel_matmul(w: QuantizedWeight, xs: str, contracted: str, w_out: str, out
                    dtype, out_dtype) -> jax.Array | None:
     """The fused weight-only kernel (`kernels.quant_matmul`) where the einsum is a plain [M, K] x [K, N]
     matmul (x ends with the contracted axes, the output is x's other axes then the weight's), the weight is
-    per-channel int8 or packed int4, and the kernel can run here; None leaves the einsum to XLA."""
+    per-channel int8 or e4m3 or packed int4, and the kernel can run here; None leaves the einsum to XLA."""
     x_lead = xs[:len(xs) - len(contracted)]
     if not xs.endswith(contracted) or out != x_lead + w_out:
         return None
-    if not (w.scheme == "int8" and not w.group) and not (w.scheme == "int4" and w.packed):
+    if not (w.scheme in ("int8", "fp8") and not w.group) and not (w.scheme == "int4" and w.packed):
         return None
     shape = w.shape
     k = math.prod(shape[:w.n_contract])

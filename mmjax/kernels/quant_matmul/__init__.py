@@ -3,7 +3,8 @@
     y = quant_matmul(x, w, scale, group=0, bits=8, layer=None, out_dtype=None, impl="auto")
 
 * x [..., K] floating; y [..., N] in `out_dtype` (default x's dtype), accumulated in float32.
-* bits=8: w int8 [K, N]. bits=4: w is `pack_int4(q)` of int4 values q [K, N] in [-7, 7]: int8 [K // 2, N],
+* bits=8: w int8 [K, N], or float8_e4m3fn [K, N] (converted in registers like int8; sm89+ on a GPU).
+  bits=4: w is `pack_int4(q)` of int4 values q [K, N] in [-7, 7]: int8 [K // 2, N],
   two values per byte in 128-row pack blocks (`pack.py` documents the layout; K a multiple of 128).
 * scale float32 [N] per output channel (group=0) or [K // group, N] per group of `group` consecutive rows
   of K (int4 uses 128): y[m, n] = sum_k x[m, k] * q[k, n] * scale[k // group, n].
@@ -55,9 +56,9 @@ def _pallas(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None, t
 
 def _pallas_guard(ctx: _dispatch.Ctx) -> str | None:
     """Platform and dtype (the Pallas-Triton guard), then the shapes against the default tiling."""
-    reason = _dispatch.pallas_triton(ctx)
+    reason = _dispatch.pallas_triton(ctx, min_capability=(8, 9) if ctx.get("fp8") else (8, 0))
     if reason is not None:
-        return reason
+        return reason if not ctx.get("fp8") else f"float8_e4m3fn weights: {reason}"
     m, k, n, bits, group = (ctx.get(key) for key in ("m", "k", "n", "bits", "group"))
     tiling = transposed_tiling(bits, m, k, n, group) if ctx.get("transposed") else default_tiling(bits, m, k, n, group)
     return tiling_problem(m, k, n, bits=bits, group=group, tiling=tiling)
@@ -75,12 +76,14 @@ def _context(x, w, scale, *, group: int, bits: int, layer, impl: str, transposed
                             transposed=transposed)
     if problem is not None:
         raise ValueError(f"quant_matmul: {problem} (x {tuple(x.shape)} flattened to [M, K])")
-    if w.dtype != jnp.int8:
-        raise ValueError(f"quant_matmul: the weight must be int8 (int4 packed by pack_int4), got {w.dtype}")
+    fp8 = w.dtype == jnp.float8_e4m3fn
+    if w.dtype != jnp.int8 and not (fp8 and bits == 8):
+        raise ValueError(f"quant_matmul: the weight must be int8 (int4 packed by pack_int4) or float8_e4m3fn with "
+                         f"bits=8, got {w.dtype} (bits={bits})")
     # row_wise: under a mesh a custom call would be replicated, where XLA partitions the dot natively
     n = w.shape[-2] if transposed else w.shape[-1]
     return _dispatch.make_ctx(x.dtype, explicit=impl != "auto", m=m, k=x.shape[-1], n=n, bits=bits,
-                              group=group, transposed=transposed, row_wise=True)
+                              group=group, transposed=transposed, fp8=fp8, row_wise=True)
 
 
 def quant_matmul_supported(x, w, scale, *, group: int, bits: int, layer=None, transposed: bool = False) -> str | None:

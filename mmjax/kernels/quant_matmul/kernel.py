@@ -241,18 +241,20 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
                  num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
     """x [M, K] @ dequant(w) -> [M, N] in `out_dtype` (default x's dtype), accumulated in float32.
 
-    w: int8 [K, N] (bits=8) or `pack_int4`-packed int8 [K // 2, N] (bits=4); with `transposed`, int8 [N, K]
-    (per channel only). scale float32 [N] (group 0) or [K // group, N]. With `layer` (int or int32 scalar), w
-    and scale carry a leading layers axis and that layer is read in place. Tiling arguments left None take
-    `default_tiling`; `interpret` None means interpret mode when compiling for the CPU (tests). Raises
+    w: int8 or float8_e4m3fn [K, N] (bits=8) or `pack_int4`-packed int8 [K // 2, N] (bits=4); with
+    `transposed`, [N, K] / [N, K // 2]. scale float32 [N] (group 0) or [K // group, N]. With `layer` (int or
+    int32 scalar), w and scale carry a leading layers axis and that layer is read in place. Tiling arguments
+    left None take the default tiling; `interpret` None means interpret mode when compiling for the CPU. Raises
     ValueError naming the shapes it cannot take."""
     stacked = layer is not None
     problem = shape_problem(x.shape, w.shape, scale.shape, group=group, bits=bits, stacked=stacked,
                             transposed=transposed)
     if problem is not None:
         raise ValueError(f"quant_matmul: {problem}")
-    if not jnp.issubdtype(x.dtype, jnp.floating) or w.dtype != jnp.int8:
-        raise ValueError(f"quant_matmul: x must be floating and the weight int8, got x {x.dtype}, weight {w.dtype}")
+    fp8 = w.dtype == jnp.float8_e4m3fn
+    if not jnp.issubdtype(x.dtype, jnp.floating) or not (w.dtype == jnp.int8 or (fp8 and bits == 8)):
+        raise ValueError(f"quant_matmul: x must be floating and the weight int8 (or float8_e4m3fn with bits=8), "
+                         f"got x {x.dtype}, weight {w.dtype}")
     m, k = x.shape
     n = w.shape[-2] if transposed else w.shape[-1]
     out_dtype = x.dtype if out_dtype is None else out_dtype
@@ -296,7 +298,8 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
     out = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                          interpret=_interpret_default() if interpret is None else interpret,
                          compiler_params=compiler_params(t.num_warps, t.num_stages),
-                         name=f"mmjax_quant_matmul_int{bits}{'_t' if transposed else ''}")(layer_arr, xp, w, scale)
+                         name=f"mmjax_quant_matmul_{'fp8' if fp8 else f'int{bits}'}{'_t' if transposed else ''}"
+                         )(layer_arr, xp, w, scale)
     if split:
         out = jnp.sum(out, axis=0).astype(out_dtype)
     return out[:m]

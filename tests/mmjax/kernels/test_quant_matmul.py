@@ -102,6 +102,22 @@ def test_transposed_weight_of_a_stacked_layer(bits, group, k_splits):
         qk.quant_matmul(x, w[0], scale[0], group=group, bits=bits, transposed=True, interpret=True)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fp8_weights(transposed):
+    """float8_e4m3fn weights (bits=8) take the int8 path, converted in registers; per channel and per group."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((4, 256)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((256, 32)) * 100, jnp.float32).astype(jnp.float8_e4m3fn)
+    for group, scale in ((0, jnp.full((32,), 0.01)), (128, jnp.full((2, 32), 0.02))):
+        want = quant_matmul_reference(x, q, scale, group=group)
+        w = q.T if transposed else q
+        got = qk.quant_matmul(x, w, scale, group=group, bits=8, transposed=transposed, interpret=True, block_n=16,
+                              block_k=128)
+        _close(got, want, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"float8_e4m3fn with bits=8"):
+        quant_matmul(x, q[:128], jnp.ones((2, 32)), group=128, bits=4)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("m", [1, 32, 64])
 def test_default_tiling_fills_the_gpu(bits, m):

@@ -67,10 +67,10 @@ def test_quantize_dequantize_error_bound(scheme):
     assert q.nbytes < w.size * (0.6 if scheme == "int4" else 1.1)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_storage_layouts_agree(scheme, transposed):
-    """int8 and packed int4 stored output axes first ([KV, G, D, E(/2)] for an [E, KV, G, D] qkv weight) or as the
+    """int8, e4m3 and packed int4 stored output axes first ([KV, G, D, E(/2)] for an [E, KV, G, D] qkv weight) or as the
     float weight: same shape, dequantization and einsum, on XLA and (a GPU assumed, interpret mode) through the
     kernel."""
     from mmjax.kernels import _dispatch
@@ -271,13 +271,13 @@ def test_fp8_matmul_on_gpu(quant):
     assert np.abs(np.asarray(quant["fwd"](state)) - quant["ref"]).max() < LOGIT_TOL["fp8_act"]
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("spec,w_shape,n_contract,x_shape", [("bse,ecm->bscm", (128, 2, 64), 1, (3, 1, 128)),
                                                              ("bshd,hde->bse", (4, 32, 128), 2, (2, 5, 4, 32))])
 def test_decode_matmul_takes_the_fused_kernel_on_a_gpu(scheme, spec, w_shape, n_contract, x_shape):
-    """A decode-sized int8 / packed int4 matmul on a GPU (assumed here; the Pallas kernel runs in interpret mode)
-    goes to `kernels.quant_matmul` and gives XLA's result; a prefill-sized one (> KERNEL_MAX_ROWS tokens)
-    stays with XLA, as does everything on a CPU."""
+    """A decode-sized int8 / e4m3 / packed int4 matmul on a GPU (assumed here; the Pallas kernel runs in interpret
+    mode) goes to `kernels.quant_matmul` and gives XLA's result; a prefill-sized one (> KERNEL_MAX_ROWS tokens)
+    stays with XLA, as does everything on a CPU, and e4m3 on a GPU without fp8 conversions (sm80)."""
     from mmjax.kernels import _dispatch
     from mmjax.quant.weights import KERNEL_MAX_ROWS
 
@@ -296,3 +296,5 @@ def test_decode_matmul_takes_the_fused_kernel_on_a_gpu(scheme, spec, w_shape, n_
         assert uses_kernel(x) and not uses_kernel(wide)
         got = np.asarray(run(x))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    with _dispatch.assume_platform("gpu", (8, 0)):
+        assert uses_kernel(x) == (scheme != "fp8")
