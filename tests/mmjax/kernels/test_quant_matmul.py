@@ -182,14 +182,19 @@ def test_dispatch_on_cpu_uses_the_reference(bits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("m", [1, 32, 64])
 @pytest.mark.parametrize("k,n", [(2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048)])
-def test_kernel_gpu_decode_shapes(bits, m, k, n):
-    """The 1.24B decoder's decode shapes in bf16 with the default tiling on the GPU."""
+def test_kernel_gpu_decode_shapes(kind, transposed, m, k, n):
+    """The 1.24B decoder's decode shapes in bf16 with the default tiling on the GPU, both weight layouts."""
+    bits = 4 if kind == "int4" else 8
     group = 128 if bits == 4 else 0
     x, q, scale = make_case(m, k, n, bits=bits, group=group, dtype=jnp.bfloat16)
+    if kind == "fp8":
+        q = q.astype(jnp.float32).astype(jnp.float8_e4m3fn)  # |q| <= 127: e4m3 rounds some, the reference too
     w = pack_int4(q) if bits == 4 else q
-    assert quant_matmul_supported(x, w, scale, group=group, bits=bits) is None
-    _close(quant_matmul(x, w, scale, group=group, bits=bits), quant_matmul_reference(x, q, scale, group=group),
-           jnp.bfloat16)
+    w = w.T if transposed else w
+    assert quant_matmul_supported(x, w, scale, group=group, bits=bits, transposed=transposed) is None
+    _close(quant_matmul(x, w, scale, group=group, bits=bits, transposed=transposed),
+           quant_matmul_reference(x, q, scale, group=group), jnp.bfloat16)
