@@ -23,9 +23,9 @@ schemes. Schemes:
   front of the dot (group scales sit inside the contraction, so they cannot be a per-channel epilogue).
 
 Layout: the contracted axes of the weight come first (after any leading stack axes, e.g. scanned layers),
-then the output axes, as for every decoder matmul here. int8 values are stored transposed (`transposed`: output
-axes, then contracted axes), so each output channel's contracted values are contiguous: the layout the decode
-kernel's tensor-core dot reads its weight operand in without reshuffling int8 bytes (docs/perf/quantization.md).
+then the output axes, as for every decoder matmul here. int8 and e4m3 values are stored transposed (`transposed`:
+output axes, then contracted axes), so each output channel's contracted values are contiguous: the layout the
+decode kernel's tensor-core dot reads its weight operand in without reshuffling bytes (docs/perf/quantization.md).
 Packed int4 can be stored so too (`quantize(..., transposed=True)`: the packed bytes output axes first); its
 default stays [K // 2, N] until the GPU measures the two (`TRANSPOSED`). `shape` and `dequantize` always speak of
 the float weight's own layout.
@@ -120,7 +120,7 @@ def _map_matrices(fn, a: jax.Array, n_lead: int) -> jax.Array:
 def quantize(w: jax.Array, scheme: str, *, n_contract: int = 1, n_lead: int = 0, group: int = GROUP,
              act_fp8: bool = False, name: str = "weight", transposed: bool | None = None) -> QuantizedWeight:
     """Quantize float `w` whose axes are `n_lead` stack axes, `n_contract` contracted axes, then output axes.
-    `transposed` (int8, and int4 where packed; default `TRANSPOSED`) stores the values output axes first."""
+    `transposed` (int8, fp8, and int4 where packed; default `TRANSPOSED`) stores the values output axes first."""
     if scheme not in STORAGE:
         raise ConfigError(f"serve.quantization={scheme!r}: choose one of none, {', '.join(STORAGE)}")
     wf = jnp.asarray(w, jnp.float32)

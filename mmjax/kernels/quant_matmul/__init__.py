@@ -1,4 +1,4 @@
-"""`kernels.quant_matmul`: y = x @ dequant(w) for weight-only int8 / int4 weights, sized for decode (M = 1..64).
+"""`kernels.quant_matmul`: y = x @ dequant(w) for weight-only int8 / e4m3 / int4 weights, sized for decode (M = 1..64).
 
     y = quant_matmul(x, w, scale, group=0, bits=8, layer=None, out_dtype=None, impl="auto")
 
