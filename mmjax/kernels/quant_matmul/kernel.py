@@ -10,6 +10,10 @@ registers: the q tile is converted to x's dtype in front of a tensor-core dot wi
   added, so the scales never touch the weight tile.
 * int4: packed two per byte in `pack.py`'s layout; a 128-row pack block is one [64, BN] load, unpacked with
   two arithmetic shifts into its two contiguous 64-row halves.
+* float8_e4m3fn weights (bits=8) take the int8 path: the tile converts to x's dtype the same way (sm89+).
+* `transposed`: the weight is stored [N, K] ([N, K // 2] packed), each output channel's K values contiguous, and
+  the dot reads the tile as its transposed second operand (`x_tile @ w_tile^T`), the layout tensor-core dots
+  take without reshuffling 8-bit values; it has its own default tiling (`transposed_tiling`).
 
 Grid (M blocks, N blocks, K splits). M is padded to a power of two >= 16 (Triton's smallest dot) and at most
 `block_m`. With k_splits > 1 each program walks K / k_splits rows and writes float32 partials
