@@ -90,10 +90,11 @@ TRANSPOSED_TARGET_PROGRAMS = 128
 
 def transposed_tiling(bits: int, m: int, k: int, n: int, group: int = 0) -> Tiling:
     """The default launch shape of a transposed ([N, K]) weight: N tiles of 64 channels, K tiles of 256 (a
-    256-byte contiguous run per int8 channel and step), K split in powers of two until there are
-    `TRANSPOSED_TARGET_PROGRAMS` programs: the fastest tiling of each 16-token int8 decode shape in the sweep
-    (docs/perf/quantization.md; int4 takes the same shape, not yet swept). Above 32 tokens the untransposed
-    weight's default measured faster end to end."""
+    256-byte contiguous run per int8 channel and step; the N and K tiles of the fastest gate/up and down
+    tilings in the 16-token int8 sweep), K split in powers of two until there are `TRANSPOSED_TARGET_PROGRAMS`
+    programs (within 8% of each shape's fastest there, and measured end to end; docs/perf/quantization.md). int4
+    takes the same shape, not yet swept. Above 32 tokens the untransposed weight's default measured faster end
+    to end."""
     if m > 32:
         return default_tiling(bits, m, k, n, group)
     block_m = min(next_pow2(max(m, MIN_M)), 64)
