@@ -259,6 +259,28 @@ def test_pre_quantized_round_trip(quant, tmp_path):
         load_quantized(tmp_path / "missing")
 
 
+def test_pre_quantized_folder_of_the_untransposed_layout_loads(quant, tmp_path, monkeypatch):
+    """A folder written before int8 was stored transposed ([K, N] values, no `transposed` in quant.json) loads
+    as it was written and gives the same logits as today's layout."""
+    import json
+
+    from mmjax.quant import weights
+    from mmjax.quant.store import load_quantized, save_quantized
+
+    qstate = quantize_state(quant["state"], "int8", lm_head=True)
+    monkeypatch.setattr(weights, "TRANSPOSED", {**weights.TRANSPOSED, "int8": False})
+    old_state = quantize_state(quant["state"], "int8", lm_head=True)
+    model = nnx.merge(nnx.graphdef(quant["model"]), old_state)
+    save_quantized(tmp_path, dataclasses.replace(Config(), model=quant["cfg"]), model)
+    meta = json.loads((tmp_path / "quant.json").read_text())
+    assert meta["quantized"] and all(lay.pop("transposed") is False for lay in meta["quantized"].values())
+    (tmp_path / "quant.json").write_text(json.dumps(meta))
+    _, loaded = load_quantized(tmp_path)
+    qkv = nnx.state(loaded)["decoder"]["layers"]["qkv"][...]
+    assert not qkv.transposed and qkv.shape == quant["state"]["decoder"]["layers"]["qkv"][...].shape
+    np.testing.assert_allclose(quant["fwd"](nnx.state(loaded)), quant["fwd"](qstate), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 def test_fp8_matmul_on_gpu(quant):
     """sm89+: fp8 x fp8 matmuls are chosen by default and stay within the CPU-measured tolerance."""
