@@ -14,7 +14,8 @@ schemes. Schemes:
   to e4m3 too, with one scale per token, and the dot is fp8 x fp8 with a float32 result (sm89+/sm90 tensor
   cores); otherwise the weight is upcast to the compute dtype at the dot (weight-only). A decode-sized step on
   a GPU (sm89+) runs the e4m3 weight through the same kernel as int8, weight-only: a decode step is bound by
-  reading the weight, which the kernel does near copy speed, and the activations stay in the compute dtype.
+  reading the weight, the kernel reads the same bytes as for int8, and the activations stay in the compute
+  dtype (this path is not yet measured on a GPU).
 * `int4`: symmetric, values in [-7, 7], one scale per group of `group` (128) consecutive contracted values and
   output channel: |w - dequant(w)| <= amax_group / 14. Stored two per byte (`kernels.quant_matmul.pack_int4`'s
   layout along the flattened contraction, `contract_shape` set) when the contraction is a multiple of the

@@ -75,14 +75,20 @@ def default_tiling(bits: int, m: int, k: int, n: int, group: int = 0) -> Tiling:
     else:
         block_k = next((b for b in (128, 64, 32, 16) if k % b == 0 and _group_fits(b, group, bits)), 128)
     m_blocks = -(-m // block_m)
-    programs = lambda: m_blocks * max(1, n // block_n) * k_splits  # noqa: E731
-    k_splits = 1
-    while (programs() < TARGET_PROGRAMS and k % (2 * k_splits * block_k) == 0
-           and 2 * k_splits * m_blocks * block_m * 4 <= PARTIAL_SHARE * k * bits / 8):
-        k_splits *= 2
-    while programs() < TARGET_PROGRAMS and block_n > 32 and n % (block_n // 2) == 0:
+    k_splits = _k_splits(bits, m_blocks, block_m, n // block_n, block_k, k, TARGET_PROGRAMS)
+    while m_blocks * max(1, n // block_n) * k_splits < TARGET_PROGRAMS and block_n > 32 and n % (block_n // 2) == 0:
         block_n //= 2
     return Tiling(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits)
+
+
+def _k_splits(bits: int, m_blocks: int, block_m: int, n_blocks: int, block_k: int, k: int, target: int) -> int:
+    """K splits, doubling while the grid has fewer than `target` programs, K still divides into the splits'
+    tiles, and the float32 partials ([splits, M, N]) stay below `PARTIAL_SHARE` of the weight bytes."""
+    k_splits = 1
+    while (m_blocks * max(1, n_blocks) * k_splits < target and k % (2 * k_splits * block_k) == 0
+           and 2 * k_splits * m_blocks * block_m * 4 <= PARTIAL_SHARE * k * bits / 8):
+        k_splits *= 2
+    return k_splits
 
 
 TRANSPOSED_TARGET_PROGRAMS = 128
@@ -101,11 +107,7 @@ def transposed_tiling(bits: int, m: int, k: int, n: int, group: int = 0) -> Tili
     block_n = next((b for b in (64, 32, 16) if n % b == 0), 64)
     sizes = (256, 128) if bits == 4 else (256, 128, 64, 32, 16)
     block_k = next((b for b in sizes if k % b == 0 and _group_fits(b, group, bits)), sizes[0])
-    m_blocks = -(-m // block_m)
-    k_splits = 1
-    while (m_blocks * (n // block_n) * k_splits < TRANSPOSED_TARGET_PROGRAMS and k % (2 * k_splits * block_k) == 0
-           and 2 * k_splits * m_blocks * block_m * 4 <= PARTIAL_SHARE * k * bits / 8):
-        k_splits *= 2
+    k_splits = _k_splits(bits, -(-m // block_m), block_m, n // block_n, block_k, k, TRANSPOSED_TARGET_PROGRAMS)
     return Tiling(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits)
 
 
