@@ -67,10 +67,16 @@ def greedy_tokens(cfg: Config, model: Any, tokenizer: Any, prompts: Sequence[Seq
 
 
 def greedy_agreement(ref: Sequence[Sequence[int]], got: Sequence[Sequence[int]]) -> dict[str, float]:
-    """Share of output positions with the reference's token, and of whole outputs equal to it."""
+    """Share of output positions with the reference's token, of whole outputs equal to it, and where outputs
+    first differ (mean position, the output's length where equal; and how many differ at position 0): a
+    precision loss shows as outputs that part and stay apart, a wrong token at one position as the same
+    first position everywhere with the rest agreeing."""
     pos = [a == b for x, y in zip(ref, got, strict=True) for a, b in zip(x, y, strict=True)]
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(ref, got)]
     return dict(greedy_token_agreement=float(np.mean(pos)),
-                greedy_sequence_agreement=float(np.mean([list(x) == list(y) for x, y in zip(ref, got)])))
+                greedy_sequence_agreement=float(np.mean([list(x) == list(y) for x, y in zip(ref, got)])),
+                greedy_first_diff_mean=float(np.mean(first)),
+                greedy_first_token_agreement=float(np.mean([f > 0 for f in first])))
 
 
 def evaluate(cfg: Config, model: Any, tokenizer: Any, tokens: np.ndarray, prompts: Sequence[Sequence[int]], *,

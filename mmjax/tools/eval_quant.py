@@ -76,13 +76,14 @@ def held_out_tokens(cfg, tokenizer: Any, text_file: str, n: int, length: int,
 
 def table(rows: list[dict]) -> str:
     head = ("scheme", "kv", "weight MB", "max dlogit", "mean dlogit", "top-1", "ppl", "ppl ref", "greedy tok",
-            "greedy seq")
+            "greedy seq", "first diff", "first tok")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         lines.append(" | ".join([r["scheme"], r["kv_cache_dtype"], f"{r['weight_bytes'] / 1e6:.2f}",
                                  f"{r['max_logit_diff']:.4f}", f"{r['mean_logit_diff']:.4f}",
                                  f"{r['top1_agreement']:.4f}", f"{r['perplexity']:.3f}", f"{r['ref_perplexity']:.3f}",
-                                 f"{r['greedy_token_agreement']:.4f}", f"{r['greedy_sequence_agreement']:.3f}"]))
+                                 f"{r['greedy_token_agreement']:.4f}", f"{r['greedy_sequence_agreement']:.3f}",
+                                 f"{r['greedy_first_diff_mean']:.1f}", f"{r['greedy_first_token_agreement']:.3f}"]))
     return "\n".join(lines)
 
 

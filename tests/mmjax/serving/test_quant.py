@@ -205,6 +205,19 @@ def test_engine_greedy_fp8_kv_agrees_with_float_pool(quant):
     assert agree >= INT8_HEAD_AGREEMENT_FLOOR, agree
 
 
+def test_greedy_agreement_tells_a_drift_from_one_wrong_position():
+    from mmjax.quant.evaluate import greedy_agreement
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    drift = greedy_agreement(ref, [[1, 2, 9, 9], [5, 6, 7, 8]])   # one output parts at position 2 and stays apart
+    assert drift == dict(greedy_token_agreement=0.75, greedy_sequence_agreement=0.5, greedy_first_diff_mean=3.0,
+                         greedy_first_token_agreement=1.0)
+    first = greedy_agreement(ref, [[0, 2, 3, 4], [0, 6, 7, 8]])   # every output wrong at position 0 only
+    assert first == dict(greedy_token_agreement=0.75, greedy_sequence_agreement=0.0, greedy_first_diff_mean=0.0,
+                         greedy_first_token_agreement=0.0)
+    with pytest.raises(ValueError):
+        greedy_agreement(ref, [[1, 2, 3]])
+
+
 def test_runner_quantizes_at_load_and_on_update(quant):
     from mmjax.serving.runner import ModelRunner
 
