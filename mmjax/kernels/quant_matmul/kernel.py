@@ -11,6 +11,14 @@ registers: the q tile is converted to x's dtype in front of a tensor-core dot wi
 * int4: packed two per byte in `pack.py`'s layout; a 128-row pack block is one [64, BN] load, unpacked with
   two arithmetic shifts into its two contiguous 64-row halves.
 * float8_e4m3fn weights (bits=8) take the int8 path: the tile converts to x's dtype the same way (sm89+).
+* `convert`: how a weight tile becomes the dot's operand. "cast" converts int8 (and the unpacked int4 nibbles)
+  with plain dtype conversions (int to float, then float32 to bf16: few per clock on the SM, and the kernels
+  run about as many weight elements per second at int4 as at int8, so the conversion may bound them).
+  "magic" builds the same values exactly from integer bit operations and one float subtraction (int8: the
+  bits of 2^23 + 128 + q as float32, minus 2^23 + 128, whose top 16 bits are bf16(q); int4: the bf16 bits of
+  128 + (s + 8), minus 136), the same dot. "f16" runs the dot in float16: weights through the float16 form of
+  the same trick (1024 + u), e4m3 through its native conversion to float16, x clipped to float16's range
+  (+-65504) and rounded to float16 (3 more mantissa bits than bf16).
 * `transposed`: the weight is stored [N, K] ([N, K // 2] packed), each output channel's K values contiguous, and
   the dot reads the tile as its transposed second operand (`x_tile @ w_tile^T`), the layout tensor-core dots
   take without reshuffling 8-bit values; it has its own default tiling (`transposed_tiling`).
@@ -170,15 +178,60 @@ def tiling_problem(m: int, k: int, n: int, *, bits: int, group: int, tiling: Til
     return None
 
 
+CONVERTS = ("cast", "magic", "f16")
+DEFAULT_CONVERT = "cast"
+F16_MAX = 65504.0
+
+
+def _dot_dtype(x_dtype, convert: str):
+    return jnp.dtype(jnp.float16) if convert == "f16" else jnp.dtype(x_dtype)
+
+
+def _bits(v: jax.Array, dtype) -> jax.Array:
+    return lax.bitcast_convert_type(v, dtype)
+
+
+def _int8_operand(w: jax.Array, dt, convert: str) -> jax.Array:
+    """int8 (or e4m3) weight values as the dot's `dt` operand, exactly (see `convert` in the module docstring)."""
+    if convert == "cast" or w.dtype != jnp.int8 or dt not in (jnp.bfloat16, jnp.float16):
+        return w.astype(dt)
+    if dt == jnp.float16:  # bits 0x6400 | (q + 128) are float16 1024 + (q + 128)
+        u = _bits(w, jnp.uint8).astype(jnp.uint16) ^ jnp.uint16(0x6480)
+        return _bits(u, jnp.float16) - jnp.float16(1152.0)
+    f = _bits(w.astype(jnp.int32) + jnp.int32(0x4B000080), jnp.float32) - jnp.float32(8388736.0)  # q, exactly
+    return _bits((_bits(f, jnp.int32) >> 16).astype(jnp.int16), jnp.bfloat16)  # q has <= 8 significant bits
+
+
+def _nibble_operands(p: jax.Array, dt, convert: str) -> tuple[jax.Array, jax.Array]:
+    """A packed int4 tile's low and high nibbles (two's complement, `pack.py`) as the dot's `dt` operands."""
+    if convert == "cast" or dt not in (jnp.bfloat16, jnp.float16):
+        return ((p << 4) >> 4).astype(dt), (p >> 4).astype(dt)
+    u = _bits(p, jnp.uint8).astype(jnp.uint16)
+    lo, hi = (u & jnp.uint16(0xF)) ^ jnp.uint16(0x8), (u >> 4) ^ jnp.uint16(0x8)   # s + 8 in [0, 15]
+    magic, bias = (0x6400, 1032.0) if dt == jnp.float16 else (0x4300, 136.0)    # 1024 + u / 128 + u
+
+    def value(v):
+        return _bits(v | jnp.uint16(magic), dt) - jnp.asarray(bias, dt)
+    return value(lo), value(hi)
+
+
+def _x_operand(x: jax.Array, dt) -> jax.Array:
+    if x.dtype == dt:
+        return x
+    if dt == jnp.float16:
+        return jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX).astype(dt)
+    return x.astype(dt)
+
+
 def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, bits: int, group: int, block_k: int, steps: int,
-            k: int, n: int, split: bool, transposed: bool):
+            k: int, n: int, split: bool, transposed: bool, convert: str):
     """One (M block, N block, K split) program: walk `steps` K tiles, dequantizing each weight tile in registers.
 
     The weight is [L * rows, N] ([K, N] or packed [K // 2, N] per layer), or with `transposed` [L * N, cols]
     ([N, K] or packed [N, K // 2] per layer: each channel's values contiguous, the dot's native layout for its
     second operand)."""
     layer = layer_ref[0]
-    dt = x_ref.dtype
+    dt = _dot_dtype(x_ref.dtype, convert)
     bm, bn = o_ref.shape[-2:]
     groups = k // group if group else 1
     first = pl.program_id(2) * steps                  # first K tile of this split
@@ -189,7 +242,7 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, bits: int, group: int, blo
             return w_ref[pl.ds(row0, bn), pl.ds(offset, size)]
 
         def mm(x, w):
-            return _dot(x, w.astype(dt), trans_b=True)
+            return _dot(_x_operand(x, dt), w, trans_b=True)
     else:
         w_base = layer * (k // 2 if bits == 4 else k)  # first weight row of this layer in the flat [L * rows, N]
 
@@ -197,20 +250,19 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, bits: int, group: int, blo
             return w_ref[pl.ds(w_base + offset, size), :]
 
         def mm(x, w):
-            return _dot(x, w.astype(dt))
+            return _dot(_x_operand(x, dt), w)
 
     def pieces(t):
         """(K offset in the tile, float32 partial dot) of K tile t, cut where a scale group or nibble half ends."""
         start = t * block_k
         if bits == 8:
             chunk = group if 0 < group < block_k else block_k
-            return [(c, mm(x_ref[:, pl.ds(start + c, chunk)], w_tile(start + c, chunk)))
+            return [(c, mm(x_ref[:, pl.ds(start + c, chunk)], _int8_operand(w_tile(start + c, chunk), dt, convert)))
                     for c in range(0, block_k, chunk)]
         out = []
         for c in range(0, block_k, PACK_BLOCK):
             p = w_tile(t * (block_k // 2) + c // 2, HALF)
-            lo = (p << 4) >> 4                        # K offsets c .. c + 63 of the tile, sign-extended
-            hi = p >> 4                               # K offsets c + 64 .. c + 127
+            lo, hi = _nibble_operands(p, dt, convert)  # K offsets c .. c + 63 and c + 64 .. c + 127 of the tile
             out.append((c, mm(x_ref[:, pl.ds(start + c, HALF)], lo)))
             out.append((c + HALF, mm(x_ref[:, pl.ds(start + c + HALF, HALF)], hi)))
         return out
@@ -243,14 +295,15 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, bits: int, group: int, blo
 
 def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bits: int,
                  layer: jax.Array | int | None = None, out_dtype=None, interpret: bool | None = None,
-                 transposed: bool = False, block_m: int | None = None,
+                 transposed: bool = False, convert: str | None = None, block_m: int | None = None,
                  block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
     """x [M, K] @ dequant(w) -> [M, N] in `out_dtype` (default x's dtype), accumulated in float32.
 
     w: int8 or float8_e4m3fn [K, N] (bits=8) or `pack_int4`-packed int8 [K // 2, N] (bits=4); with
     `transposed`, [N, K] / [N, K // 2]. scale float32 [N] (group 0) or [K // group, N]. With `layer` (int or
-    int32 scalar), w and scale carry a leading layers axis and that layer is read in place. Tiling arguments
+    int32 scalar), w and scale carry a leading layers axis and that layer is read in place. `convert` (one of
+    `CONVERTS`, default `DEFAULT_CONVERT`) picks how weight tiles become dot operands. Tiling arguments
     left None take the default tiling; `interpret` None means interpret mode when compiling for the CPU. Raises
     ValueError naming the shapes it cannot take."""
     stacked = layer is not None
@@ -262,6 +315,9 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
     if not jnp.issubdtype(x.dtype, jnp.floating) or not (w.dtype == jnp.int8 or (fp8 and bits == 8)):
         raise ValueError(f"quant_matmul: x must be floating and the weight int8 (or float8_e4m3fn with bits=8), "
                          f"got x {x.dtype}, weight {w.dtype}")
+    convert = DEFAULT_CONVERT if convert is None else convert
+    if convert not in CONVERTS:
+        raise ValueError(f"quant_matmul: convert must be one of {', '.join(CONVERTS)}, got {convert!r}")
     m, k = x.shape
     n = w.shape[-2] if transposed else w.shape[-1]
     out_dtype = x.dtype if out_dtype is None else out_dtype
@@ -301,11 +357,12 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
         out_specs = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
         out_shape = jax.ShapeDtypeStruct((m_pad, n), out_dtype)
     kernel = functools.partial(_kernel, bits=bits, group=group, block_k=t.block_k, steps=steps, k=k, n=n, split=split,
-                               transposed=transposed)
+                               transposed=transposed, convert=convert)
     out = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                          interpret=_interpret_default() if interpret is None else interpret,
                          compiler_params=compiler_params(t.num_warps, t.num_stages),
                          name=f"mmjax_quant_matmul_{'fp8' if fp8 else f'int{bits}'}{'_t' if transposed else ''}"
+                         f"{'' if convert == 'cast' else '_' + convert}"
                          )(layer_arr, xp, w, scale)
     if split:
         out = jnp.sum(out, axis=0).astype(out_dtype)

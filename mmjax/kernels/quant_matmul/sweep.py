@@ -1,6 +1,7 @@
 """Decode-shape sweep of the quantized matmul: kernel tilings against XLA's dequantize-and-dot, on the GPU.
 
     python -m mmjax.kernels.quant_matmul.sweep OUT.json [--quick] [--bits 8 4] [--shapes qkv down] [--m 1 64]
+        [--layouts kn nk] [--converts cast magic f16] [--no-grid]
 
 Shapes are the 1.24B Llama decoder's (K, N): qkv (2048, 3072), out (2048, 2048), gate_up (2048, 16384), down
 (8192, 2048), at M in {1, 32, 64} tokens, int8 per channel and int4 with groups of 128, x in bf16.
@@ -13,7 +14,8 @@ call per iteration measured that floor for every implementation. After warm-up (
 back-to-back calls are timed between device syncs; a row reports the median batch's microseconds per matmul
 (launch gaps and the loop's share included, as in a decode step) and GB/s of weight bytes (q at its nominal
 width, int4 = half a byte, plus the float32 scales). Rows: every kernel tiling (a failure to compile is
-recorded as an error), `default` (the kernel's own choice), `xla` (the serving path's jnp: int8 converted in
+recorded as an error; `--no-grid` skips them), `default` (the kernel's own choice; once per `--converts` variant
+of the kernel's weight conversion, `convert` in the row), `xla` (the serving path's jnp: int8 converted in
 the dot with the scale on the result; int4 as jnp.int4, dequantized per group in front of the dot: XLA's own
 int4 path, which the serving path's packed int4 replaced on decode steps)
 and `xla_bf16` (a bf16 weight: what the quantized paths are meant to beat). `rel_err` is set 0's largest
@@ -35,7 +37,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmjax.kernels.quant_matmul.kernel import Tiling, default_tiling, quant_matmul, tiling_problem, transposed_tiling
+from mmjax.kernels.quant_matmul.kernel import (
+    CONVERTS,
+    Tiling,
+    default_tiling,
+    quant_matmul,
+    tiling_problem,
+    transposed_tiling,
+)
 from mmjax.kernels.quant_matmul.pack import pack_int4
 from mmjax.kernels.quant_matmul.reference import quant_matmul_reference
 
@@ -143,7 +152,8 @@ def transposed_tilings(bits: int, m: int, k: int, n: int, quick: bool) -> list[d
 
 
 def sweep_case(name: str, bits: int, m: int, *, quick: bool, unroll: int = 16, dtype=jnp.bfloat16,
-               layouts: tuple[str, ...] = ("kn",)) -> list[dict]:
+               layouts: tuple[str, ...] = ("kn",), converts: tuple[str, ...] = ("cast",),
+               grid: bool = True) -> list[dict]:
     k, n = SHAPES[name] if not quick else (512, 256)
     group = GROUP if bits == 4 else 0
     nbytes = weight_bytes(k, n, bits, group)
@@ -167,17 +177,16 @@ def sweep_case(name: str, bits: int, m: int, *, quick: bool, unroll: int = 16, d
         print(json.dumps(row), flush=True)
         rows.append(row)
 
-    if "kn" in layouts:
-        for kw in [{}] + tilings(bits, m, k, n, quick):
-            one = lambda x, w, s, i, kw=kw: quant_matmul(x, w, s, group=group, bits=bits, layer=i, **kw)  # noqa: E731
-            record("pallas", one, (x, w, scale), tiling=kw or "default")
-    if "nk" in layouts:
-        wt = jnp.swapaxes(w, 1, 2)  # [S, N, K] (int8) or [S, N, K // 2] (packed int4)
-        for kw in [{}] + transposed_tilings(bits, m, k, n, quick):
-            one = lambda x, w, s, i, kw=kw: quant_matmul(x, w, s, group=group, bits=bits, layer=i,  # noqa: E731
-                                                         transposed=True, **kw)
-            record("pallas_nk", one, (x, wt, scale), tiling=kw or "default")
-        del wt
+    for layout in layouts:
+        nk = layout == "nk"
+        wl = jnp.swapaxes(w, 1, 2) if nk else w  # [S, N, K] (int8) or [S, N, K // 2] (packed int4)
+        grid_kws = (transposed_tilings if nk else tilings)(bits, m, k, n, quick) if grid else []
+        cases = [({}, c) for c in converts] + [(kw, converts[0]) for kw in grid_kws]
+        for kw, conv in cases:
+            one = lambda x, w, s, i, kw=kw, conv=conv, nk=nk: quant_matmul(  # noqa: E731
+                x, w, s, group=group, bits=bits, layer=i, transposed=nk, convert=conv, **kw)
+            record("pallas_nk" if nk else "pallas", one, (x, wl, scale), tiling=kw or "default", convert=conv)
+        del wl
     if bits == 8:
         record("xla", xla_path(8), (x, q, scale))
     else:
@@ -203,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unroll", type=int, default=16, help="matmul calls per loop iteration")
     p.add_argument("--layouts", nargs="+", default=["kn"], choices=["kn", "nk"],
                    help="weight layouts: kn ([K, N]) and nk (transposed [N, K], int8's serving layout)")
+    p.add_argument("--converts", nargs="+", default=["cast"], choices=list(CONVERTS),
+                   help="the kernel's weight-conversion variants, each timed at the default tiling; the tiling "
+                        "grid runs with the first")
+    p.add_argument("--no-grid", action="store_true", help="default tilings only")
     args = p.parse_args(argv)
     shapes = args.shapes[:1] if args.quick else args.shapes
     ms = [5] if args.quick else args.m
@@ -211,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
     rows: list[dict] = []
     for bits, name, m in itertools.product(args.bits, shapes, ms):
-        rows += sweep_case(name, bits, m, quick=args.quick, unroll=args.unroll, layouts=tuple(args.layouts))
+        rows += sweep_case(name, bits, m, quick=args.quick, unroll=args.unroll, layouts=tuple(args.layouts),
+                           converts=tuple(args.converts), grid=not args.no_grid)
         with open(args.out, "w") as f:
             json.dump({**meta, "rows": rows}, f, indent=1)
     return 0

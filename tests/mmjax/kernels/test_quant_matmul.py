@@ -118,6 +118,61 @@ def test_fp8_weights(transposed):
         quant_matmul(x, q[:128], jnp.ones((2, 32)), group=128, bits=4)
 
 
+@pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
+def test_bit_trick_operands_equal_the_casts_for_every_byte(dt):
+    """`convert="magic"`/"f16"`: every int8 value, and both nibbles of every packed byte, become exactly the
+    value a plain cast gives (the tricks are exact, not approximations)."""
+    every = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8).reshape(16, 16)
+    np.testing.assert_array_equal(np.asarray(qk._int8_operand(every, dt, "magic"), np.float32),
+                                  np.asarray(every, np.float32))
+    lo, hi = qk._nibble_operands(every, dt, "magic")
+    want_lo, want_hi = qk._nibble_operands(every, dt, "cast")
+    assert lo.dtype == dt and hi.dtype == dt
+    np.testing.assert_array_equal(np.asarray(lo, np.float32), np.asarray(want_lo, np.float32))
+    np.testing.assert_array_equal(np.asarray(hi, np.float32), np.asarray(want_hi, np.float32))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_convert_variants_match(kind, transposed):
+    """The kernel with each `convert`: "magic" gives the cast's result bit for bit (the same bf16 operands), "f16"
+    matches the reference within bf16's tolerance; x beyond float16's range is clipped, not turned to inf."""
+    bits, group = (4, 128) if kind == "int4" else (8, 0)
+    x, q, scale = make_case(5, 256, 32, bits=bits, group=group, dtype=jnp.bfloat16, seed=11)
+    if kind == "fp8":
+        q = q.astype(jnp.float32).astype(jnp.float8_e4m3fn)
+    w = pack_int4(q) if bits == 4 else q
+    w = w.T if transposed else w
+
+    def run(x, convert):
+        return qk.quant_matmul(x, w, scale, group=group, bits=bits, transposed=transposed, convert=convert,
+                               interpret=True, block_n=16, block_k=256, k_splits=1)
+    cast = run(x, "cast")
+    np.testing.assert_array_equal(np.asarray(run(x, "magic"), np.float32), np.asarray(cast, np.float32))
+    _close(run(x, "f16"), quant_matmul_reference(x, q, scale, group=group), jnp.bfloat16)
+    big = x.at[0, 0].set(1e6)
+    assert np.isfinite(np.asarray(run(big, "f16"), np.float32)).all()
+    with pytest.raises(ValueError, match="convert must be one of"):
+        run(x, "fast")
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("convert", qk.CONVERTS)
+def test_kernel_lowers_to_triton_for_a_gpu(kind, convert):
+    """Without a GPU, the kernel still lowers to Triton IR for one (an export for the `cuda` platform): every
+    operation of each `convert` variant has a Triton lowering. PTX compilation is left to the GPU tests."""
+    from jax import export
+    bits, group = (4, 128) if kind == "int4" else (8, 0)
+    x = jnp.zeros((16, 2048), jnp.bfloat16)
+    w = jnp.zeros((3072, 2048 * bits // 8), jnp.float8_e4m3fn if kind == "fp8" else jnp.int8)
+    scale = jnp.ones((3072,) if group == 0 else (2048 // group, 3072), jnp.float32)
+    run = jax.jit(lambda x, w, s: qk.quant_matmul(x, w, s, group=group, bits=bits, transposed=True, convert=convert,
+                                                  interpret=False))
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    exported = export.export(run, platforms=["cuda"], disabled_checks=[triton])(x, w, scale)
+    assert "xla.gpu.triton" in exported.mlir_module()
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("m", [1, 32, 64])
 def test_default_tiling_fills_the_gpu(bits, m):
@@ -197,4 +252,23 @@ def test_kernel_gpu_decode_shapes(kind, transposed, m, k, n):
     w = w.T if transposed else w
     assert quant_matmul_supported(x, w, scale, group=group, bits=bits, transposed=transposed) is None
     _close(quant_matmul(x, w, scale, group=group, bits=bits, transposed=transposed),
+           quant_matmul_reference(x, q, scale, group=group), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("convert", ["magic", "f16"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("m", [1, 32])
+@pytest.mark.parametrize("k,n", [(2048, 3072), (8192, 2048)])
+def test_kernel_gpu_convert_variants(convert, kind, transposed, m, k, n):
+    """Each `convert` variant compiles for the GPU at decode shapes and matches the reference."""
+    bits = 4 if kind == "int4" else 8
+    group = 128 if bits == 4 else 0
+    x, q, scale = make_case(m, k, n, bits=bits, group=group, dtype=jnp.bfloat16)
+    if kind == "fp8":
+        q = q.astype(jnp.float32).astype(jnp.float8_e4m3fn)
+    w = pack_int4(q) if bits == 4 else q
+    w = w.T if transposed else w
+    _close(qk.quant_matmul(x, w, scale, group=group, bits=bits, transposed=transposed, convert=convert),
            quant_matmul_reference(x, q, scale, group=group), jnp.bfloat16)
