@@ -191,7 +191,7 @@ def _bits(v: jax.Array, dtype) -> jax.Array:
     return lax.bitcast_convert_type(v, dtype)
 
 
-def _int8_operand(w: jax.Array, dt, convert: str) -> jax.Array:
+def _weight_operand(w: jax.Array, dt, convert: str) -> jax.Array:
     """int8 (or e4m3) weight values as the dot's `dt` operand, exactly (see `convert` in the module docstring)."""
     if convert == "cast" or w.dtype != jnp.int8 or dt not in (jnp.bfloat16, jnp.float16):
         return w.astype(dt)
@@ -257,7 +257,7 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, bits: int, group: int, blo
         start = t * block_k
         if bits == 8:
             chunk = group if 0 < group < block_k else block_k
-            return [(c, mm(x_ref[:, pl.ds(start + c, chunk)], _int8_operand(w_tile(start + c, chunk), dt, convert)))
+            return [(c, mm(x_ref[:, pl.ds(start + c, chunk)], _weight_operand(w_tile(start + c, chunk), dt, convert)))
                     for c in range(0, block_k, chunk)]
         out = []
         for c in range(0, block_k, PACK_BLOCK):

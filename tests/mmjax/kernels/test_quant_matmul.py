@@ -123,7 +123,7 @@ def test_bit_trick_operands_equal_the_casts_for_every_byte(dt):
     """`convert="magic"`/"f16"`: every int8 value, and both nibbles of every packed byte, become exactly the
     value a plain cast gives (the tricks are exact, not approximations)."""
     every = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8).reshape(16, 16)
-    np.testing.assert_array_equal(np.asarray(qk._int8_operand(every, dt, "magic"), np.float32),
+    np.testing.assert_array_equal(np.asarray(qk._weight_operand(every, dt, "magic"), np.float32),
                                   np.asarray(every, np.float32))
     lo, hi = qk._nibble_operands(every, dt, "magic")
     want_lo, want_hi = qk._nibble_operands(every, dt, "cast")
