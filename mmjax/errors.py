@@ -19,3 +19,7 @@ class ModelError(MmjaxError):
 
 class CheckpointError(MmjaxError):
     """A checkpoint is missing, incomplete, or cannot be restored onto this run."""
+
+
+class DeviceMemoryError(MmjaxError):
+    """A compiled step needs more device memory than the device has, or a step ran out of it."""

@@ -23,6 +23,7 @@ import numpy as np
 from mmjax.config import Config, load_config
 from mmjax.engine.feed import to_global_batch
 from mmjax.engine.init import create_train_state, model_setup
+from mmjax.engine.memory import is_device_oom
 from mmjax.engine.optimizer import learning_rate_schedule, make_optimizer
 from mmjax.engine.steps import jit_train_step
 from mmjax.kernels.bench import Row
@@ -58,11 +59,6 @@ def synthetic_batch(cfg: Config, batch_size: int, seed: int = 0) -> dict[str, np
 
 def image_token_id(cfg: Config) -> int:
     return cfg.model.vocab_size - 1
-
-
-def _is_oom(e: BaseException) -> bool:
-    text = str(e)
-    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
 
 
 def run_train_bench(cfg: Config, *, steps: int = 20, warmup: int = 3, profile_steps: int = 2,
@@ -198,7 +194,7 @@ def run_with_remat_fallback(cfg: Config, remats: tuple[str, ...], **kwargs: Any)
             result["out_of_memory_with"] = errors
             return result
         except Exception as e:
-            if not _is_oom(e):
+            if not is_device_oom(e):
                 raise
             log.warning("remat=%s does not fit in device memory; trying the next policy", remat)
             errors.append(remat)

@@ -43,6 +43,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from mmjax.config import Config, to_dict
+from mmjax.engine.memory import is_device_oom
 from mmjax.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ def _device_copy(state: Any) -> Any | None:
     try:
         copies = _copy_arrays([leaves[i] for i in where])
     except Exception as e:  # XlaRuntimeError RESOURCE_EXHAUSTED: the snapshot does not fit next to the state
-        if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+        if not is_device_oom(e):
             raise
         log.warning("checkpoint: no device memory for a snapshot of the train state (%s); this save blocks for "
                     "the device-to-host copy (set checkpoint.device_snapshot=false to skip the attempt)", one_line(e))

@@ -1,7 +1,9 @@
 """One compiled train step per batch shape: bucketed loaders hand out a few shapes, each compiled once.
 
 The trainer warms up every shape the loader announces (`batch_shapes()`) before the loop, so step times
-never include a compile; a shape that was not announced still compiles on first use, and is logged.
+never include a compile; a shape that was not announced still compiles on first use, and is logged. With a
+device memory limit, a shape whose executable needs more memory than that is refused as it compiles
+(`mmjax.engine.memory`), before the first step rather than when its first batch comes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from mmjax.engine.memory import check_fits
+
 log = logging.getLogger(__name__)
 
 Shapes = dict[str, tuple[tuple[int, ...], Any]]  # batch key -> (process-local shape, dtype)
@@ -22,11 +26,20 @@ def shape_key(batch: dict[str, Any]) -> tuple:
     return tuple(sorted((k, tuple(v.shape), str(np.dtype(v.dtype))) for k, v in batch.items()))
 
 
+def describe(batch: dict[str, Any]) -> str:
+    """A batch's shape in words, for errors: its token rows, else every entry's shape."""
+    if "tokens" in batch:
+        rows, length = batch["tokens"].shape[:2]
+        return f"batches of {rows} rows x {length} tokens"
+    return "batches of " + ", ".join(f"{k} {tuple(v.shape)}" for k, v in sorted(batch.items()))
+
+
 class CompiledSteps:
     """`step(state, batch)` through the executable compiled for the batch's shape; `count` = compiles."""
 
-    def __init__(self, jitted: Callable):
+    def __init__(self, jitted: Callable, memory_limit: int | None = None):
         self._jitted = jitted
+        self._memory_limit = memory_limit  # bytes per device; None: no check
         self._compiled: dict[tuple, Any] = {}
         self._warm = False
 
@@ -41,7 +54,9 @@ class CompiledSteps:
             if self._warm:
                 log.warning("compiling the train step for a batch shape the loader did not announce: %s",
                             {k: tuple(v.shape) for k, v in batch.items()})
-            exe = self._compiled[key] = self._jitted.lower(state, batch).compile()  # reads shapes only
+            exe = self._jitted.lower(state, batch).compile()  # reads shapes only
+            check_fits(exe, describe(batch), self._memory_limit)
+            self._compiled[key] = exe
         return exe
 
     def warm_up(self, state: Any, first: dict[str, jax.Array], shapes: Sequence[Shapes] = ()) -> None:

@@ -19,11 +19,12 @@ from mmjax.config import Config, to_yaml
 from mmjax.data.pipeline import load_eval_examples, make_train_dataset, open_dataset
 from mmjax.engine import checkpoint as ckpt
 from mmjax.engine.canonical import CanonicalLayout
-from mmjax.engine.compiled import CompiledSteps
+from mmjax.engine.compiled import CompiledSteps, describe
 from mmjax.engine.convert import save_tokenizer_files
 from mmjax.engine.evaluate import Evaluator, make_eval_engine, write_predictions
 from mmjax.engine.feed import DeviceFeed
 from mmjax.engine.init import create_train_state, model_setup
+from mmjax.engine.memory import device_memory_limit, is_device_oom, oom_error
 from mmjax.engine.optimizer import learning_rate_schedule, make_optimizer
 from mmjax.engine.steps import jit_train_step
 from mmjax.observe.monitor import TrainMonitor
@@ -128,7 +129,8 @@ class Trainer:
             with monitor.waiting_for("the first batch from the data loader"):
                 batch = next(feed)
             with monitor.waiting_for("XLA to compile the train step (every batch shape the loader announces)"):
-                train_step = CompiledSteps(self._train_step)  # one executable per bucket shape
+                # one executable per bucket shape, each refused at once if it cannot fit the device
+                train_step = CompiledSteps(self._train_step, memory_limit=device_memory_limit())
                 train_step.warm_up(self.state, batch, getattr(loader, "batch_shapes", list)())
             monitor.write(start, {})  # time/compile/train_step
             monitor.training()
@@ -137,14 +139,20 @@ class Trainer:
                     batch = next(feed)
                 monitor.data(feed)
                 monitor.before_step(step, self.state)
-                self.state, metrics = train_step(self.state, batch)
-                monitor.after_step(step, self.state, metrics)
-                stop = self._stop_now(step)
-                if step % cfg.observe.log_every == 0 or step == cfg.train.steps or stop:
-                    # the only host sync of the interval; the loader adds its rate, padding and skips
-                    stats = getattr(loader, "stats", None)  # a plain iterator (tests, custom loaders) has none
-                    extra = {**(stats.interval_metrics() if stats else {}), "train/compiles": train_step.count}
-                    monitor.log(step, self.state, extra=extra)
+                try:  # steps run asynchronously: a step's failure surfaces here or at the next host sync
+                    self.state, metrics = train_step(self.state, batch)
+                    monitor.after_step(step, self.state, metrics)
+                    stop = self._stop_now(step)
+                    if step % cfg.observe.log_every == 0 or step == cfg.train.steps or stop:
+                        # the only host sync of the interval; the loader adds its rate, padding and skips
+                        stats = getattr(loader, "stats", None)  # a plain iterator (tests, custom loaders) has none
+                        extra = {**(stats.interval_metrics() if stats else {}), "train/compiles": train_step.count}
+                        monitor.log(step, self.state, extra=extra)
+                except Exception as e:
+                    if not is_device_oom(e):
+                        raise
+                    raise oom_error(e, f"a train step up to step {step} (this step: {describe(batch)}; "
+                                       "checkpoints saved before it are kept)") from e
                 if self.checkpointer is not None and (stop or step == cfg.train.steps or self.checkpointer.due(step)):
                     with monitor.excluded("a checkpoint save"):  # its stall shows in this metric, not time/step
                         blocked = self._save(step, feed.loader_state)

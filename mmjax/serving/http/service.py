@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mmjax.engine.memory import is_device_oom
 from mmjax.serving.http.admission import CLASS_PRIORITY_OFFSET, CLASSES, Admission
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ class EngineService:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+            if not is_device_oom(e):
                 raise
             self.oom_events += 1
             log.error("engine step ran out of device memory; aborting the running requests: %s", e)
