@@ -45,3 +45,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def fast_compile():
+    """The module's XLA compiles at LLVM -O0 without the expensive passes (`jax_disable_most_optimizations`,
+    what FAST_COMPILE in tests/mmjax/parallel/test_layouts.py passes per call): CPU compile time is most of
+    the tiny training runs' time, and the float32 results are the same (XLA:CPU has no fast-math by default).
+    Opt in with `pytestmark = pytest.mark.usefixtures("fast_compile")`; the setting is restored after the module.
+    """
+    import jax
+
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", previous)

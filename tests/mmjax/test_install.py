@@ -34,9 +34,11 @@ pytestmark = pytest.mark.slow
 
 
 def _env() -> dict[str, str]:
-    """No PYTHONPATH (it would put the checkout first) and one CPU device."""
+    """No PYTHONPATH (it would put the checkout first), one CPU device, and LLVM -O0 (faster compiles; the
+    tests check what runs, not how fast)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
-    return dict(env, JAX_PLATFORMS="cpu")
+    return dict(env, JAX_PLATFORMS="cpu",
+                XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:

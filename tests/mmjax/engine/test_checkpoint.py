@@ -25,6 +25,7 @@ from mmjax.engine.trainer import Trainer
 from mmjax.errors import CheckpointError
 from mmjax.train import DEFAULT_CONFIG, main
 
+pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py: LLVM -O0, same float32 results
 REPO = Path(__file__).resolve().parents[3]
 N = 6
 TINY = [
@@ -207,8 +208,10 @@ def test_corrupt_and_missing_checkpoints_give_one_line_errors(runs, tmp_path, ca
 
 
 def _spawn(out: Path, cache: Path, *extra: str) -> subprocess.Popen:
+    # LLVM -O0: the run compiles faster (the test needs its checkpoints, not its speed)
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+               XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+                         "--xla_llvm_disable_expensive_passes=true")
     args = TINY + [f"data.cache_dir={cache}", f"train.output_dir={out}", "train.steps=100000",
                    "optim.schedule_steps=100000", *extra]
     return subprocess.Popen([sys.executable, "-m", "mmjax.train", *args], cwd=REPO, env=env,
