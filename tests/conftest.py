@@ -47,13 +47,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="module")
-def fast_compile():
-    """The module's XLA compiles at LLVM -O0 without the expensive passes (`jax_disable_most_optimizations`,
-    what FAST_COMPILE in tests/mmjax/parallel/test_layouts.py passes per call): CPU compile time is most of
-    the tiny training runs' time, and the float32 results are the same (XLA:CPU has no fast-math by default).
-    Opt in with `pytestmark = pytest.mark.usefixtures("fast_compile")`; the setting is restored after the module.
-    """
+# Modules whose time is the run, not the compile: the interpret-mode kernels (Pallas runs op by op there) run
+# slower at -O0, so they keep XLA's full optimisation.
+FULL_OPTIMIZATION = ("kernels",)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_compile(request):
+    """Every test module's XLA compiles at LLVM -O0 without the expensive passes (`jax_disable_most_optimizations`,
+    what FAST_COMPILE in tests/mmjax/parallel/test_layouts.py passes per call), except the `FULL_OPTIMIZATION`
+    folders: CPU compile time is most of the tiny training and serving runs' time, and the float32 results are
+    the same (XLA:CPU has no fast-math by default). Restored after the module."""
+    if any(part in FULL_OPTIMIZATION for part in request.path.parent.parts):
+        yield
+        return
     import jax
 
     previous = jax.config.read("jax_disable_most_optimizations")

@@ -25,7 +25,6 @@ from mmjax.engine.trainer import Trainer
 from mmjax.errors import CheckpointError
 from mmjax.train import DEFAULT_CONFIG, main
 
-pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py: LLVM -O0, same float32 results
 REPO = Path(__file__).resolve().parents[3]
 N = 6
 TINY = [

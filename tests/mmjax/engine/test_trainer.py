@@ -9,8 +9,6 @@ import pytest
 from mmjax.config import load_config
 from mmjax.engine.trainer import Trainer
 
-pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py: LLVM -O0, same float32 results
-
 TINY = [
     "model.text.dim=64", "model.text.mlp_dim=128", "model.text.n_layers=2", "model.vision.dim=64",
     "model.vision.mlp_dim=128", "model.vision.n_layers=1", "data.num_train=512", "data.num_eval=32",

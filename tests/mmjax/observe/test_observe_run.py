@@ -18,8 +18,6 @@ from mmjax.config import load_config
 from mmjax.engine.trainer import Trainer
 from mmjax.observe.health import NonFiniteError
 
-pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py: LLVM -O0, same float32 results
-
 TINY = [
     "model.text.dim=32", "model.text.mlp_dim=64", "model.text.n_layers=1", "model.text.n_heads=4",
     "model.text.n_kv_heads=2", "model.vision.dim=32", "model.vision.mlp_dim=64", "model.vision.n_layers=1",

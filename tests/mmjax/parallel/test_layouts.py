@@ -19,8 +19,6 @@ from mmjax.parallel.mesh import make_mesh
 from mmjax.parallel.rules import addressable_fraction
 from mmjax.parallel.sharding import context_from_config, in_sharding_context
 
-pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py: the state creation at -O0 too
-
 IMAGE_ID = 3
 MODEL = "mmjax/configs/models/tiny_mllm.yaml"
 # eps=1 keeps Adam's first update ~linear in the gradient, so matching params means matching gradients

@@ -28,8 +28,6 @@ from mmjax.parallel.pipeline import schedule as sch
 from mmjax.parallel.pipeline.balance import balance, make_layout
 from mmjax.parallel.sharding import context_from_config
 
-pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py: LLVM -O0, same float32 results
-
 BASE = ["model.compute_dtype=float32", "train.global_batch_size=8", "train.grad_accum_steps=4",
         "optim.warmup_steps=0", "optim.schedule=constant", "optim.lr=1.0", "optim.eps=1.0", "train.steps=2",
         "model.text.n_layers=4", "model.vision.n_layers=1", "model.text.dim=64", "model.text.mlp_dim=128",
