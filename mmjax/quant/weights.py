@@ -15,7 +15,7 @@ schemes. Schemes:
   cores); otherwise the weight is upcast to the compute dtype at the dot (weight-only). A decode-sized step on
   a GPU (sm89+) runs the e4m3 weight through the same kernel as int8, weight-only: a decode step is bound by
   reading the weight, the kernel reads the same bytes as for int8, and the activations stay in the compute
-  dtype (this path is not yet measured on a GPU).
+  dtype (measured in docs/perf/quantization.md: somewhat slower than int8, converting e4m3 costs more).
 * `int4`: symmetric, values in [-7, 7], one scale per group of `group` (128) consecutive contracted values and
   output channel: |w - dequant(w)| <= amax_group / 14. Stored two per byte (`kernels.quant_matmul.pack_int4`'s
   layout along the flattened contraction, `contract_shape` set) when the contraction is a multiple of the

@@ -12,8 +12,9 @@ registers: the q tile is converted to x's dtype in front of a tensor-core dot wi
   two arithmetic shifts into its two contiguous 64-row halves.
 * float8_e4m3fn weights (bits=8) take the int8 path: the tile converts to x's dtype the same way (sm89+).
 * `convert`: how a weight tile becomes the dot's operand. "cast" converts int8 (and the unpacked int4 nibbles)
-  with plain dtype conversions (int to float, then float32 to bf16: few per clock on the SM, and the kernels
-  run about as many weight elements per second at int4 as at int8, so the conversion may bound them).
+  with plain dtype conversions (int to float, then float32 to bf16: few per clock on the SM; the int4 kernel
+  runs three quarters of the int8 kernel's weight elements per second though it reads half the bytes, so the
+  per-element work, not HBM, may bound them).
   "magic" builds the same values exactly from integer bit operations and one float subtraction (int8: the
   bits of 2^23 + 128 + q as float32, minus 2^23 + 128, whose top 16 bits are bf16(q); int4: the bf16 bits of
   128 + (s + 8), minus 136), the same dot. "f16" runs the dot in float16: weights through the float16 form of
@@ -216,11 +217,10 @@ def _nibble_operands(p: jax.Array, dt, convert: str) -> tuple[jax.Array, jax.Arr
 
 
 def _x_operand(x: jax.Array, dt) -> jax.Array:
+    """x's tile as the dot's operand: itself, or for the float16 dot clipped to float16's range and rounded."""
     if x.dtype == dt:
         return x
-    if dt == jnp.float16:
-        return jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX).astype(dt)
-    return x.astype(dt)
+    return jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX).astype(dt)
 
 
 def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, bits: int, group: int, block_k: int, steps: int,
