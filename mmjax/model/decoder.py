@@ -9,7 +9,18 @@ from flax import nnx
 
 from mmjax import kernels
 from mmjax.config import ModelConfig
-from mmjax.model.layers import RMSNorm, dense, make_stack, normal, param, remat_name, rope, run_stack, zeros
+from mmjax.model.layers import (
+    RMSNorm,
+    dense,
+    dense_swiglu,
+    make_stack,
+    normal,
+    param,
+    remat_name,
+    rope,
+    run_stack,
+    zeros,
+)
 from mmjax.parallel.sharding import attention, constrain, embed_lookup
 
 RESIDUAL = ("batch", "norm_length", "act_embed")  # logical names of the residual stream
@@ -82,8 +93,8 @@ class DecoderLayer(nnx.Module):
         # residual add + RMSNorm in one kernel: (norm(x + attn_out), x + attn_out)
         h, x = self.mlp_norm(dense(attn, self.out[...], "bshd,hde->bse", self.compute_dtype, fp8=fp8), residual=x)
         x = constrain(x, RESIDUAL)
-        h = dense(h, self.gate_up[...], "bse,ecm->bscm", self.compute_dtype, fp8=fp8)
-        h = constrain(kernels.swiglu(h, impl=self.swiglu_impl), ("batch", "length", "mlp"))
+        h = dense_swiglu(h, self.gate_up[...], "bse,ecm->bscm", self.compute_dtype, fp8=fp8, impl=self.swiglu_impl)
+        h = constrain(h, ("batch", "length", "mlp"))
         mlp = dense(h, self.down[...], "bsm,me->bse", self.compute_dtype, fp8=fp8)
         return (x, constrain(mlp, RESIDUAL)) if defer_add else constrain(x + mlp, RESIDUAL)
 

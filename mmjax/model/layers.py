@@ -92,6 +92,15 @@ def dense(x, w, spec: str, dtype, bias=None, *, fp8: bool = False):
     return y
 
 
+def dense_swiglu(x, w, spec: str, dtype, *, fp8: bool = False, impl: str = "auto"):
+    """swiglu(dense(x, w)) for a fused gate/up weight whose first output axis is (gate, up). A quantized weight's
+    decode kernel applies the activation in its epilogue (`QuantizedWeight.quantized_swiglu`), saving the
+    activation's kernel and the gate/up product's round trip through memory."""
+    if hasattr(w, "quantized_swiglu") and (y := w.quantized_swiglu(spec, x, dtype)) is not None:
+        return y
+    return kernels.swiglu(dense(x, w, spec, dtype, fp8=fp8), impl=impl)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype, impl: str = "auto"):
         self.scale = param(None, ones, (dim,), ("embed",), param_dtype)

@@ -27,9 +27,9 @@ Layout: the contracted axes of the weight come first (after any leading stack ax
 then the output axes, as for every decoder matmul here. int8 and e4m3 values are stored transposed (`transposed`:
 output axes, then contracted axes), so each output channel's contracted values are contiguous: the layout the
 decode kernel's tensor-core dot reads its weight operand in without reshuffling bytes (docs/perf/quantization.md).
-Packed int4 can be stored so too (`quantize(..., transposed=True)`: the packed bytes output axes first); its
-default stays [K // 2, N] until the GPU measures the two (`TRANSPOSED`). `shape` and `dequantize` always speak of
-the float weight's own layout.
+Packed int4 is stored so too by default (`TRANSPOSED`: the packed bytes output axes first, which the kernel reads
+faster with its default conversion at the decode shapes); `quantize(..., transposed=False)` keeps [K // 2, N].
+`shape` and `dequantize` always speak of the float weight's own layout.
 """
 
 from __future__ import annotations
@@ -50,10 +50,9 @@ STORAGE = {"int8": jnp.int8, "fp8": FP8, "int4": jnp.int4}
 BITS = {"int8": 8, "fp8": 8, "int4": 4}
 GROUP = 128  # int4 group size along the contraction
 _TINY = 1e-12  # floor of a scale: an all-zero channel or token quantizes to zeros
-# Whether each scheme's values are stored output axes first by default (see the module docstring): int8 measured
-# faster so, fp8 takes the same kernel path; packed int4 can be (the kernel reads both layouts) but keeps its
-# [K // 2, N] default until measured.
-TRANSPOSED = {"int8": True, "fp8": True, "int4": False}
+# Whether each scheme's values are stored output axes first by default (see the module docstring): int8 and packed
+# int4 measured faster so, fp8 takes the same kernel path.
+TRANSPOSED = {"int8": True, "fp8": True, "int4": True}
 
 
 @flax.struct.dataclass
@@ -105,6 +104,17 @@ class QuantizedWeight:
         """einsum(spec, x, dequant(w)) computed in `dtype` with float32 accumulation and returned in `out_dtype`
         (default `dtype`), dequantization fused (see the module docstring)."""
         return _einsum(self, spec, x, dtype, dtype if out_dtype is None else out_dtype)
+
+    def quantized_swiglu(self, spec: str, x: jax.Array, dtype) -> jax.Array | None:
+        """silu(y[..., 0, :]) * y[..., 1, :] in `dtype` for y = einsum(spec, x, dequant(w)) whose first output axis
+        is (gate, up), from the decode kernel's epilogue (`FUSE_SWIGLU`); None where the kernel does not take the
+        step (the caller then runs the einsum and the activation)."""
+        ins, out = spec.replace(" ", "").split("->")
+        xs, ws = ins.split(",")
+        if not FUSE_SWIGLU or _lead(self) or len(ws) != len(self.shape) or self.shape[self.n_contract] != 2:
+            return None
+        return _kernel_matmul(self, xs, ws[:self.n_contract], ws[self.n_contract:], out, x, dtype, dtype,
+                              epilogue="swiglu")
 
 
 def _lead(w: QuantizedWeight) -> int:
@@ -228,13 +238,17 @@ def _stored_spec(w: QuantizedWeight, xs: str, contracted: str, w_out: str, out: 
 
 
 KERNEL_MAX_ROWS = 64  # decode-sized steps; a prefill's wide dot is compute-bound and stays with XLA
+# Decode steps run a gate/up weight's SwiGLU in the kernel's epilogue (`QuantizedWeight.quantized_swiglu`): one
+# kernel per layer fewer, and the [M, 2 * mlp] product never leaves the registers.
+FUSE_SWIGLU = True
 
 
 def _kernel_matmul(w: QuantizedWeight, xs: str, contracted: str, w_out: str, out: str, x: jax.Array,
-                   dtype, out_dtype) -> jax.Array | None:
+                   dtype, out_dtype, epilogue: str = "none") -> jax.Array | None:
     """The fused weight-only kernel (`kernels.quant_matmul`) where the einsum is a plain [M, K] x [K, N]
     matmul (x ends with the contracted axes, the output is x's other axes then the weight's), the weight is
-    per-channel int8 or e4m3 or packed int4, and the kernel can run here; None leaves the einsum to XLA."""
+    per-channel int8 or e4m3 or packed int4, and the kernel can run here; None leaves the einsum to XLA.
+    `epilogue="swiglu"` drops the weight's first output axis (gate, up) from the result."""
     x_lead = xs[:len(xs) - len(contracted)]
     if not xs.endswith(contracted) or out != x_lead + w_out:
         return None
@@ -249,8 +263,9 @@ def _kernel_matmul(w: QuantizedWeight, xs: str, contracted: str, w_out: str, out
     bits = BITS[w.scheme]
     q2 = w.q.reshape(-1, k * bits // 8) if w.transposed else w.q.reshape(k * bits // 8, -1)
     scale = w.scale.reshape(-1) if not w.group else w.scale.reshape(k // w.group, -1)
-    if quant_matmul_supported(x2, q2, scale, group=w.group, bits=bits, transposed=w.transposed) is not None:
+    if quant_matmul_supported(x2, q2, scale, group=w.group, bits=bits, transposed=w.transposed,
+                              epilogue=epilogue) is not None:
         return None  # elsewhere XLA's fusion, not the op's own reference
     y = quant_matmul(x2, q2, scale, group=w.group, bits=bits, out_dtype=out_dtype, impl="pallas",
-                     transposed=w.transposed)
-    return y.reshape(*x.shape[:len(x_lead)], *out_shape)
+                     transposed=w.transposed, epilogue=epilogue)
+    return y.reshape(*x.shape[:len(x_lead)], *(out_shape[1:] if epilogue == "swiglu" else out_shape))

@@ -1,6 +1,7 @@
 """`kernels.quant_matmul`: y = x @ dequant(w) for weight-only int8 / e4m3 / int4 weights, sized for decode (M = 1..64).
 
-    y = quant_matmul(x, w, scale, group=0, bits=8, layer=None, out_dtype=None, impl="auto")
+    y = quant_matmul(x, w, scale, group=0, bits=8, layer=None, out_dtype=None, impl="auto", transposed=False,
+                     epilogue="none")
 
 * x [..., K] floating; y [..., N] in `out_dtype` (default x's dtype), accumulated in float32.
 * bits=8: w int8 [K, N], or float8_e4m3fn [K, N] (converted in registers like int8; sm89+ on a GPU).
@@ -12,6 +13,9 @@
   `layer` is read in place, so a scanned decoder slices (copies) no weight for the kernel.
 * transposed: w is stored [N, K] (int8) or [N, K // 2] (int4, `pack_int4(q).T`), each output channel's values
   contiguous.
+* epilogue="swiglu": w's N channels are a gate half then an up half, and y = silu(gate) * up [..., N / 2], from
+  the float32 sums (a decoder's fused gate/up projection and its activation in one kernel, no [M, N] round trip
+  and no activation kernel).
 
 Implementations (`impl="auto"` takes the first that can run):
 
@@ -27,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.kernels import _dispatch
-from mmjax.kernels.quant_matmul.kernel import default_tiling, shape_problem, tiling_problem, transposed_tiling
+from mmjax.kernels.quant_matmul.kernel import EPILOGUES, launch_tiling, shape_problem, tiling_problem
 from mmjax.kernels.quant_matmul.pack import PACK_BLOCK, pack_int4, unpack_int4
 from mmjax.kernels.quant_matmul.reference import quant_matmul_reference
 
@@ -39,19 +43,26 @@ INT4_GROUP = 128  # the int4 scheme's group size along K (one pack block)
 OP = _dispatch.Op("quant_matmul")
 
 
-def _xla(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None, transposed: bool = False):
+def _xla(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None, transposed: bool = False,
+         epilogue: str = "none"):
     if layer is not None:
         take = lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
         w, scale = take(w), take(scale)
     if transposed:
         w = w.T
-    return quant_matmul_reference(x, unpack_int4(w) if bits == 4 else w, scale, group=group, out_dtype=out_dtype)
+    q = unpack_int4(w) if bits == 4 else w
+    if epilogue == "none":
+        return quant_matmul_reference(x, q, scale, group=group, out_dtype=out_dtype)
+    y = quant_matmul_reference(x, q, scale, group=group, out_dtype=jnp.float32)
+    gate, up = jnp.split(y, 2, axis=-1)
+    return (jax.nn.silu(gate) * up).astype(x.dtype if out_dtype is None else out_dtype)
 
 
-def _pallas(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None, transposed: bool = False):
+def _pallas(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None, transposed: bool = False,
+            epilogue: str = "none"):
     from mmjax.kernels.quant_matmul import kernel
     return kernel.quant_matmul(x, w, scale, group=group, bits=bits, layer=layer, out_dtype=out_dtype,
-                               transposed=transposed)
+                               transposed=transposed, epilogue=epilogue)
 
 
 def _pallas_guard(ctx: _dispatch.Ctx) -> str | None:
@@ -60,7 +71,7 @@ def _pallas_guard(ctx: _dispatch.Ctx) -> str | None:
     if reason is not None:
         return reason if not ctx.get("fp8") else f"float8_e4m3fn weights: {reason}"
     m, k, n, bits, group = (ctx.get(key) for key in ("m", "k", "n", "bits", "group"))
-    tiling = transposed_tiling(bits, m, k, n, group) if ctx.get("transposed") else default_tiling(bits, m, k, n, group)
+    tiling = launch_tiling(bits, m, k, n, group, transposed=ctx.get("transposed"), epilogue=ctx.get("epilogue"))
     return tiling_problem(m, k, n, bits=bits, group=group, tiling=tiling)
 
 
@@ -68,7 +79,8 @@ OP.register("xla", _xla, _dispatch.any_float, priority=0)
 OP.register("pallas", _pallas, _pallas_guard, priority=10)
 
 
-def _context(x, w, scale, *, group: int, bits: int, layer, impl: str, transposed: bool = False) -> _dispatch.Ctx:
+def _context(x, w, scale, *, group: int, bits: int, layer, impl: str, transposed: bool = False,
+             epilogue: str = "none") -> _dispatch.Ctx:
     m = 1
     for d in x.shape[:-1]:
         m *= d
@@ -80,26 +92,36 @@ def _context(x, w, scale, *, group: int, bits: int, layer, impl: str, transposed
     if w.dtype != jnp.int8 and not (fp8 and bits == 8):
         raise ValueError(f"quant_matmul: the weight must be int8 (int4 packed by pack_int4) or float8_e4m3fn with "
                          f"bits=8, got {w.dtype} (bits={bits})")
-    # row_wise: under a mesh a custom call would be replicated, where XLA partitions the dot natively
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"quant_matmul: epilogue must be one of {', '.join(EPILOGUES)}, got {epilogue!r}")
     n = w.shape[-2] if transposed else w.shape[-1]
+    if epilogue == "swiglu":
+        if n % 2:
+            raise ValueError(f"quant_matmul: the swiglu epilogue needs an even number of weight channels (gate, "
+                             f"then up), got {n}")
+        n //= 2
+    # row_wise: under a mesh a custom call would be replicated, where XLA partitions the dot natively
     return _dispatch.make_ctx(x.dtype, explicit=impl != "auto", m=m, k=x.shape[-1], n=n, bits=bits,
-                              group=group, transposed=transposed, fp8=fp8, row_wise=True)
+                              group=group, transposed=transposed, fp8=fp8, epilogue=epilogue, row_wise=True)
 
 
-def quant_matmul_supported(x, w, scale, *, group: int, bits: int, layer=None, transposed: bool = False) -> str | None:
+def quant_matmul_supported(x, w, scale, *, group: int, bits: int, layer=None, transposed: bool = False,
+                           epilogue: str = "none") -> str | None:
     """Why `impl="auto"` would not take the Pallas kernel for these arguments here, or None if it would."""
     return OP.reason("pallas", _context(x, w, scale, group=group, bits=bits, layer=layer, impl="auto",
-                                        transposed=transposed))
+                                        transposed=transposed, epilogue=epilogue))
 
 
 def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int = 0, bits: int = 8,
                  layer: jax.Array | int | None = None, out_dtype=None, impl: str = "auto",
-                 transposed: bool = False) -> jax.Array:
-    """x [..., K] @ dequant(w) -> [..., N] in `out_dtype` (default x's dtype); see the module docstring."""
-    ctx = _context(x, w, scale, group=group, bits=bits, layer=layer, impl=impl, transposed=transposed)
+                 transposed: bool = False, epilogue: str = "none") -> jax.Array:
+    """x [..., K] @ dequant(w) -> [..., N] in `out_dtype` (default x's dtype), [..., N / 2] with the swiglu
+    epilogue; see the module docstring."""
+    ctx = _context(x, w, scale, group=group, bits=bits, layer=layer, impl=impl, transposed=transposed,
+                   epilogue=epilogue)
     fn = OP.select(impl, ctx).fn
     lead, k = x.shape[:-1], x.shape[-1]
     layer = None if layer is None else jnp.asarray(layer, jnp.int32)
     y = fn(x.reshape(-1, k), w, scale, group=group, bits=bits, layer=layer, out_dtype=out_dtype,
-           transposed=transposed)
+           transposed=transposed, epilogue=epilogue)
     return y.reshape(*lead, ctx.get("n"))

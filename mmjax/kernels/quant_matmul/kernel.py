@@ -19,7 +19,8 @@ registers: the q tile is converted to x's dtype in front of a tensor-core dot wi
   bits of 2^23 + 128 + q as float32, minus 2^23 + 128, whose top 16 bits are bf16(q); int4: the bf16 bits of
   128 + (s + 8), minus 136), the same dot. "f16" runs the dot in float16: weights through the float16 form of
   the same trick (1024 + u), e4m3 through its native conversion to float16, x clipped to float16's range
-  (+-65504) and rounded to float16 (3 more mantissa bits than bf16).
+  (+-65504) and rounded to float16 (3 more mantissa bits than bf16). Measured on an H100, "magic" makes the
+  int4 kernel faster and the int8 one no faster; "f16" is slower for both (`DEFAULT_CONVERT`).
 * `transposed`: the weight is stored [N, K] ([N, K // 2] packed), each output channel's K values contiguous, and
   the dot reads the tile as its transposed second operand (`x_tile @ w_tile^T`), the layout tensor-core dots
   take without reshuffling 8-bit values; it has its own default tiling (`transposed_tiling`).
@@ -180,7 +181,9 @@ def tiling_problem(m: int, k: int, n: int, *, bits: int, group: int, tiling: Til
 
 
 CONVERTS = ("cast", "magic", "f16")
-DEFAULT_CONVERT = "cast"
+# per weight width, the fastest variant of the 16-token sweep on an H100 (docs/perf/quantization.md): int8 and
+# e4m3 convert with plain casts; int4's nibbles come out of the bit trick
+DEFAULT_CONVERT = {8: "cast", 4: "magic"}
 F16_MAX = 65504.0
 
 
@@ -223,53 +226,65 @@ def _x_operand(x: jax.Array, dt) -> jax.Array:
     return jnp.clip(x.astype(jnp.float32), -F16_MAX, F16_MAX).astype(dt)
 
 
-def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, bits: int, group: int, block_k: int, steps: int,
-            k: int, n: int, split: bool, transposed: bool, convert: str):
+EPILOGUES = ("none", "swiglu")
+
+
+def _kernel(layer_ref, x_ref, *refs, bits: int, group: int, block_k: int, steps: int, k: int, channels: int,
+            split: bool, transposed: bool, convert: str, epilogue: str):
     """One (M block, N block, K split) program: walk `steps` K tiles, dequantizing each weight tile in registers.
 
-    The weight is [L * rows, N] ([K, N] or packed [K // 2, N] per layer), or with `transposed` [L * N, cols]
-    ([N, K] or packed [N, K // 2] per layer: each channel's values contiguous, the dot's native layout for its
-    second operand)."""
+    The weight is [L * rows, channels] ([K, N] or packed [K // 2, N] per layer), or with `transposed`
+    [L * channels, cols] ([N, K] or packed [N, K // 2] per layer: each channel's values contiguous, the dot's
+    native layout for its second operand). With the swiglu epilogue the program reads two channel blocks, the gate
+    block and the up block `channels // 2` channels later (two refs of the same weight and scale), and writes
+    silu(gate) * up."""
+    if epilogue == "swiglu":
+        wg_ref, wu_ref, sg_ref, su_ref, o_ref = refs
+        halves = ((wg_ref, sg_ref, 0), (wu_ref, su_ref, channels // 2))
+    else:
+        w_ref, s_ref, o_ref = refs
+        halves = ((w_ref, s_ref, 0),)
     layer = layer_ref[0]
     dt = _dot_dtype(x_ref.dtype, convert)
     bm, bn = o_ref.shape[-2:]
     groups = k // group if group else 1
     first = pl.program_id(2) * steps                  # first K tile of this split
     if transposed:
-        row0 = layer * n + pl.program_id(1) * bn      # this program's first channel in the flat [L * N, cols]
+        row0 = layer * channels + pl.program_id(1) * bn  # the block's first channel in the flat [L * channels]
 
-        def w_tile(offset, size):                    # stored columns offset .. offset + size: [BN, size]
-            return w_ref[pl.ds(row0, bn), pl.ds(offset, size)]
+        def w_tile(w_ref, skip, offset, size):       # stored columns offset .. offset + size: [BN, size]
+            return w_ref[pl.ds(row0 + skip, bn), pl.ds(offset, size)]
 
         def mm(x, w):
             return _dot(_x_operand(x, dt), w, trans_b=True)
     else:
         w_base = layer * (k // 2 if bits == 4 else k)  # first weight row of this layer in the flat [L * rows, N]
 
-        def w_tile(offset, size):                    # stored rows offset .. offset + size: [size, BN]
+        def w_tile(w_ref, skip, offset, size):       # stored rows offset .. offset + size: [size, BN]
+            del skip                                 # the block spec has picked the up block's columns
             return w_ref[pl.ds(w_base + offset, size), :]
 
         def mm(x, w):
             return _dot(_x_operand(x, dt), w)
 
-    def pieces(t):
+    def pieces(t, w_ref, skip):
         """(K offset in the tile, float32 partial dot) of K tile t, cut where a scale group or nibble half ends."""
         start = t * block_k
         if bits == 8:
             chunk = group if 0 < group < block_k else block_k
-            return [(c, mm(x_ref[:, pl.ds(start + c, chunk)], _weight_operand(w_tile(start + c, chunk), dt, convert)))
+            return [(c, mm(x_ref[:, pl.ds(start + c, chunk)],
+                           _weight_operand(w_tile(w_ref, skip, start + c, chunk), dt, convert)))
                     for c in range(0, block_k, chunk)]
         out = []
         for c in range(0, block_k, PACK_BLOCK):
-            p = w_tile(t * (block_k // 2) + c // 2, HALF)
+            p = w_tile(w_ref, skip, t * (block_k // 2) + c // 2, HALF)
             lo, hi = _nibble_operands(p, dt, convert)  # K offsets c .. c + 63 and c + 64 .. c + 127 of the tile
             out.append((c, mm(x_ref[:, pl.ds(start + c, HALF)], lo)))
             out.append((c + HALF, mm(x_ref[:, pl.ds(start + c + HALF, HALF)], hi)))
         return out
 
-    def step(i, acc):
-        t = first + i
-        parts = pieces(t)
+    def accumulate(t, acc, w_ref, s_ref, skip):
+        parts = pieces(t, w_ref, skip)
         if group == 0:
             for _, part in parts:
                 acc = acc + part
@@ -287,25 +302,40 @@ def _kernel(layer_ref, x_ref, w_ref, s_ref, o_ref, *, bits: int, group: int, blo
             acc = acc + part * s
         return acc
 
-    acc = lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
+    def step(i, accs):
+        return tuple(accumulate(first + i, acc, w_ref, s_ref, skip) for acc, (w_ref, s_ref, skip) in zip(accs, halves))
+
+    accs = lax.fori_loop(0, steps, step, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in halves))
     if group == 0:
-        acc = acc * s_ref[pl.ds(layer, 1), :]
-    o_ref[...] = acc if split else acc.astype(o_ref.dtype)
+        accs = tuple(acc * s_ref[pl.ds(layer, 1), :] for acc, (_, s_ref, _) in zip(accs, halves))
+    if epilogue == "swiglu":
+        gate, up = accs
+        o_ref[...] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(o_ref.dtype)
+        return
+    o_ref[...] = accs[0] if split else accs[0].astype(o_ref.dtype)
+
+
+def launch_tiling(bits: int, m: int, k: int, n: int, group: int, *, transposed: bool, epilogue: str = "none") -> Tiling:
+    """The default tiling for an output of N channels. The swiglu epilogue reads 2N weight channels into N outputs
+    and takes no K split (the nonlinearity needs the whole sum in one program)."""
+    t = transposed_tiling(bits, m, k, n, group) if transposed else default_tiling(bits, m, k, n, group)
+    return dataclasses.replace(t, k_splits=1) if epilogue == "swiglu" else t
 
 
 def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bits: int,
                  layer: jax.Array | int | None = None, out_dtype=None, interpret: bool | None = None,
-                 transposed: bool = False, convert: str | None = None, block_m: int | None = None,
-                 block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
+                 transposed: bool = False, convert: str | None = None, epilogue: str = "none",
+                 block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                 k_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
     """x [M, K] @ dequant(w) -> [M, N] in `out_dtype` (default x's dtype), accumulated in float32.
 
     w: int8 or float8_e4m3fn [K, N] (bits=8) or `pack_int4`-packed int8 [K // 2, N] (bits=4); with
     `transposed`, [N, K] / [N, K // 2]. scale float32 [N] (group 0) or [K // group, N]. With `layer` (int or
     int32 scalar), w and scale carry a leading layers axis and that layer is read in place. `convert` (one of
-    `CONVERTS`, default `DEFAULT_CONVERT`) picks how weight tiles become dot operands. Tiling arguments
-    left None take the default tiling; `interpret` None means interpret mode when compiling for the CPU. Raises
-    ValueError naming the shapes it cannot take."""
+    `CONVERTS`, default `DEFAULT_CONVERT[bits]`) picks how weight tiles become dot operands. `epilogue="swiglu"`:
+    the N channels are a gate half and an up half, and the result is silu(y[:, :N/2]) * y[:, N/2:] [M, N / 2],
+    computed on the float32 sums (no K split). Tiling arguments left None take the default tiling; `interpret`
+    None means interpret mode when compiling for the CPU. Raises ValueError naming the shapes it cannot take."""
     stacked = layer is not None
     problem = shape_problem(x.shape, w.shape, scale.shape, group=group, bits=bits, stacked=stacked,
                             transposed=transposed)
@@ -315,19 +345,28 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
     if not jnp.issubdtype(x.dtype, jnp.floating) or not (w.dtype == jnp.int8 or (fp8 and bits == 8)):
         raise ValueError(f"quant_matmul: x must be floating and the weight int8 (or float8_e4m3fn with bits=8), "
                          f"got x {x.dtype}, weight {w.dtype}")
-    convert = DEFAULT_CONVERT if convert is None else convert
+    convert = DEFAULT_CONVERT[bits] if convert is None else convert
     if convert not in CONVERTS:
         raise ValueError(f"quant_matmul: convert must be one of {', '.join(CONVERTS)}, got {convert!r}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"quant_matmul: epilogue must be one of {', '.join(EPILOGUES)}, got {epilogue!r}")
     m, k = x.shape
-    n = w.shape[-2] if transposed else w.shape[-1]
+    channels = w.shape[-2] if transposed else w.shape[-1]  # the weight's output channels
+    glu = epilogue == "swiglu"
+    if glu and channels % 2:
+        raise ValueError(f"quant_matmul: the swiglu epilogue needs an even number of weight channels (gate, then "
+                         f"up), got {channels}")
+    n = channels // 2 if glu else channels               # output columns
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    d = transposed_tiling(bits, m, k, n, group) if transposed else default_tiling(bits, m, k, n, group)
+    d = launch_tiling(bits, m, k, n, group, transposed=transposed, epilogue=epilogue)
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
                  num_stages=num_stages)
     t = dataclasses.replace(d, **{key: v for key, v in given.items() if v is not None})
     bm = min(next_pow2(max(m, MIN_M)), t.block_m)
     t = dataclasses.replace(t, block_m=bm)
     problem = tiling_problem(m, k, n, bits=bits, group=group, tiling=t)
+    if problem is None and glu and t.k_splits != 1:
+        problem = f"the swiglu epilogue takes no K split, got k_splits={t.k_splits}"
     if problem is not None:
         raise ValueError(f"quant_matmul: {problem}")
 
@@ -336,7 +375,7 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
     n_layers = w.shape[0]
     rows = w.shape[1]
     w = w.reshape(n_layers * rows, w.shape[2])           # free reshapes: the kernel offsets rows by layer
-    scale = scale.astype(jnp.float32).reshape(-1, n)     # [L, N] per channel, [L * groups, N] per group
+    scale = scale.astype(jnp.float32).reshape(-1, channels)  # [L, N] per channel, [L * groups, N] per group
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
     m_pad = -(-m // bm) * bm
     xp = x if m_pad == m else jnp.pad(x, ((0, m_pad - m), (0, 0)))
@@ -344,26 +383,30 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
     steps = k // (t.k_splits * t.block_k)
     grid = (m_pad // bm, n // t.block_n, t.k_splits)
     bn = t.block_n
-    w_spec = pl.BlockSpec(w.shape, lambda i, j, s: (0, 0)) if transposed else \
-        pl.BlockSpec((w.shape[0], bn), lambda i, j, s: (0, j))
-    in_specs = [pl.BlockSpec((1,), lambda i, j, s: (0,)),
-                pl.BlockSpec((bm, k), lambda i, j, s: (i, 0)),
-                w_spec,
-                pl.BlockSpec((scale.shape[0], bn), lambda i, j, s: (0, j))]
+    # the up half's channel blocks start n // bn blocks after the gate half's
+    skips = (0, n // bn) if glu else (0,)
+    if transposed:
+        w_specs = [pl.BlockSpec(w.shape, lambda i, j, s: (0, 0)) for _ in skips]
+    else:
+        w_specs = [pl.BlockSpec((w.shape[0], bn), lambda i, j, s, b=b: (0, j + b)) for b in skips]
+    s_specs = [pl.BlockSpec((scale.shape[0], bn), lambda i, j, s, b=b: (0, j + b)) for b in skips]
+    in_specs = [pl.BlockSpec((1,), lambda i, j, s: (0,)), pl.BlockSpec((bm, k), lambda i, j, s: (i, 0)),
+                *w_specs, *s_specs]
     if split:
         out_specs = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
         out_shape = jax.ShapeDtypeStruct((t.k_splits, m_pad, n), jnp.float32)
     else:
         out_specs = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
         out_shape = jax.ShapeDtypeStruct((m_pad, n), out_dtype)
-    kernel = functools.partial(_kernel, bits=bits, group=group, block_k=t.block_k, steps=steps, k=k, n=n, split=split,
-                               transposed=transposed, convert=convert)
+    kernel = functools.partial(_kernel, bits=bits, group=group, block_k=t.block_k, steps=steps, k=k,
+                               channels=channels, split=split, transposed=transposed, convert=convert,
+                               epilogue=epilogue)
+    name = (f"mmjax_quant_matmul_{'fp8' if fp8 else f'int{bits}'}{'_t' if transposed else ''}"
+            f"{'' if convert == 'cast' else '_' + convert}{'_swiglu' if glu else ''}")
     out = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                          interpret=_interpret_default() if interpret is None else interpret,
-                         compiler_params=compiler_params(t.num_warps, t.num_stages),
-                         name=f"mmjax_quant_matmul_{'fp8' if fp8 else f'int{bits}'}{'_t' if transposed else ''}"
-                         f"{'' if convert == 'cast' else '_' + convert}"
-                         )(layer_arr, xp, w, scale)
+                         compiler_params=compiler_params(t.num_warps, t.num_stages), name=name,
+                         )(layer_arr, xp, *(w for _ in skips), *(scale for _ in skips))
     if split:
         out = jnp.sum(out, axis=0).astype(out_dtype)
     return out[:m]

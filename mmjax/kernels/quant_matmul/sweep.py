@@ -1,7 +1,7 @@
 """Decode-shape sweep of the quantized matmul: kernel tilings against XLA's dequantize-and-dot, on the GPU.
 
     python -m mmjax.kernels.quant_matmul.sweep OUT.json [--quick] [--bits 8 4] [--shapes qkv down] [--m 1 64]
-        [--layouts kn nk] [--converts cast magic f16] [--no-grid]
+        [--layouts kn nk] [--converts cast magic f16] [--no-grid] [--swiglu]
 
 Shapes are the 1.24B Llama decoder's (K, N): qkv (2048, 3072), out (2048, 2048), gate_up (2048, 16384), down
 (8192, 2048), at M in {1, 32, 64} tokens, int8 per channel and int4 with groups of 128, x in bf16.
@@ -15,9 +15,10 @@ back-to-back calls are timed between device syncs; a row reports the median batc
 (launch gaps and the loop's share included, as in a decode step) and GB/s of weight bytes (q at its nominal
 width, int4 = half a byte, plus the float32 scales). Rows: every kernel tiling (a failure to compile is
 recorded as an error; `--no-grid` skips them), `default` (the kernel's own choice; once per `--converts` variant
-of the kernel's weight conversion, `convert` in the row), `xla` (the serving path's jnp: int8 converted in
-the dot with the scale on the result; int4 as jnp.int4, dequantized per group in front of the dot: XLA's own
-int4 path, which the serving path's packed int4 replaced on decode steps)
+of the kernel's weight conversion, `convert` in the row), `pallas[_nk]_swiglu` (`--swiglu`, gate_up only:
+the kernel with its swiglu epilogue, the same weight bytes, half the outputs), `xla` (the serving path's jnp:
+int8 converted in the dot with the scale on the result; int4 as jnp.int4, dequantized per group in front of
+the dot: XLA's own int4 path, which the serving path's packed int4 replaced on decode steps)
 and `xla_bf16` (a bf16 weight: what the quantized paths are meant to beat). `rel_err` is set 0's largest
 difference from the float32 reference over the reference's largest magnitude. `--quick` shrinks everything
 to check the script on the CPU (interpret mode; the timings mean nothing there). Results are written after
@@ -153,7 +154,7 @@ def transposed_tilings(bits: int, m: int, k: int, n: int, quick: bool) -> list[d
 
 def sweep_case(name: str, bits: int, m: int, *, quick: bool, unroll: int = 16, dtype=jnp.bfloat16,
                layouts: tuple[str, ...] = ("kn",), converts: tuple[str, ...] = ("cast",),
-               grid: bool = True) -> list[dict]:
+               grid: bool = True, epilogue: str = "none") -> list[dict]:
     k, n = SHAPES[name] if not quick else (512, 256)
     group = GROUP if bits == 4 else 0
     nbytes = weight_bytes(k, n, bits, group)
@@ -166,12 +167,12 @@ def sweep_case(name: str, bits: int, m: int, *, quick: bool, unroll: int = 16, d
     base = dict(shape=name, k=k, n=n, m=m, bits=bits, sets=sets, weight_bytes=nbytes)
     rows = []
 
-    def record(impl: str, one: Callable, args, **extra):
+    def record(impl: str, one: Callable, args, expect=want, **extra):
         try:
-            seconds = time_loop(looped(one, sets, unroll, n), args, **timing) / sets
+            seconds = time_loop(looped(one, sets, unroll, expect.shape[1]), args, **timing) / sets
             y0 = np.asarray(jax.jit(one)(*args, 0), np.float32)
             row = dict(base, impl=impl, us=round(seconds * 1e6, 2), gbps=round(nbytes / seconds / 1e9, 1),
-                       rel_err=float(np.abs(y0 - want).max() / max(np.abs(want).max(), 1e-30)), **extra)
+                       rel_err=float(np.abs(y0 - expect).max() / max(np.abs(expect).max(), 1e-30)), **extra)
         except Exception as e:  # noqa: BLE001 - a tiling that does not compile (shared memory, registers) is a row
             row = dict(base, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}", **extra)
         print(json.dumps(row), flush=True)
@@ -186,6 +187,12 @@ def sweep_case(name: str, bits: int, m: int, *, quick: bool, unroll: int = 16, d
             one = lambda x, w, s, i, kw=kw, conv=conv, nk=nk: quant_matmul(  # noqa: E731
                 x, w, s, group=group, bits=bits, layer=i, transposed=nk, convert=conv, **kw)
             record("pallas_nk" if nk else "pallas", one, (x, wl, scale), tiling=kw or "default", convert=conv)
+        if epilogue == "swiglu":  # the fused activation: [M, N / 2] out of the same weight bytes, default tiling
+            one = lambda x, w, s, i, nk=nk: quant_matmul(  # noqa: E731
+                x, w, s, group=group, bits=bits, layer=i, transposed=nk, epilogue="swiglu")
+            gate, up = np.split(want, 2, axis=1)
+            record(f"pallas{'_nk' if nk else ''}_swiglu", one, (x, wl, scale), expect=gate / (1 + np.exp(-gate)) * up,
+                   tiling="default", convert="default")
         del wl
     if bits == 8:
         record("xla", xla_path(8), (x, q, scale))
@@ -216,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the kernel's weight-conversion variants, each timed at the default tiling; the tiling "
                         "grid runs with the first")
     p.add_argument("--no-grid", action="store_true", help="default tilings only")
+    p.add_argument("--swiglu", action="store_true",
+                   help="also time the gate_up shape with the kernel's swiglu epilogue (a row per layout)")
     args = p.parse_args(argv)
     shapes = args.shapes[:1] if args.quick else args.shapes
     ms = [5] if args.quick else args.m
@@ -225,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for bits, name, m in itertools.product(args.bits, shapes, ms):
         rows += sweep_case(name, bits, m, quick=args.quick, unroll=args.unroll, layouts=tuple(args.layouts),
-                           converts=tuple(args.converts), grid=not args.no_grid)
+                           converts=tuple(args.converts), grid=not args.no_grid,
+                           epilogue="swiglu" if args.swiglu and name == "gate_up" else "none")
         with open(args.out, "w") as f:
             json.dump({**meta, "rows": rows}, f, indent=1)
     return 0

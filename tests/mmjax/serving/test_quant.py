@@ -57,7 +57,7 @@ def test_quantize_dequantize_error_bound(scheme):
     if scheme == "int4":  # per group of 128 contracted values and output channel: half a step of amax / 7
         amax = wa.reshape(2, 2, 128, 4, 6, 16).max(2, keepdims=True)
         bound = np.broadcast_to(amax / 14, (2, 2, 128, 4, 6, 16)).reshape(w.shape)
-        assert q.q.dtype == jnp.int8 and q.q.shape == (2, 128, 4, 6, 16) and q.shape == w.shape  # 2 a byte
+        assert q.q.dtype == jnp.int8 and q.q.shape == (2, 4, 6, 16, 128) and q.shape == w.shape  # [L, out, E / 2]
         assert q.scale.shape == (2, 2, 4, 6, 16)
     else:
         amax = wa.max(1, keepdims=True)  # per output channel
@@ -89,6 +89,30 @@ def test_storage_layouts_agree(scheme, transposed):
     with _dispatch.assume_platform("gpu", (9, 0)):
         assert "pallas_call" in str(jax.make_jaxpr(run)(x))
         np.testing.assert_allclose(np.asarray(run(x)), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_gate_up_swiglu_in_the_kernel_epilogue(scheme):
+    """A decode step's gate/up projection and SwiGLU (`dense_swiglu` on an [E, 2, M] weight): through the kernel's
+    epilogue on a GPU (assumed; interpret mode), one kernel and no activation kernel, equal to the einsum then
+    `kernels.swiglu`; off the GPU the two-step form runs."""
+    from mmjax.kernels import _dispatch
+    from mmjax.kernels.swiglu import swiglu_reference
+    from mmjax.model.layers import dense_swiglu
+
+    w = jnp.asarray(np.random.default_rng(5).standard_normal((256, 2, 64)) / 16, jnp.float32)  # [E, 2, M]
+    q = quantize(w, scheme)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((1, 3, 256)), jnp.float32)
+    want = np.asarray(swiglu_reference(jnp.einsum("bse,ecm->bscm", x, dequantize(q))))
+    run = lambda x: dense_swiglu(x, q, "bse,ecm->bscm", jnp.float32)  # noqa: E731
+    assert q.quantized_swiglu("bse,ecm->bscm", x, jnp.float32) is None  # CPU: no kernel, the caller's two steps
+    np.testing.assert_allclose(np.asarray(run(x)), want, rtol=1e-5, atol=1e-5)
+    with _dispatch.assume_platform("gpu", (9, 0)):
+        jaxpr = str(jax.make_jaxpr(run)(x))
+        assert jaxpr.count("pallas_call") == 1 and "logistic" not in jaxpr
+        got = run(x)
+    assert got.shape == (1, 3, 64)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
 
 
 def test_int4_off_the_pack_block_stays_unpacked():
