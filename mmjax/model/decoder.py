@@ -116,12 +116,11 @@ class DecoderLayer(nnx.Module):
         of its own in every layer of every step."""
         h, x = self.attn_norm(pending, residual=x)
         q, k, v = self.qkv_proj(h, positions)
-        k_pool = kernels.kv_pages.write_pages(k_pool, k[0], meta.slot_mapping, layer)  # quantizes a ScaledPages pool
-        v_pool = kernels.kv_pages.write_pages(v_pool, v[0], meta.slot_mapping, layer)
-        attn = kernels.ragged_paged_attention(
+        # writes k, v at meta.slot_mapping (quantizing a ScaledPages pool; inside the kernel on a decode step)
+        attn, k_pool, v_pool = kernels.ragged_paged_attention(
             q[0], k_pool, v_pool, meta.page_table, meta.query_start, meta.query_len, meta.context_len,
             kv_block_ids=meta.kv_block_ids, q_block_ids=meta.q_block_ids, max_query_len=meta.max_query_len,
-            layer=layer)
+            layer=layer, new_kv=(k[0], v[0], meta.slot_mapping))
         return self.finish(x, attn[None], defer_add=True), (k_pool, v_pool)
 
 

@@ -31,6 +31,12 @@ sequences (prefill chunks and single decode tokens together), each attending its
 The decode step of `kernels.paged_attention` is the special case query_len = 1, query_start = arange(S),
 context_len = lengths.
 
+With `new_kv` = (k [T, KV, D], v [T, KV, D], slot_mapping [T]) the call also writes the step's k, v at their
+flat pool slots (page * page_size + offset) and returns (out, k_pages, v_pages), so context_len counts them
+without the caller writing first. On a decode step over an unquantized pool the Pallas kernel writes them
+itself (one program per token and kv head stores its row through outputs aliased to the pools, and takes the
+new key from registers); otherwise `kv_pages.write_pages` runs in front.
+
 Implementations (`impl="auto"` takes the first that can run):
 
 * `pallas` (GPU sm80+; on CPU interpret mode, named explicitly): one program per (query block, kv head),
@@ -55,7 +61,7 @@ import jax.numpy as jnp
 
 from mmjax.kernels import _dispatch, _sharding
 from mmjax.kernels.attention.reference import attention_reference, make_mask
-from mmjax.kernels.kv_pages import dequantize_pages, split_pages
+from mmjax.kernels.kv_pages import ScaledPages, dequantize_pages, split_pages, write_pages
 from mmjax.kernels.paged_attention import check_pool, pallas_pool_guard
 
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "check_inputs", "token_owner", "OP"]
@@ -127,14 +133,18 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, page_table, query_star
 
 
 def _pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len, kv_block_ids=None,
-            q_block_ids=None, *, max_query_len=None, k_scale=None, v_scale=None, layer=None):
+            q_block_ids=None, *, max_query_len=None, k_scale=None, v_scale=None, layer=None, new_kv=None):
     from mmjax.kernels.ragged_paged_attention.pallas import ragged_paged_attention_pallas
     return ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
                                          kv_block_ids, q_block_ids, max_query_len=max_query_len, k_scale=k_scale,
-                                         v_scale=v_scale, layer=layer)
+                                         v_scale=v_scale, layer=layer, new_kv=new_kv)
 
 
 _pallas.reads_stacked_pools = True  # takes `layer` itself; other implementations get the layer's slice
+_pallas.writes_decode_kv = True     # can write a decode step's k, v itself (`new_kv`)
+# Whether a decode step's k, v are written by the attention kernel (`ragged_paged_attention(..., new_kv=...)`)
+# rather than by a scatter per pool in front of it.
+FUSE_KV_WRITE = True
 
 
 ragged_paged_attention_reference.reads_stacked_pools = True
@@ -144,8 +154,48 @@ OP.register("pallas", _pallas, pallas_pool_guard, priority=10)  # the paged deco
 
 def ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_len, context_len, *,
                            kv_block_ids=None, q_block_ids=None, max_query_len: int | None = None,
-                           layer: jax.Array | int | None = None, impl: str = "auto"):
-    """Attention of a ragged batch of query tokens over a paged KV cache; see the module docstring."""
+                           layer: jax.Array | int | None = None, impl: str = "auto", new_kv=None):
+    """Attention of a ragged batch of query tokens over a paged KV cache; see the module docstring. With
+    `new_kv` = (k [T, KV, D], v [T, KV, D], slot_mapping [T]) the step's k, v are written into the pools first
+    (`kv_pages.write_pages`; layer `layer` of stacked pools) and (out, k_pages, v_pages) is returned: on a
+    decode step over an unquantized pool the Pallas kernel does the writing itself (`FUSE_KV_WRITE`)."""
+    if new_kv is not None:
+        k_new, v_new, slot_mapping = new_kv
+        if _writes_in_kernel(q, k_pages, v_pages, kv_block_ids, max_query_len, layer, impl):
+            return _attend(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
+                           max_query_len=max_query_len, layer=layer, impl=impl,
+                           new_kv=(k_new, v_new, slot_mapping.astype(jnp.int32)))
+        k_pages = write_pages(k_pages, k_new, slot_mapping, layer)
+        v_pages = write_pages(v_pages, v_new, slot_mapping, layer)
+        out = ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
+                                     kv_block_ids=kv_block_ids, q_block_ids=q_block_ids, max_query_len=max_query_len,
+                                     layer=layer, impl=impl)
+        return out, k_pages, v_pages
+    return _attend(q, k_pages, v_pages, page_table, query_start, query_len, context_len, kv_block_ids=kv_block_ids,
+                   q_block_ids=q_block_ids, max_query_len=max_query_len, layer=layer, impl=impl)
+
+
+def _writes_in_kernel(q, k_pages, v_pages, kv_block_ids, max_query_len, layer, impl) -> bool:
+    """Whether the selected implementation writes a decode step's k, v itself: the Pallas kernel on a decode step
+    (one query per sequence) over unquantized pools, no image blocks, the kv heads not split over a mesh."""
+    if not FUSE_KV_WRITE or max_query_len != 1 or kv_block_ids is not None:
+        return False
+    if isinstance(k_pages, ScaledPages) or isinstance(v_pages, ScaledPages):
+        return False
+    if layer is not None and k_pages.ndim != 5:
+        return False
+    heads = _sharding.kv_head_axes(_sharding.active(), k_pages.shape[-4], q.shape[1])
+    if heads:
+        return False
+    ctx = _dispatch.make_ctx(q.dtype, explicit=impl != "auto", head_dim=q.shape[-1], page_size=k_pages.shape[-2],
+                             kv_dtype=str(k_pages.dtype), has_blocks=False)
+    return getattr(OP.select(impl, ctx).fn, "writes_decode_kv", False)
+
+
+def _attend(q, k_pages, v_pages, page_table, query_start, query_len, context_len, *, kv_block_ids=None,
+            q_block_ids=None, max_query_len: int | None = None, layer: jax.Array | int | None = None,
+            impl: str = "auto", new_kv=None):
+    """The attention (and with `new_kv`, the kernel's own k, v writes: (out, k_pages, v_pages))."""
     (k_pages, k_scale), (v_pages, v_scale) = split_pages(k_pages), split_pages(v_pages)
     stacked = layer is not None
     if stacked and (k_pages.ndim != 5 or v_pages.ndim != 5):
@@ -179,11 +229,14 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_l
         return fn(q, k_pages, v_pages, arrays["page_table"], arrays["query_start"], arrays["query_len"],
                   arrays["context_len"], arrays.get("kv_block_ids"), arrays.get("q_block_ids"),
                   max_query_len=max_query_len, **dict(zip(("k_scale", "v_scale"), scales)),
-                  **({"layer": arrays["layer"]} if "layer" in arrays else {}))
+                  **({"layer": arrays["layer"]} if "layer" in arrays else {}),
+                  **({"new_kv": new_kv} if new_kv is not None else {}))
 
     arrays = dict(page_table=i32(page_table), query_start=i32(query_start), query_len=i32(query_len),
                   context_len=i32(context_len), **extra)
     if kv_block_ids is not None:
         arrays.update(kv_block_ids=i32(kv_block_ids), q_block_ids=i32(q_block_ids))
+    if new_kv is not None:  # `_writes_in_kernel` has checked that no mesh splits the kv heads
+        return call(q, *pools, **arrays)
     # on a mesh whose head axes split the kv heads: one call per head shard, the pools never gathered
     return _sharding.shard_paged_attention(call, q, pools, stacked=stacked and "layer" in extra, **arrays)

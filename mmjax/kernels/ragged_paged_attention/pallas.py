@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 
 from mmjax.kernels._dispatch import interpret as _interpret
 from mmjax.kernels._rows import compiler_params, next_pow2
-from mmjax.kernels.attention.flash_pallas import _dot
+from mmjax.kernels.attention.flash_pallas import MASK, _dot
 from mmjax.kernels.paged_attention.pallas import normalized, online_softmax_step, softmax_carry
 
 BLOCK_TOKENS = 128  # key tokens per loop step (pages_per_block * page_size): [rows, 128] score tiles
@@ -49,11 +49,26 @@ def num_blocks(t: int, n_slots: int, bq: int) -> int:
     return max(1, (t + min(n_slots, t) * (bq - 1)) // bq)
 
 
+def _fold_new_key(carry, s, v, valid):
+    """The online softmax after one more key: scores `s` [rows] (float32), its value `v` [d], `valid` [rows]."""
+    o, m, l = carry
+    s = jnp.where(valid, s, MASK)
+    m_new = jnp.maximum(m, s)
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
+    return o * alpha[:, None] + p[:, None] * v.astype(jnp.float32)[None, :], m_new, l * alpha + p
+
+
 def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_blocks: bool, kv_heads: int,
-            num_pages: int, has_scales: bool = False, kv_splits: int = 1):
+            num_pages: int, has_scales: bool = False, kv_splits: int = 1, writes_kv: bool = False):
     ks_ref = vs_ref = m_ref = l_ref = None
+    if writes_kv:  # the pools again, as outputs aliased to the inputs: this step's k, v are written here
+        *refs, k_out_ref, v_out_ref = refs
     if kv_splits > 1:  # partial results: unnormalized output, running max and denominator
         *refs, o_ref, m_ref, l_ref = refs
+        refs = (*refs, o_ref)
+    if writes_kv:
+        *refs, k_new_ref, v_new_ref, slot_ref, o_ref = refs
         refs = (*refs, o_ref)
     if has_scales:
         *refs, ks_ref, vs_ref, o_ref = refs
@@ -89,17 +104,31 @@ def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_block
         if has_blocks:
             kblk = kvblk_ref[seq, pl.ds(j * bk, bk)]
             ok = ok | ((kblk[None, :] == qblk[:, None]) & (qblk[:, None] != 0))
-        ok = ok & (kpos < ctx)[None, :]
+        # with writes_kv the new key (position ctx - 1) may not be in the pool yet: it comes from registers
+        ok = ok & (kpos < (ctx - 1 if writes_kv else ctx))[None, :]
         return online_softmax_step(carry, s, v, ok, v_scale)
+
+    carry = softmax_carry(q.shape[0], d)
+    if writes_kv:  # a decode block: one query at position ctx - 1, whose own k, v this program holds
+        k_new, v_new, slot = k_new_ref[...], v_new_ref[...], slot_ref[0]
+        lead = (pl.program_id(2) == 0) if kv_splits > 1 else True  # one program per (token, kv head) writes
+        s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * scale
+        carry = _fold_new_key(carry, s_new, v_new, (qpos >= 0) & (slot >= 0) & lead)
+        row = base + slot // page_size
+
+        @pl.when((slot >= 0) & lead)
+        def _write():
+            k_out_ref[row, slot % page_size, :] = k_new.astype(k_out_ref.dtype)
+            v_out_ref[row, slot % page_size, :] = v_new.astype(v_out_ref.dtype)
 
     n_blocks = (hi + bk - 1) // bk
     if kv_splits == 1:
-        o, _, l = lax.fori_loop(0, n_blocks, block, softmax_carry(q.shape[0], d))
+        o, _, l = lax.fori_loop(0, n_blocks, block, carry)
         o_ref[...] = normalized(o, l).astype(o_ref.dtype)
         return
     per = (n_blocks + kv_splits - 1) // kv_splits  # this program's share of the key blocks
     lo = pl.program_id(2) * per
-    o, m, l = lax.fori_loop(lo, jnp.minimum(lo + per, n_blocks), block, softmax_carry(q.shape[0], d))
+    o, m, l = lax.fori_loop(lo, jnp.minimum(lo + per, n_blocks), block, carry)
     o_ref[...], m_ref[...], l_ref[...] = o, m, l
 
 
@@ -127,7 +156,7 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
                                   kv_block_ids=None, q_block_ids=None, *, max_query_len=None,
                                   block_rows: int = BLOCK_ROWS, k_scale=None, v_scale=None, layer=None,
                                   block_tokens: int | None = None, kv_splits: int | None = None,
-                                  num_warps: int = 4, num_stages: int | None = None):
+                                  num_warps: int = 4, num_stages: int | None = None, new_kv=None):
     """Inputs as `ragged_paged_attention` (int32 indices; pool in q's dtype, D and page_size powers of two), or
     a quantized pool with its float32 scales `k_scale` / `v_scale` [KV, P, page_size]. With `layer` (an int32
     scalar) the pools and scales carry a leading layers axis and that layer is read where it lies.
@@ -136,15 +165,25 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
     for few, long sequences), whose partial softmax results are merged afterwards. Left as None, the tiling
     is the decode sweep's best (docs/perf/README.md, "Serving"): a decode step of at most `SPLIT_TOKENS` tokens
     splits the keys in 4 and walks 64 at a time; other decode steps walk 128 keys unpipelined (one stage);
-    prefill keeps 128 keys and two stages."""
+    prefill keeps 128 keys and two stages.
+
+    `new_kv` = (k [T, KV, D], v [T, KV, D], slot_mapping [T]), for a decode step (max_query_len 1) over an
+    unquantized pool without image blocks: the kernel also writes each token's k, v at its flat slot (page *
+    page_size + offset), taking the new key from registers, and returns (out, k_pages, v_pages) with the pools
+    updated in place (aliased), in place of a scatter per pool and layer in front of it."""
     t, h, d = q.shape
     decode = max_query_len == 1
+    writes_kv = new_kv is not None
+    if writes_kv and not (decode and k_scale is None and kv_block_ids is None):
+        raise ValueError("new_kv needs a decode step (max_query_len=1) over an unquantized pool without image "
+                         "block ids")
     if kv_splits is None:
         kv_splits = 4 if decode and t <= SPLIT_TOKENS else 1
     if block_tokens is None:
         block_tokens = 64 if kv_splits > 1 else BLOCK_TOKENS
     if num_stages is None:
         num_stages = 1 if decode and kv_splits == 1 else 2
+    stacked = layer is not None
     if layer is None:
         k_pages, v_pages = k_pages[None], v_pages[None]
         k_scale, v_scale = (None, None) if k_scale is None else (k_scale[None], v_scale[None])
@@ -199,28 +238,47 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
         flat = lambda x: x.astype(jnp.float32).reshape(n_layers * kvh * n_pages, page_size)  # noqa: E731
         args += [flat(k_scale), flat(v_scale)]
         specs += [whole(args[-2]), whole(args[-1])]
+    pool_outs, pool_specs = [], []
+    if writes_kv:  # per block: its token's k, v rows [nb, KV, D] and flat slot (-1: a block of no token)
+        k_new, v_new, slot_mapping = new_kv
+        tok = jnp.minimum(idx[:, 0], t - 1)
+        slot = jnp.where(nrows > 0, slot_mapping.astype(jnp.int32)[tok], -1)
+        row_block = pl.BlockSpec((None, None, d), lambda i, j, *_: (i, j, 0))
+        args += [k_new[tok].astype(q.dtype), v_new[tok].astype(q.dtype), slot]
+        specs += [row_block, row_block, scalar]
+        pool_outs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (k_pages, v_pages)]
+        pool_specs = [whole(k_pages), whole(v_pages)]
     kernel = functools.partial(_kernel, pages_per_block=pages_per_block, page_size=page_size,
                                scale=1.0 / math.sqrt(d), has_blocks=has_blocks, has_scales=has_scales,
-                               kv_heads=kvh, num_pages=n_pages, kv_splits=kv_splits)
+                               kv_heads=kvh, num_pages=n_pages, kv_splits=kv_splits, writes_kv=writes_kv)
     params = dict(in_specs=specs, interpret=_interpret(), compiler_params=compiler_params(num_warps, num_stages),
-                  name="mmjax_ragged_paged_attention")
+                  name="mmjax_ragged_paged_attention" + ("_write_kv" if writes_kv else ""))
     if kv_splits == 1:
-        out = pl.pallas_call(kernel, grid=(nb, kvh), out_specs=head_block,
-                             out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype), **params)(*args)
+        if writes_kv:
+            params["input_output_aliases"] = {1: 1, 2: 2}  # args k_pages, v_pages -> outputs 1, 2
+        out, *pools = pl.pallas_call(kernel, grid=(nb, kvh), out_specs=[head_block, *pool_specs],
+                                     out_shape=[jax.ShapeDtypeStruct(qt.shape, q.dtype), *pool_outs],
+                                     **params)(*args)
     else:
+        if writes_kv:
+            params["input_output_aliases"] = {1: 3, 2: 4}
         part = (nb, kvh, kv_splits, rows)
         f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-        o, m, l = pl.pallas_call(
+        o, m, l, *pools = pl.pallas_call(
             kernel, grid=(nb, kvh, kv_splits),
             out_specs=[pl.BlockSpec((None, None, None, rows, d), lambda i, j, k: (i, j, k, 0, 0)),
                        pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0)),
-                       pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0))],
-            out_shape=[f32((*part, d)), f32(part), f32(part)], **params)(*args)
+                       pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0)), *pool_specs],
+            out_shape=[f32((*part, d)), f32(part), f32(part), *pool_outs], **params)(*args)
         w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # each part's weight against the best max
         out = normalized(jnp.sum(w[..., None] * o, axis=2).reshape(nb * kvh * rows, d),
                          jnp.sum(w * l, axis=2).reshape(-1)).reshape(nb, kvh, rows, d).astype(q.dtype)
     out = out[:, :, :bq * gp].reshape(nb, kvh, bq, gp, d)[:, :, :, :g].transpose(0, 2, 1, 3, 4)
-    return _token_rows(out.reshape(nb * bq, h, d), idx, t)
+    out = _token_rows(out.reshape(nb * bq, h, d), idx, t)
+    if not writes_kv:
+        return out
+    shape = (n_layers, kvh, n_pages, page_size, d) if stacked else (kvh, n_pages, page_size, d)
+    return out, pools[0].reshape(shape), pools[1].reshape(shape)
 
 
 def _token_rows(out, idx, t: int):

@@ -224,3 +224,119 @@ def test_pallas_split_kv_matches_reference(kv_splits, block_tokens):
     args, blocks = make_case(8, 2, 16, 4, LONG + [(1, 70), (1, 5)], pad_tokens=2, images=LONG_IMAGES, seed=3)
     got = np.asarray(ragged_paged_attention_pallas(*args, **blocks, kv_splits=kv_splits, block_tokens=block_tokens))
     np.testing.assert_allclose(got, np.asarray(ragged_paged_attention_reference(*args, **blocks)), atol=1e-5)
+
+
+def check_decode_kv_write(lengths, h, kvh, d, page_size, *, stacked, dtype=jnp.float32, atol=1e-5, **tiling):
+    """A decode step with `new_kv` through the Pallas kernel against `write_pages` then the reference: the same
+    output and the same pools (other slots, pages and layers untouched; padding tokens and unused slots, whose
+    slots are on the null page, write nothing)."""
+    from mmjax.kernels.kv_pages import write_pages
+    from mmjax.kernels.ragged_paged_attention.pallas import ragged_paged_attention_pallas
+
+    args, _ = make_case(h, kvh, d, page_size, [(1 if n else 0, n) for n in lengths], dtype=dtype, seed=7)
+    _, k, v, table, _, _, _ = args
+    s, t = len(lengths), len(lengths) + 2  # two padding tokens after the slots' tokens
+    qstart, qlen, ctx = (jnp.arange(s, dtype=jnp.int32), jnp.asarray([1 if n else 0 for n in lengths], jnp.int32),
+                         jnp.asarray(lengths, jnp.int32))
+    rng = np.random.default_rng(3)
+    q, k_new, v_new = (jnp.asarray(rng.standard_normal(shape), dtype)
+                       for shape in ((t, h, d), (t, kvh, d), (t, kvh, d)))
+    pos = np.maximum(np.asarray(lengths) - 1, 0)
+    slots = np.asarray(table)[np.arange(s), pos // page_size] * page_size + pos % page_size
+    slots[np.asarray(lengths) == 0] = 3                      # an unused slot's token: the null page
+    slot_mapping = jnp.asarray(np.concatenate([slots, [1, 2]]), jnp.int32)  # padding: the null page
+    layer = jnp.int32(1) if stacked else None
+    if stacked:
+        k, v = _stacked(k, 1), _stacked(v, 1, seed=6)
+    k_want, v_want = (write_pages(p, x, slot_mapping, layer) for p, x in ((k, k_new), (v, v_new)))
+    one = (lambda p: p[1]) if stacked else (lambda p: p)  # noqa: E731
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = ragged_paged_attention_reference(f32(q), f32(one(k_want)), f32(one(v_want)), table, qstart, qlen, ctx)
+    got, k_got, v_got = ragged_paged_attention_pallas(q, k, v, table, qstart, qlen, ctx, max_query_len=1,
+                                                      layer=layer, new_kv=(k_new, v_new, slot_mapping), **tiling)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=atol)
+    null = np.zeros(k_got.shape[-4:-1], bool)
+    null[:, 0] = True  # the null page: padding tokens wrote there through write_pages, the kernel does not
+    for got_pool, want_pool, old in ((k_got, k_want, k), (v_got, v_want, v)):
+        g, w, o = (np.asarray(one(x), np.float32) for x in (got_pool, want_pool, old))
+        np.testing.assert_array_equal(g[~null], w[~null])
+        np.testing.assert_array_equal(g[null], o[null])
+        if stacked:
+            np.testing.assert_array_equal(np.asarray(got_pool, np.float32)[[0, 2]], np.asarray(old, np.float32)[[0, 2]])
+
+
+@pytest.mark.parametrize("kv_splits", [1, 4])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_decode_writes_kv_in_the_kernel(kv_splits, stacked):
+    """`new_kv` on a decode step: the kernel writes each token's k, v at its slot, taking the new key from
+    registers (the pool's stale value at that slot is never read), keys split over programs or not."""
+    check_decode_kv_write([13, 1, 0, 48, 16], 8, 2, 16, 8, stacked=stacked, kv_splits=kv_splits, block_tokens=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 5, 40])  # 4 key splits up to 16 tokens, none above
+def test_decode_writes_kv_in_the_kernel_gpu(batch):
+    """Real sizes, bf16, page_size 16, a layer of stacked pools: the kernel's k, v writes and attention."""
+    lengths = [1 + (97 * i + 500) % 1500 for i in range(batch)]
+    check_decode_kv_write(lengths, 32, 8, 64, 16, stacked=True, dtype=jnp.bfloat16, atol=2e-2)
+
+
+def test_op_writes_kv_in_the_kernel_only_where_it_can():
+    """`ragged_paged_attention(..., new_kv=)`: the same results whichever writes (the Pallas kernel on a decode
+    step, `write_pages` for a prefill, the XLA reference, or with `FUSE_KV_WRITE` off)."""
+    import importlib
+
+    rpa = importlib.import_module("mmjax.kernels.ragged_paged_attention")  # the package, not the function
+    lengths = [5, 9]
+    args, _ = make_case(4, 2, 16, 4, [(1, n) for n in lengths], seed=8)
+    q, k, v, table, _, _, _ = args
+    qstart, qlen, ctx = jnp.arange(2, dtype=jnp.int32), jnp.ones(2, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    q = q[:2]
+    k_new, v_new = (jnp.asarray(np.random.default_rng(i).standard_normal((2, 2, 16)), jnp.float32) for i in (1, 2))
+    pos = np.asarray(lengths) - 1
+    slot_mapping = jnp.asarray(np.asarray(table)[np.arange(2), pos // 4] * 4 + pos % 4, jnp.int32)
+    outs = {}
+    for impl, fuse in (("xla", True), ("pallas", True), ("pallas", False)):
+        rpa.FUSE_KV_WRITE = fuse
+        try:
+            outs[impl, fuse] = [np.asarray(x) for x in ragged_paged_attention(
+                q, k, v, table, qstart, qlen, ctx, max_query_len=1, impl=impl, new_kv=(k_new, v_new, slot_mapping))]
+        finally:
+            rpa.FUSE_KV_WRITE = True
+    for key, got in outs.items():
+        for a, b in zip(got, outs["xla", True]):
+            np.testing.assert_allclose(a, b, atol=1e-5, err_msg=str(key))
+    assert rpa._writes_in_kernel(q, k, v, None, 1, None, "pallas")
+    assert not rpa._writes_in_kernel(q, k, v, None, 4, None, "pallas")   # a prefill step: write_pages
+    assert not rpa._writes_in_kernel(q, k, v, None, 1, None, "xla")
+
+
+@pytest.mark.parametrize("t", [1, 32])  # 4 key splits at batch 1, none at 32
+def test_decode_kv_write_lowers_to_triton_for_a_gpu(t, monkeypatch):
+    """The kernel with its k, v writes lowers to Triton IR for a GPU (an export for `cuda` on the CPU: every
+    operation has a Triton lowering; PTX is left to the GPU tests), with no scatter left in front of it."""
+    import jax
+    from jax import export
+
+    from mmjax.kernels.ragged_paged_attention import pallas as rpa_pallas
+    from mmjax.kernels.ragged_paged_attention.pallas import ragged_paged_attention_pallas
+
+    monkeypatch.setattr(rpa_pallas, "_interpret", lambda: False)  # lower for the GPU, not for interpret mode
+    n_layers, kvh, pages, page, d = 2, 8, 64, 16, 64
+    pool = jnp.zeros((n_layers, kvh, pages, page, d), jnp.bfloat16)
+    q, new = jnp.zeros((t, 32, d), jnp.bfloat16), jnp.zeros((t, kvh, d), jnp.bfloat16)
+    ints = jnp.zeros((t,), jnp.int32)
+    table = jnp.zeros((t, 8), jnp.int32)
+
+    def step(q, k, v, new_k, new_v, slots, table, start, qlen, ctx):
+        return ragged_paged_attention_pallas(q, k, v, table, start, qlen, ctx, max_query_len=1, layer=jnp.int32(1),
+                                             new_kv=(new_k, new_v, slots))
+
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    exported = export.export(jax.jit(step, donate_argnums=(1, 2)), platforms=["cuda"], disabled_checks=[triton])(
+        q, pool, pool, new, new, ints, table, ints, ints, ints)
+    text = exported.mlir_module()
+    assert "xla.gpu.triton" in text
+    scatters = [line for line in text.splitlines() if "stablehlo.scatter" in line or "\"stablehlo.scatter\"" in line]
+    assert not [line for line in scatters if "bf16" in line]  # only the output rows' int32 index map is scattered
+    assert [a.shape for a in exported.out_avals] == [(t, 32, d), pool.shape, pool.shape]
