@@ -46,6 +46,8 @@ class PagedMeta:
     q_block_ids: jax.Array | None = None
     kv_block_ids: jax.Array | None = None
     max_query_len: int | None = flax.struct.field(pytree_node=False, default=None)  # static tile hint (1: decode)
+    # static: a decode step laid out by slot (slot s's query, if any, is token s), see ragged_paged_attention
+    slot_tokens: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 class DecoderLayer(nnx.Module):
@@ -120,7 +122,7 @@ class DecoderLayer(nnx.Module):
         attn, k_pool, v_pool = kernels.ragged_paged_attention(
             q[0], k_pool, v_pool, meta.page_table, meta.query_start, meta.query_len, meta.context_len,
             kv_block_ids=meta.kv_block_ids, q_block_ids=meta.q_block_ids, max_query_len=meta.max_query_len,
-            layer=layer, new_kv=(k[0], v[0], meta.slot_mapping))
+            layer=layer, new_kv=(k[0], v[0], meta.slot_mapping), slot_tokens=meta.slot_tokens)
         return self.finish(x, attn[None], defer_add=True), (k_pool, v_pool)
 
 

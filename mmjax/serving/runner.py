@@ -295,7 +295,8 @@ class ModelRunner:
             page = jnp.take_along_axis(table, jnp.minimum(pos // ps, table.shape[1] - 1)[:, None], axis=1)[:, 0]
             slot = jnp.where(active, page * ps + pos % ps, pad_slots[:s])
             meta = PagedMeta(pad_slots.at[:s].set(slot), table, slots, active.astype(i32),
-                             jnp.where(active, pos + 1, 0), slots, max_query_len=1)  # one query per sequence
+                             jnp.where(active, pos + 1, 0), slots, max_query_len=1,  # one query per sequence,
+                             slot_tokens=t >= s)                                     # token i is slot i's
             tokens = jnp.zeros(t, i32).at[:s].set(tok)
             positions = jnp.zeros(t, i32).at[:s].set(jnp.where(active, pos, 0))
             logits, pools = model.forward_paged(tokens[None], positions[None], pools, meta)

@@ -3,7 +3,7 @@ sequences (prefill chunks and single decode tokens together), each attending its
 
     out = ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
                                  kv_block_ids=None, q_block_ids=None, max_query_len=None, layer=None,
-                                 impl="auto")
+                                 slot_tokens=False, impl="auto", new_kv=None)
 
 * q [T, H, D]: T flattened query tokens. A sequence's queries are contiguous; tokens that belong to no
   sequence (bucket padding) get zero rows.
@@ -23,6 +23,9 @@ sequences (prefill chunks and single decode tokens together), each attending its
   split an image).
 * max_query_len (static int, optional): a bound on query_len, used only to pick the query tile (1 for a
   decode-only batch keeps the tile at 16 rows); results never depend on it.
+* slot_tokens (static bool): a promise that the step is a decode step laid out by slot (query_len <= 1 and
+  slot s's query, if any, is token s; T >= S), letting the kernel write its output rows in order instead of
+  gathering them per token; results never depend on it.
 * layer (int or int32 scalar, optional): the pools are every layer's stack [L, KV, P, page_size, D] and
   layer `layer` is read. A serving step's layer loop passes the whole stack and its index, so no layer's
   pool is sliced out (a slice feeding a kernel is a copy of that layer's pool, every layer of every step).
@@ -102,14 +105,14 @@ def token_owner(t: int, query_start, query_len):
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
                                      kv_block_ids=None, q_block_ids=None, *, max_query_len=None, k_scale=None,
-                                     v_scale=None, layer=None):
+                                     v_scale=None, layer=None, slot_tokens=False):
     """The definition: every query token, as its own batch row, attends its sequence's dense cache.
 
     The mask is `make_mask` with segment 1 for owned queries and for keys below the context length (0
     otherwise), the queries' and keys' absolute positions and the image block ids, so the semantics are
     exactly those of `kernels.attention`.
     """
-    del max_query_len  # a tiling hint
+    del max_query_len, slot_tokens  # layout hints of the kernel
     t, h, d = q.shape
     kvh, _, page_size, _ = k_pages.shape[-4:]
     n_keys = page_table.shape[1] * page_size
@@ -133,11 +136,12 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, page_table, query_star
 
 
 def _pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len, kv_block_ids=None,
-            q_block_ids=None, *, max_query_len=None, k_scale=None, v_scale=None, layer=None, new_kv=None):
+            q_block_ids=None, *, max_query_len=None, k_scale=None, v_scale=None, layer=None, new_kv=None,
+            slot_tokens=False):
     from mmjax.kernels.ragged_paged_attention.pallas import ragged_paged_attention_pallas
     return ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
                                          kv_block_ids, q_block_ids, max_query_len=max_query_len, k_scale=k_scale,
-                                         v_scale=v_scale, layer=layer, new_kv=new_kv)
+                                         v_scale=v_scale, layer=layer, new_kv=new_kv, slot_tokens=slot_tokens)
 
 
 _pallas.reads_stacked_pools = True  # takes `layer` itself; other implementations get the layer's slice
@@ -154,7 +158,8 @@ OP.register("pallas", _pallas, pallas_pool_guard, priority=10)  # the paged deco
 
 def ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_len, context_len, *,
                            kv_block_ids=None, q_block_ids=None, max_query_len: int | None = None,
-                           layer: jax.Array | int | None = None, impl: str = "auto", new_kv=None):
+                           layer: jax.Array | int | None = None, impl: str = "auto", new_kv=None,
+                           slot_tokens: bool = False):
     """Attention of a ragged batch of query tokens over a paged KV cache; see the module docstring. With
     `new_kv` = (k [T, KV, D], v [T, KV, D], slot_mapping [T]) the step's k, v are written into the pools first
     (`kv_pages.write_pages`; layer `layer` of stacked pools) and (out, k_pages, v_pages) is returned: on a
@@ -163,16 +168,17 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_l
         k_new, v_new, slot_mapping = new_kv
         if _writes_in_kernel(q, k_pages, v_pages, kv_block_ids, max_query_len, layer, impl):
             return _attend(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
-                           max_query_len=max_query_len, layer=layer, impl=impl,
+                           max_query_len=max_query_len, layer=layer, impl=impl, slot_tokens=slot_tokens,
                            new_kv=(k_new, v_new, slot_mapping.astype(jnp.int32)))
         k_pages = write_pages(k_pages, k_new, slot_mapping, layer)
         v_pages = write_pages(v_pages, v_new, slot_mapping, layer)
         out = ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
                                      kv_block_ids=kv_block_ids, q_block_ids=q_block_ids, max_query_len=max_query_len,
-                                     layer=layer, impl=impl)
+                                     layer=layer, impl=impl, slot_tokens=slot_tokens)
         return out, k_pages, v_pages
     return _attend(q, k_pages, v_pages, page_table, query_start, query_len, context_len, kv_block_ids=kv_block_ids,
-                   q_block_ids=q_block_ids, max_query_len=max_query_len, layer=layer, impl=impl)
+                   q_block_ids=q_block_ids, max_query_len=max_query_len, layer=layer, impl=impl,
+                   slot_tokens=slot_tokens)
 
 
 def _writes_in_kernel(q, k_pages, v_pages, kv_block_ids, max_query_len, layer, impl) -> bool:
@@ -194,7 +200,7 @@ def _writes_in_kernel(q, k_pages, v_pages, kv_block_ids, max_query_len, layer, i
 
 def _attend(q, k_pages, v_pages, page_table, query_start, query_len, context_len, *, kv_block_ids=None,
             q_block_ids=None, max_query_len: int | None = None, layer: jax.Array | int | None = None,
-            impl: str = "auto", new_kv=None):
+            impl: str = "auto", new_kv=None, slot_tokens: bool = False):
     """The attention (and with `new_kv`, the kernel's own k, v writes: (out, k_pages, v_pages))."""
     (k_pages, k_scale), (v_pages, v_scale) = split_pages(k_pages), split_pages(v_pages)
     stacked = layer is not None
@@ -228,7 +234,7 @@ def _attend(q, k_pages, v_pages, page_table, query_start, query_len, context_len
     def call(q, k_pages, v_pages, *scales, **arrays):
         return fn(q, k_pages, v_pages, arrays["page_table"], arrays["query_start"], arrays["query_len"],
                   arrays["context_len"], arrays.get("kv_block_ids"), arrays.get("q_block_ids"),
-                  max_query_len=max_query_len, **dict(zip(("k_scale", "v_scale"), scales)),
+                  max_query_len=max_query_len, slot_tokens=slot_tokens, **dict(zip(("k_scale", "v_scale"), scales)),
                   **({"layer": arrays["layer"]} if "layer" in arrays else {}),
                   **({"new_kv": new_kv} if new_kv is not None else {}))
 

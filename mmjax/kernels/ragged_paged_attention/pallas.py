@@ -156,7 +156,8 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
                                   kv_block_ids=None, q_block_ids=None, *, max_query_len=None,
                                   block_rows: int = BLOCK_ROWS, k_scale=None, v_scale=None, layer=None,
                                   block_tokens: int | None = None, kv_splits: int | None = None,
-                                  num_warps: int = 4, num_stages: int | None = None, new_kv=None):
+                                  num_warps: int = 4, num_stages: int | None = None, new_kv=None,
+                                  slot_tokens: bool = False):
     """Inputs as `ragged_paged_attention` (int32 indices; pool in q's dtype, D and page_size powers of two), or
     a quantized pool with its float32 scales `k_scale` / `v_scale` [KV, P, page_size]. With `layer` (an int32
     scalar) the pools and scales carry a leading layers axis and that layer is read where it lies.
@@ -170,10 +171,16 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
     `new_kv` = (k [T, KV, D], v [T, KV, D], slot_mapping [T]), for a decode step (max_query_len 1) over an
     unquantized pool without image blocks: the kernel also writes each token's k, v at its flat slot (page *
     page_size + offset), taking the new key from registers, and returns (out, k_pages, v_pages) with the pools
-    updated in place (aliased), in place of a scatter per pool and layer in front of it."""
+    updated in place (aliased), in place of a scatter per pool and layer in front of it.
+
+    `slot_tokens` (a decode step's layout: slot s's query, if any, is token s, T >= S): block s is slot s, and
+    the output rows are the blocks' rows in order, padded to T, with no gather of token rows per layer."""
     t, h, d = q.shape
     decode = max_query_len == 1
     writes_kv = new_kv is not None
+    if slot_tokens and not (decode and t >= page_table.shape[0]):
+        raise ValueError(f"slot_tokens needs a decode step (max_query_len=1) with a token per slot, got "
+                         f"max_query_len={max_query_len}, {t} tokens for {page_table.shape[0]} slots")
     if writes_kv and not (decode and k_scale is None and kv_block_ids is None):
         raise ValueError("new_kv needs a decode step (max_query_len=1) over an unquantized pool without image "
                          "block ids")
@@ -197,13 +204,20 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
     gp = next_pow2(g)
     bq = query_tile(g, max_query_len, block_rows)
     rows = max(MIN_ROWS, bq * gp)
-    nb = num_blocks(t, n_slots, bq)
+    nb = n_slots if slot_tokens else num_blocks(t, n_slots, bq)
     pages_per_block = max(1, block_tokens // page_size)
     padded_pages = -(-max_pages // pages_per_block) * pages_per_block
     # Padding entries point at page 0: a step may read them past the context, where the mask hides them.
     table = jnp.pad(page_table, ((0, 0), (0, padded_pages - max_pages)))
 
-    seq, nrows, idx, valid, qpos_tok = _schedule(t, bq, nb, query_start, query_len, context_len)
+    if slot_tokens:  # block s: slot s, whose query (if any) is token s
+        seq = jnp.arange(n_slots, dtype=jnp.int32)
+        nrows = jnp.clip(query_len, 0, 1).astype(jnp.int32)
+        valid = (nrows > 0)[:, None]
+        idx = jnp.where(valid, seq[:, None], t)
+        qpos_tok = jnp.where(valid, (context_len - 1)[:, None], -1)
+    else:
+        seq, nrows, idx, valid, qpos_tok = _schedule(t, bq, nb, query_start, query_len, context_len)
     ctx = context_len[seq]
     hi = jnp.where(nrows > 0, qpos_tok[:, 0] + nrows, 0)  # causal limit: the last query's position + 1
     has_blocks = kv_block_ids is not None
@@ -274,7 +288,11 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
         out = normalized(jnp.sum(w[..., None] * o, axis=2).reshape(nb * kvh * rows, d),
                          jnp.sum(w * l, axis=2).reshape(-1)).reshape(nb, kvh, rows, d).astype(q.dtype)
     out = out[:, :, :bq * gp].reshape(nb, kvh, bq, gp, d)[:, :, :, :g].transpose(0, 2, 1, 3, 4)
-    out = _token_rows(out.reshape(nb * bq, h, d), idx, t)
+    if slot_tokens:  # rows in slot order are token rows; unused slots and padding tokens get zeros
+        out = jnp.where(valid[:, :, None], out.reshape(nb, h, d), 0).astype(q.dtype)
+        out = jnp.pad(out, ((0, t - nb), (0, 0), (0, 0)))
+    else:
+        out = _token_rows(out.reshape(nb * bq, h, d), idx, t)
     if not writes_kv:
         return out
     shape = (n_layers, kvh, n_pages, page_size, d) if stacked else (kvh, n_pages, page_size, d)

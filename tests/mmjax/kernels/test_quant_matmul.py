@@ -326,3 +326,23 @@ def test_kernel_gpu_convert_variants(convert, kind, transposed, m, k, n):
     w = w.T if transposed else w
     _close(qk.quant_matmul(x, w, scale, group=group, bits=bits, transposed=transposed, convert=convert),
            quant_matmul_reference(x, q, scale, group=group), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("m", [1, 32, 64])
+def test_kernel_gpu_swiglu_epilogue(kind, transposed, m):
+    """The gate/up shape with the swiglu epilogue compiles for the GPU and equals the activation of the product."""
+    bits = 4 if kind == "int4" else 8
+    group = 128 if bits == 4 else 0
+    x, q, scale = make_case(m, 2048, 16384, bits=bits, group=group, dtype=jnp.bfloat16)
+    if kind == "fp8":
+        q = q.astype(jnp.float32).astype(jnp.float8_e4m3fn)
+    w = pack_int4(q) if bits == 4 else q
+    w = w.T if transposed else w
+    assert quant_matmul_supported(x, w, scale, group=group, bits=bits, transposed=transposed,
+                                  epilogue="swiglu") is None
+    got = quant_matmul(x, w, scale, group=group, bits=bits, transposed=transposed, epilogue="swiglu")
+    want = _swiglu_of(quant_matmul_reference(x, q.astype(jnp.float32), scale, group=group, out_dtype=jnp.float32))
+    _close(got, want, jnp.bfloat16)

@@ -4,6 +4,7 @@ case against `paged_attention`, guards, dispatch and input errors; a GPU compari
 
 import logging
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -340,3 +341,33 @@ def test_decode_kv_write_lowers_to_triton_for_a_gpu(t, monkeypatch):
     scatters = [line for line in text.splitlines() if "stablehlo.scatter" in line or "\"stablehlo.scatter\"" in line]
     assert not [line for line in scatters if "bf16" in line]  # only the output rows' int32 index map is scattered
     assert [a.shape for a in exported.out_avals] == [(t, 32, d), pool.shape, pool.shape]
+
+
+@pytest.mark.parametrize("kv_splits", [1, 4])
+@pytest.mark.parametrize("write", [False, True])
+def test_slot_tokens_layout_gives_the_same_rows(kv_splits, write):
+    """`slot_tokens` (decode, token s is slot s's query): block s is slot s and the output rows come out in order
+    (unused slots and padding tokens zero), the same as the general schedule's token gather."""
+    from mmjax.kernels.ragged_paged_attention.pallas import ragged_paged_attention_pallas
+
+    lengths = [13, 0, 1, 48]
+    args, _ = make_case(8, 2, 16, 8, [(1 if n else 0, n) for n in lengths], seed=12)
+    _, k, v, table, _, _, _ = args
+    t = 6  # two padding tokens
+    qstart, qlen, ctx = (jnp.arange(4, dtype=jnp.int32), jnp.asarray([1 if n else 0 for n in lengths], jnp.int32),
+                         jnp.asarray(lengths, jnp.int32))
+    q = jnp.asarray(np.random.default_rng(2).standard_normal((t, 8, 16)), jnp.float32)
+    new = jnp.asarray(np.random.default_rng(4).standard_normal((t, 2, 16)), jnp.float32)
+    pos = np.maximum(np.asarray(lengths) - 1, 0)
+    slots = np.where(np.asarray(lengths) > 0, np.asarray(table)[np.arange(4), pos // 8] * 8 + pos % 8, 0)
+    kw = dict(max_query_len=1, kv_splits=kv_splits, block_tokens=16)
+    if write:
+        kw["new_kv"] = (new, new * 2, jnp.asarray(np.r_[slots, 0, 0], jnp.int32))
+    want = ragged_paged_attention_pallas(q, k, v, table, qstart, qlen, ctx, **kw)
+    got = ragged_paged_attention_pallas(q, k, v, table, qstart, qlen, ctx, slot_tokens=True, **kw)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    out = np.asarray(got[0] if write else got)
+    assert not out[[1, 4, 5]].any() and out[[0, 2, 3]].any()
+    with pytest.raises(ValueError, match="slot_tokens"):
+        ragged_paged_attention_pallas(q[:3], k, v, table, qstart, qlen, ctx, slot_tokens=True, max_query_len=1)

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from mmjax.model.decoder import PagedMeta
@@ -115,44 +116,69 @@ def test_runner_greedy_stream_no_recompiles_and_image_cache(tiny):
     assert runner.image_cache.misses == 1 and runner.image_cache.hits == 1
 
 
-def test_decode_step_with_kernel_written_kv_equals_the_scatter(tiny):
-    """A decode step of the paged forward (one token per sequence, `max_query_len=1`) where the Pallas attention
-    kernel writes the step's k, v itself (a GPU assumed; interpret mode) gives the logits and pools of the XLA
-    path's scatter-then-attend."""
+def _decode_step_case(tiny):
+    """(step(state, pools) -> (logits, pools), state, pools, live slots): one decode step of the paged forward (one
+    token per sequence, `max_query_len=1`, laid out by slot) of a tiny model with head_dim 16, the Pallas
+    kernel's smallest, over pools holding earlier tokens' k, v."""
     import dataclasses
 
-    from mmjax.kernels import _dispatch
-
-    cfg = tiny["config"](text_only=True)  # head_dim 16: the Pallas kernel's smallest
+    cfg = tiny["config"](text_only=True)
     cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, dim=64))
     model = tiny["model"](cfg, seed=3)
     graphdef, state = nnx.split(model)
     page_size, num_pages, s = 4, 12, 3
     rng = np.random.default_rng(4)
     pools = model.decoder.init_pools(num_pages, page_size)
-    pools = tuple(jnp.asarray(rng.standard_normal(p.shape), p.dtype) for p in pools)  # earlier tokens' k, v
+    pools = tuple(jnp.asarray(rng.standard_normal(p.shape), p.dtype) for p in pools)
     lengths = np.array([5, 0, 9], np.int32)  # slot 1 unused
     table = np.array([[3, 7, 0], [0, 0, 0], [1, 2, 5]], np.int32)
     pos = np.maximum(lengths - 1, 0)
     slot = np.where(lengths > 0, table[np.arange(s), pos // page_size] * page_size + pos % page_size, 0)
     meta = PagedMeta(slot_mapping=slot.astype(np.int32), page_table=table, query_start=np.arange(s, dtype=np.int32),
                      query_len=(lengths > 0).astype(np.int32), context_len=lengths,
-                     logits_indices=np.arange(s, dtype=np.int32), max_query_len=1)
+                     logits_indices=np.arange(s, dtype=np.int32), max_query_len=1, slot_tokens=True)
     meta = jax.tree.map(jnp.asarray, meta)
-    tokens = rng.integers(4, cfg.vocab_size, s).astype(np.int32)
+    tokens = jnp.asarray(rng.integers(4, cfg.vocab_size, s).astype(np.int32))
 
     def step(state, pools):
-        return nnx.merge(graphdef, state).forward_paged(jnp.asarray(tokens)[None], jnp.asarray(pos)[None], pools, meta)
+        return nnx.merge(graphdef, state).forward_paged(tokens[None], jnp.asarray(pos)[None], pools, meta)
 
-    want_logits, want_pools = jax.jit(step)(state, pools)
+    return step, state, pools, lengths > 0
+
+
+def _assert_same_step(got, want, live, tol):
+    (got_logits, got_pools), (want_logits, want_pools) = got, want
+    np.testing.assert_allclose(np.asarray(got_logits)[live], np.asarray(want_logits)[live], atol=tol, rtol=tol)
+    for g, w in zip(got_pools, want_pools):
+        g, w = np.asarray(g), np.asarray(w)
+        np.testing.assert_array_equal(g[0, :, 1:], w[0, :, 1:])  # page 0: the null page padding writes to
+        # the next layer's k, v follow the first layer's attention output, equal up to rounding
+        np.testing.assert_allclose(g[1:, :, 1:], w[1:, :, 1:], atol=tol, rtol=tol)
+
+
+def test_decode_step_with_kernel_written_kv_equals_the_scatter(tiny):
+    """The decode step with the Pallas attention kernel writing the step's k, v itself (a GPU assumed; interpret
+    mode) gives the logits and pools of the XLA path's scatter-then-attend."""
+    from mmjax.kernels import _dispatch
+
+    step, state, pools, live = _decode_step_case(tiny)
+    want = jax.jit(step)(state, pools)
     with _dispatch.assume_platform("gpu", (9, 0)):  # a new function: jit's trace cache does not see the platform
         kernel_step = jax.jit(lambda state, pools: step(state, pools))
         assert "mmjax_ragged_paged_attention_write_kv" in str(kernel_step.trace(state, pools).jaxpr)
-        got_logits, got_pools = kernel_step(state, pools)
-    live = lengths > 0
-    np.testing.assert_allclose(np.asarray(got_logits)[live], np.asarray(want_logits)[live], atol=2e-5, rtol=2e-5)
-    for got, want in zip(got_pools, want_pools):
-        got, want = np.asarray(got), np.asarray(want)
-        np.testing.assert_array_equal(got[0, :, 1:], want[0, :, 1:])  # page 0: the null page padding writes to
-        # the next layer's k, v follow the first layer's attention output, equal up to rounding
-        np.testing.assert_allclose(got[1:, :, 1:], want[1:, :, 1:], atol=2e-5, rtol=2e-5)
+        got = kernel_step(state, pools)
+    _assert_same_step(got, want, live, 2e-5)
+
+
+@pytest.mark.gpu
+def test_decode_step_with_kernel_written_kv_on_gpu(tiny, monkeypatch):
+    """On the GPU: the same step with the kernel's k, v writes against the kernel after a scatter
+    (`FUSE_KV_WRITE` off)."""
+    import importlib
+
+    rpa = importlib.import_module("mmjax.kernels.ragged_paged_attention")
+    step, state, pools, live = _decode_step_case(tiny)
+    got = jax.jit(step)(state, pools)
+    monkeypatch.setattr(rpa, "FUSE_KV_WRITE", False)
+    want = jax.jit(lambda state, pools: step(state, pools))(state, pools)
+    _assert_same_step(got, want, live, 1e-3)
