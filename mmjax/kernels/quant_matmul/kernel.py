@@ -317,9 +317,16 @@ def _kernel(layer_ref, x_ref, *refs, bits: int, group: int, block_k: int, steps:
 
 def launch_tiling(bits: int, m: int, k: int, n: int, group: int, *, transposed: bool, epilogue: str = "none") -> Tiling:
     """The default tiling for an output of N channels. The swiglu epilogue reads 2N weight channels into N outputs
-    and takes no K split (the nonlinearity needs the whole sum in one program)."""
+    and takes no K split (the nonlinearity needs the whole sum in one program), so its programs come from
+    narrower N tiles instead, down to 32 channels."""
     t = transposed_tiling(bits, m, k, n, group) if transposed else default_tiling(bits, m, k, n, group)
-    return dataclasses.replace(t, k_splits=1) if epilogue == "swiglu" else t
+    if epilogue != "swiglu":
+        return t
+    target = TRANSPOSED_TARGET_PROGRAMS if transposed and m <= 32 else TARGET_PROGRAMS
+    m_blocks, bn = -(-m // t.block_m), t.block_n
+    while m_blocks * (n // bn) < target and bn > 32 and n % (bn // 2) == 0:
+        bn //= 2
+    return dataclasses.replace(t, k_splits=1, block_n=bn)
 
 
 def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bits: int,

@@ -230,7 +230,9 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
     r = np.arange(rows)
     row_tok, row_ok = np.minimum(r // gp, bq - 1), (r < bq * gp) & (r % gp < g)
     qpos = jnp.where(row_ok[None, :], qpos_tok[:, row_tok], -1).astype(jnp.int32)  # [nb, rows]
-    qt = q[jnp.minimum(idx, t - 1)].reshape(nb, bq, kvh, g, d)
+    # the blocks' query tokens: with slot_tokens the first nb tokens in order (a slice, not a gather)
+    take = (lambda x: x[:nb]) if slot_tokens else (lambda x: x[jnp.minimum(idx[:, 0], t - 1)])  # noqa: E731
+    qt = (q[:nb, None] if slot_tokens else q[jnp.minimum(idx, t - 1)]).reshape(nb, bq, kvh, g, d)
     qt = jnp.pad(qt, ((0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0))).transpose(0, 2, 1, 3, 4)
     qt = jnp.pad(qt.reshape(nb, kvh, bq * gp, d), ((0, 0), (0, 0), (0, rows - bq * gp), (0, 0)))
 
@@ -255,10 +257,9 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
     pool_outs, pool_specs = [], []
     if writes_kv:  # per block: its token's k, v rows [nb, KV, D] and flat slot (-1: a block of no token)
         k_new, v_new, slot_mapping = new_kv
-        tok = jnp.minimum(idx[:, 0], t - 1)
-        slot = jnp.where(nrows > 0, slot_mapping.astype(jnp.int32)[tok], -1)
+        slot = jnp.where(nrows > 0, take(slot_mapping.astype(jnp.int32)), -1)
         row_block = pl.BlockSpec((None, None, d), lambda i, j, *_: (i, j, 0))
-        args += [k_new[tok].astype(q.dtype), v_new[tok].astype(q.dtype), slot]
+        args += [take(k_new).astype(q.dtype), take(v_new).astype(q.dtype), slot]
         specs += [row_block, row_block, scalar]
         pool_outs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (k_pages, v_pages)]
         pool_specs = [whole(k_pages), whole(v_pages)]

@@ -240,6 +240,16 @@ def test_default_tiling_fills_the_gpu(bits, m):
         assert programs >= (qk.TARGET_PROGRAMS if m <= 32 else qk.TARGET_PROGRAMS // 2), (k, n, t)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("m", [1, 32, 64])
+def test_swiglu_tiling_fills_the_gpu_without_k_splits(transposed, m):
+    """The swiglu epilogue takes no K split: the 1.24B gate/up shape still gets about a program per SM, from
+    narrower N tiles."""
+    t = qk.launch_tiling(8, m, 2048, 8192, 0, transposed=transposed, epilogue="swiglu")
+    assert t.k_splits == 1 and qk.tiling_problem(m, 2048, 8192, bits=8, group=0, tiling=t) is None
+    assert -(-m // t.block_m) * (8192 // t.block_n) >= qk.TARGET_PROGRAMS
+
+
 def test_pack_roundtrip_and_layout():
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.integers(-8, 8, size=(256, 5)), jnp.int8)
