@@ -20,7 +20,10 @@ registers: the q tile is converted to x's dtype in front of a tensor-core dot wi
   128 + (s + 8), minus 136), the same dot. "f16" runs the dot in float16: weights through the float16 form of
   the same trick (1024 + u), e4m3 through its native conversion to float16, x clipped to float16's range
   (+-65504) and rounded to float16 (3 more mantissa bits than bf16). Measured on an H100, "magic" makes the
-  int4 kernel faster and the int8 one no faster; "f16" is slower for both (`DEFAULT_CONVERT`).
+  int4 kernel faster and the int8 one no faster; "f16" is slower for both (`DEFAULT_CONVERT`). "ptx" converts
+  int8 to bf16 four bytes at a time in inline PTX (byte permutes into float32 2^23 + u, a float subtraction,
+  packed bf16x2 conversions), the instruction sequence "magic" stands for but which the compiler does not
+  produce from its jnp form; interpret mode and int4 run "magic" instead.
 * `transposed`: the weight is stored [N, K] ([N, K // 2] packed), each output channel's K values contiguous, and
   the dot reads the tile as its transposed second operand (`x_tile @ w_tile^T`), the layout tensor-core dots
   take without reshuffling 8-bit values; it has its own default tiling (`transposed_tiling`).
@@ -180,7 +183,7 @@ def tiling_problem(m: int, k: int, n: int, *, bits: int, group: int, tiling: Til
     return None
 
 
-CONVERTS = ("cast", "magic", "f16")
+CONVERTS = ("cast", "magic", "f16", "ptx")
 # per weight width, the fastest variant of the 16-token sweep on an H100 (docs/perf/quantization.md): int8 and
 # e4m3 convert with plain casts; int4's nibbles come out of the bit trick
 DEFAULT_CONVERT = {8: "cast", 4: "magic"}
@@ -195,10 +198,40 @@ def _bits(v: jax.Array, dtype) -> jax.Array:
     return lax.bitcast_convert_type(v, dtype)
 
 
-def _weight_operand(w: jax.Array, dt, convert: str) -> jax.Array:
+# int8 x 4 (one 32-bit register) -> bf16 x 4 (two registers): each byte, offset to u = q + 128, becomes the low
+# byte of the float32 2^23 + u (byte permutes), minus 2^23 + 128 gives q exactly, and pairs of float32 pack into
+# bf16x2 (exact: |q| <= 128 needs 8 significant bits). Full-rate integer and float instructions in place of the
+# int-to-float and float-to-bf16 conversions, which run at a quarter of that rate or less.
+_INT8X4_TO_BF16X4 = """{
+.reg .b32 u, f0, f1, f2, f3;
+xor.b32 u, $2, 0x80808080;
+prmt.b32 f0, u, 0x4B000000, 0x7650;
+prmt.b32 f1, u, 0x4B000000, 0x7651;
+prmt.b32 f2, u, 0x4B000000, 0x7652;
+prmt.b32 f3, u, 0x4B000000, 0x7653;
+sub.f32 f0, f0, 0f4B000080;
+sub.f32 f1, f1, 0f4B000080;
+sub.f32 f2, f2, 0f4B000080;
+sub.f32 f3, f3, 0f4B000080;
+cvt.rn.bf16x2.f32 $0, f1, f0;
+cvt.rn.bf16x2.f32 $1, f3, f2;
+}"""
+
+
+def _ptx_int8_to_bf16(w: jax.Array) -> jax.Array:
+    from jax.experimental.pallas import triton as plgpu_triton
+    return plgpu_triton.elementwise_inline_asm(_INT8X4_TO_BF16X4, args=[w], constraints="=r,=r,r", pack=4,
+                                               result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.bfloat16)])[0]
+
+
+def _weight_operand(w: jax.Array, dt, convert: str, interpret: bool = False) -> jax.Array:
     """int8 (or e4m3) weight values as the dot's `dt` operand, exactly (see `convert` in the module docstring)."""
     if convert == "cast" or w.dtype != jnp.int8 or dt not in (jnp.bfloat16, jnp.float16):
         return w.astype(dt)
+    if convert == "ptx" and dt == jnp.bfloat16:
+        if not interpret:
+            return _ptx_int8_to_bf16(w)
+        convert = "magic"  # interpret mode runs no PTX: the same values from the jnp form of the trick
     if dt == jnp.float16:  # bits 0x6400 | (q + 128) are float16 1024 + (q + 128)
         u = _bits(w, jnp.uint8).astype(jnp.uint16) ^ jnp.uint16(0x6480)
         return _bits(u, jnp.float16) - jnp.float16(1152.0)
@@ -207,7 +240,8 @@ def _weight_operand(w: jax.Array, dt, convert: str) -> jax.Array:
 
 
 def _nibble_operands(p: jax.Array, dt, convert: str) -> tuple[jax.Array, jax.Array]:
-    """A packed int4 tile's low and high nibbles (two's complement, `pack.py`) as the dot's `dt` operands."""
+    """A packed int4 tile's low and high nibbles (two's complement, `pack.py`) as the dot's `dt` operands ("ptx"
+    takes the bit trick of "magic" here)."""
     if convert == "cast" or dt not in (jnp.bfloat16, jnp.float16):
         return ((p << 4) >> 4).astype(dt), (p >> 4).astype(dt)
     u = _bits(p, jnp.uint8).astype(jnp.uint16)
@@ -230,7 +264,7 @@ EPILOGUES = ("none", "swiglu")
 
 
 def _kernel(layer_ref, x_ref, *refs, bits: int, group: int, block_k: int, steps: int, k: int, channels: int,
-            split: bool, transposed: bool, convert: str, epilogue: str):
+            split: bool, transposed: bool, convert: str, epilogue: str, interpret: bool = False):
     """One (M block, N block, K split) program: walk `steps` K tiles, dequantizing each weight tile in registers.
 
     The weight is [L * rows, channels] ([K, N] or packed [K // 2, N] per layer), or with `transposed`
@@ -273,7 +307,7 @@ def _kernel(layer_ref, x_ref, *refs, bits: int, group: int, block_k: int, steps:
         if bits == 8:
             chunk = group if 0 < group < block_k else block_k
             return [(c, mm(x_ref[:, pl.ds(start + c, chunk)],
-                           _weight_operand(w_tile(w_ref, skip, start + c, chunk), dt, convert)))
+                           _weight_operand(w_tile(w_ref, skip, start + c, chunk), dt, convert, interpret)))
                     for c in range(0, block_k, chunk)]
         out = []
         for c in range(0, block_k, PACK_BLOCK):
@@ -357,6 +391,7 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
         raise ValueError(f"quant_matmul: convert must be one of {', '.join(CONVERTS)}, got {convert!r}")
     if epilogue not in EPILOGUES:
         raise ValueError(f"quant_matmul: epilogue must be one of {', '.join(EPILOGUES)}, got {epilogue!r}")
+    interpret = _interpret_default() if interpret is None else interpret
     m, k = x.shape
     channels = w.shape[-2] if transposed else w.shape[-1]  # the weight's output channels
     glu = epilogue == "swiglu"
@@ -407,11 +442,11 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
         out_shape = jax.ShapeDtypeStruct((m_pad, n), out_dtype)
     kernel = functools.partial(_kernel, bits=bits, group=group, block_k=t.block_k, steps=steps, k=k,
                                channels=channels, split=split, transposed=transposed, convert=convert,
-                               epilogue=epilogue)
+                               epilogue=epilogue, interpret=interpret)
     name = (f"mmjax_quant_matmul_{'fp8' if fp8 else f'int{bits}'}{'_t' if transposed else ''}"
             f"{'' if convert == 'cast' else '_' + convert}{'_swiglu' if glu else ''}")
     out = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                         interpret=_interpret_default() if interpret is None else interpret,
+                         interpret=interpret,
                          compiler_params=compiler_params(t.num_warps, t.num_stages), name=name,
                          )(layer_arr, xp, *(w for _ in skips), *(scale for _ in skips))
     if split:

@@ -149,6 +149,8 @@ def test_convert_variants_match(kind, transposed):
                                interpret=True, block_n=16, block_k=256, k_splits=1)
     cast = run(x, "cast")
     np.testing.assert_array_equal(np.asarray(run(x, "magic"), np.float32), np.asarray(cast, np.float32))
+    # interpret mode runs no PTX: "ptx" takes the jnp form of its trick there (the GPU test compares the PTX)
+    np.testing.assert_array_equal(np.asarray(run(x, "ptx"), np.float32), np.asarray(cast, np.float32))
     _close(run(x, "f16"), quant_matmul_reference(x, q, scale, group=group), jnp.bfloat16)
     big = x.at[0, 0].set(1e6)
     assert np.isfinite(np.asarray(run(big, "f16"), np.float32)).all()
@@ -320,7 +322,7 @@ def test_kernel_gpu_decode_shapes(kind, transposed, m, k, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("convert", ["magic", "f16"])
+@pytest.mark.parametrize("convert", ["magic", "f16", "ptx"])
 @pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("m", [1, 32])
@@ -334,8 +336,11 @@ def test_kernel_gpu_convert_variants(convert, kind, transposed, m, k, n):
         q = q.astype(jnp.float32).astype(jnp.float8_e4m3fn)
     w = pack_int4(q) if bits == 4 else q
     w = w.T if transposed else w
-    _close(qk.quant_matmul(x, w, scale, group=group, bits=bits, transposed=transposed, convert=convert),
-           quant_matmul_reference(x, q, scale, group=group), jnp.bfloat16)
+    got = qk.quant_matmul(x, w, scale, group=group, bits=bits, transposed=transposed, convert=convert)
+    _close(got, quant_matmul_reference(x, q, scale, group=group), jnp.bfloat16)
+    if convert != "f16":  # exact conversions: the same operands as the plain casts, so the same result
+        cast = qk.quant_matmul(x, w, scale, group=group, bits=bits, transposed=transposed, convert="cast")
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(cast, np.float32))
 
 
 @pytest.mark.gpu
