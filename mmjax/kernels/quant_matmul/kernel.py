@@ -203,12 +203,13 @@ def _bits(v: jax.Array, dtype) -> jax.Array:
 # bf16x2 (exact: |q| <= 128 needs 8 significant bits). Full-rate integer and float instructions in place of the
 # int-to-float and float-to-bf16 conversions, which run at a quarter of that rate or less.
 _INT8X4_TO_BF16X4 = """{
-.reg .b32 u, f0, f1, f2, f3;
+.reg .b32 u, m, f0, f1, f2, f3;
 xor.b32 u, $2, 0x80808080;
-prmt.b32 f0, u, 0x4B000000, 0x7650;
-prmt.b32 f1, u, 0x4B000000, 0x7651;
-prmt.b32 f2, u, 0x4B000000, 0x7652;
-prmt.b32 f3, u, 0x4B000000, 0x7653;
+mov.b32 m, 0x4B000000;
+prmt.b32 f0, u, m, 0x7650;
+prmt.b32 f1, u, m, 0x7651;
+prmt.b32 f2, u, m, 0x7652;
+prmt.b32 f3, u, m, 0x7653;
 sub.f32 f0, f0, 0f4B000080;
 sub.f32 f1, f1, 0f4B000080;
 sub.f32 f2, f2, 0f4B000080;
