@@ -56,9 +56,9 @@ def paged_attention_tpu(q, k_pages, v_pages, page_table, lengths):
 
 
 def ragged_paged_attention_tpu(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
-                               kv_block_ids=None, q_block_ids=None, *, max_query_len=None):
+                               kv_block_ids=None, q_block_ids=None, *, max_query_len=None, slot_tokens=False):
     """`kernels.ragged_paged_attention` as one decode row per query token (text only; see the docstring)."""
-    del max_query_len  # a tiling hint of the GPU kernel
+    del max_query_len, slot_tokens  # layout hints of the GPU kernel
     owner, owned = token_owner(q.shape[0], query_start, query_len)
     position = context_len[owner] - query_len[owner] + jnp.arange(q.shape[0], dtype=jnp.int32) - query_start[owner]
     lengths = jnp.where(owned, position + 1, 0).astype(jnp.int32)

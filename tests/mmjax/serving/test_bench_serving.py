@@ -105,8 +105,9 @@ def test_hf_peer_in_its_own_process():
     spec = bench.BenchSpec(batches=(1, 3), prompt_len=8, new_tokens=5)
     r = bench.hf_peer(hf, spec, dtype="float32", allow_cpu=True)
     assert [row["batch"] for row in r["rows"]] == [1, 3], r
-    for row in r["rows"]:
-        assert row["e2e_tok_s"] > 0 and row["prefill_s"] > 0 and row["e2e_s"] > row["prefill_s"]
+    for row in r["rows"]:  # one timing each: no ordering between them is asserted (a loaded machine reorders)
+        assert row["e2e_tok_s"] > 0 and row["prefill_s"] > 0 and row["e2e_s"] > 0
+        assert row["decode_tok_s"] is None or row["decode_tok_s"] > 0
     import torch
     if not torch.cuda.is_available():  # without --hf-on-cpu a CPU-only torch is a skip with the reason
         assert "no CUDA" in bench.hf_peer(hf, spec, dtype="float32")["skipped"]
