@@ -241,3 +241,40 @@ def test_serve_config_is_validated(override, message):
     from mmjax.errors import ConfigError
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+def test_multi_step_decode_through_the_gpu_kernels_equals_xla(tiny, monkeypatch):
+    """The multi-step decode with a GPU's kernel choices (assumed; Pallas in interpret mode: attention writing its
+    own k, v in slot order, norms, SwiGLU) generates the tokens of the XLA paths."""
+    import importlib
+
+    from mmjax.kernels import _dispatch
+
+    kernel = importlib.import_module("mmjax.kernels.ragged_paged_attention.pallas")
+    calls, attend = [], kernel.ragged_paged_attention_pallas
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("new_kv") is not None, kwargs.get("slot_tokens")))
+        return attend(*args, **kwargs)
+    monkeypatch.setattr(kernel, "ragged_paged_attention_pallas", spy)
+
+    model_cfg = tiny["config"](text_only=True)
+    model_cfg = dataclasses.replace(model_cfg, text=dataclasses.replace(model_cfg.text, dim=64))  # head_dim 16
+    model = tiny["model"](model_cfg, seed=5)
+    serve = tiny["serve"](page_size=4, num_pages=22, max_num_batched_tokens=16, max_num_seqs=4, min_token_bucket=8,
+                          max_model_len=40, decode_steps=4)
+    cfg = dataclasses.replace(Config(), model=model_cfg, serve=serve)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(4, 64, int(n)).tolist() for n in (5, 9, 3)]
+    params = [SamplingParams(max_tokens=9, ignore_eos=True)] * 3
+
+    def generate():
+        llm = LLM.__new__(LLM)
+        llm.engine = Engine(cfg, model, CharTokenizer(), warmup=False)
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+    want = generate()
+    with _dispatch.assume_platform("gpu", (9, 0)):
+        got = generate()
+    assert got == want and all(len(ids) == 9 for ids in got)
+    assert (True, True) in calls  # the decode steps' attention wrote k, v itself, in slot order
