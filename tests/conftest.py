@@ -54,10 +54,10 @@ FULL_OPTIMIZATION = ("kernels",)
 
 @pytest.fixture(scope="module", autouse=True)
 def fast_compile(request):
-    """Every test module's XLA compiles at LLVM -O0 without the expensive passes (`jax_disable_most_optimizations`,
-    what FAST_COMPILE in tests/mmjax/parallel/test_layouts.py passes per call), except the `FULL_OPTIMIZATION`
-    folders: CPU compile time is most of the tiny training and serving runs' time, and the float32 results are
-    the same (XLA:CPU has no fast-math by default). Restored after the module."""
+    """Every test module's XLA compiles at LLVM -O0 without the expensive passes (`jax_disable_most_optimizations`:
+    backend optimisation level 0, no expensive LLVM passes), except the `FULL_OPTIMIZATION` folders: CPU compile
+    time is most of the tiny training and serving runs' time, and the float32 results are the same (XLA:CPU has no
+    fast-math by default). Restored after the module."""
     if any(part in FULL_OPTIMIZATION for part in request.path.parent.parts):
         yield
         return

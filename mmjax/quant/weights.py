@@ -109,8 +109,7 @@ class QuantizedWeight:
         """silu(y[..., 0, :]) * y[..., 1, :] in `dtype` for y = einsum(spec, x, dequant(w)) whose first output axis
         is (gate, up), from the decode kernel's epilogue (`FUSE_SWIGLU`); None where the kernel does not take the
         step (the caller then runs the einsum and the activation)."""
-        ins, out = spec.replace(" ", "").split("->")
-        xs, ws = ins.split(",")
+        xs, ws, out = _parse(spec)
         if not FUSE_SWIGLU or _lead(self) or len(ws) != len(self.shape) or self.shape[self.n_contract] != 2:
             return None
         return _kernel_matmul(self, xs, ws[:self.n_contract], ws[self.n_contract:], out, x, dtype, dtype,
@@ -207,9 +206,15 @@ def _to_output(a: jax.Array, letters: str, out: str) -> jax.Array:
     return a.reshape([a.shape[order.index(c)] if c in letters else 1 for c in out])
 
 
-def _einsum(w: QuantizedWeight, spec: str, x: jax.Array, dtype, out_dtype) -> jax.Array:
+def _parse(spec: str) -> tuple[str, str, str]:
+    """(x's letters, the weight's letters, the output's letters) of a two-operand einsum spec."""
     ins, out = spec.replace(" ", "").split("->")
     xs, ws = ins.split(",")
+    return xs, ws, out
+
+
+def _einsum(w: QuantizedWeight, spec: str, x: jax.Array, dtype, out_dtype) -> jax.Array:
+    xs, ws, out = _parse(spec)
     if _lead(w) or len(ws) != len(w.shape):
         raise ValueError(f"quantized weight {w.shape} does not match einsum {spec!r} (stack axes left?)")
     contracted, w_out = ws[:w.n_contract], ws[w.n_contract:]

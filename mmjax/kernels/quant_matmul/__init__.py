@@ -31,9 +31,10 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.kernels import _dispatch
-from mmjax.kernels.quant_matmul.kernel import EPILOGUES, launch_tiling, shape_problem, tiling_problem
+from mmjax.kernels.quant_matmul.kernel import launch_tiling, output_columns, shape_problem, tiling_problem
 from mmjax.kernels.quant_matmul.pack import PACK_BLOCK, pack_int4, unpack_int4
 from mmjax.kernels.quant_matmul.reference import quant_matmul_reference
+from mmjax.kernels.swiglu import swiglu_reference
 
 __all__ = ["quant_matmul", "quant_matmul_reference", "quant_matmul_supported", "pack_int4", "unpack_int4",
            "PACK_BLOCK", "INT4_GROUP", "OP"]
@@ -53,9 +54,8 @@ def _xla(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None, tran
     q = unpack_int4(w) if bits == 4 else w
     if epilogue == "none":
         return quant_matmul_reference(x, q, scale, group=group, out_dtype=out_dtype)
-    y = quant_matmul_reference(x, q, scale, group=group, out_dtype=jnp.float32)
-    gate, up = jnp.split(y, 2, axis=-1)
-    return (jax.nn.silu(gate) * up).astype(x.dtype if out_dtype is None else out_dtype)
+    y = quant_matmul_reference(x, q, scale, group=group, out_dtype=jnp.float32)  # [M, gate and up channels]
+    return swiglu_reference(y.reshape(y.shape[0], 2, -1)).astype(x.dtype if out_dtype is None else out_dtype)
 
 
 def _pallas(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None, transposed: bool = False,
@@ -92,14 +92,7 @@ def _context(x, w, scale, *, group: int, bits: int, layer, impl: str, transposed
     if w.dtype != jnp.int8 and not (fp8 and bits == 8):
         raise ValueError(f"quant_matmul: the weight must be int8 (int4 packed by pack_int4) or float8_e4m3fn with "
                          f"bits=8, got {w.dtype} (bits={bits})")
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"quant_matmul: epilogue must be one of {', '.join(EPILOGUES)}, got {epilogue!r}")
-    n = w.shape[-2] if transposed else w.shape[-1]
-    if epilogue == "swiglu":
-        if n % 2:
-            raise ValueError(f"quant_matmul: the swiglu epilogue needs an even number of weight channels (gate, "
-                             f"then up), got {n}")
-        n //= 2
+    n = output_columns(w.shape[-2] if transposed else w.shape[-1], epilogue)
     # row_wise: under a mesh a custom call would be replicated, where XLA partitions the dot natively
     return _dispatch.make_ctx(x.dtype, explicit=impl != "auto", m=m, k=x.shape[-1], n=n, bits=bits,
                               group=group, transposed=transposed, fp8=fp8, epilogue=epilogue, row_wise=True)

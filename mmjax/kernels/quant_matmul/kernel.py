@@ -20,10 +20,10 @@ registers: the q tile is converted to x's dtype in front of a tensor-core dot wi
   128 + (s + 8), minus 136), the same dot. "f16" runs the dot in float16: weights through the float16 form of
   the same trick (1024 + u), e4m3 through its native conversion to float16, x clipped to float16's range
   (+-65504) and rounded to float16 (3 more mantissa bits than bf16). Measured on an H100, "magic" makes the
-  int4 kernel faster and the int8 one no faster; "f16" is slower for both (`DEFAULT_CONVERT`). "ptx" converts
-  int8 to bf16 four bytes at a time in inline PTX (byte permutes into float32 2^23 + u, a float subtraction,
-  packed bf16x2 conversions), the instruction sequence "magic" stands for but which the compiler does not
-  produce from its jnp form; interpret mode and int4 run "magic" instead.
+  int4 kernel faster and the int8 one no faster; "f16" is never the fastest (`DEFAULT_CONVERT`). "ptx"
+  converts int8 to bf16 four bytes at a time in inline PTX (byte permutes into float32 2^23 + u, a float
+  subtraction, packed bf16x2 conversions), the instruction sequence "magic" stands for, in case the compiler
+  does not emit it from the jnp form (not checked); interpret mode and int4 run "magic" instead.
 * `transposed`: the weight is stored [N, K] ([N, K // 2] packed), each output channel's K values contiguous, and
   the dot reads the tile as its transposed second operand (`x_tile @ w_tile^T`), the layout tensor-core dots
   take without reshuffling 8-bit values; it has its own default tiling (`transposed_tiling`).
@@ -200,8 +200,9 @@ def _bits(v: jax.Array, dtype) -> jax.Array:
 
 # int8 x 4 (one 32-bit register) -> bf16 x 4 (two registers): each byte, offset to u = q + 128, becomes the low
 # byte of the float32 2^23 + u (byte permutes), minus 2^23 + 128 gives q exactly, and pairs of float32 pack into
-# bf16x2 (exact: |q| <= 128 needs 8 significant bits). Full-rate integer and float instructions in place of the
-# int-to-float and float-to-bf16 conversions, which run at a quarter of that rate or less.
+# bf16x2 (exact: |q| <= 128 needs 8 significant bits). Integer and float arithmetic in place of the int-to-float
+# and float-to-bf16 conversions, which the SM issues at a lower rate; whether that speeds the kernel is for the
+# GPU sweep to show.
 _INT8X4_TO_BF16X4 = """{
 .reg .b32 u, m, f0, f1, f2, f3;
 xor.b32 u, $2, 0x80808080;
@@ -262,6 +263,17 @@ def _x_operand(x: jax.Array, dt) -> jax.Array:
 
 
 EPILOGUES = ("none", "swiglu")
+
+
+def output_columns(channels: int, epilogue: str) -> int:
+    """The result's columns for a weight of `channels` output channels (half of them with the swiglu epilogue);
+    ValueError for an unknown epilogue or an odd gate/up split."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"quant_matmul: epilogue must be one of {', '.join(EPILOGUES)}, got {epilogue!r}")
+    if epilogue == "swiglu" and channels % 2:
+        raise ValueError(f"quant_matmul: the swiglu epilogue needs an even number of weight channels (gate, then "
+                         f"up), got {channels}")
+    return channels // 2 if epilogue == "swiglu" else channels
 
 
 def _kernel(layer_ref, x_ref, *refs, bits: int, group: int, block_k: int, steps: int, k: int, channels: int,
@@ -390,16 +402,11 @@ def quant_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *, group: int, bi
     convert = DEFAULT_CONVERT[bits] if convert is None else convert
     if convert not in CONVERTS:
         raise ValueError(f"quant_matmul: convert must be one of {', '.join(CONVERTS)}, got {convert!r}")
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"quant_matmul: epilogue must be one of {', '.join(EPILOGUES)}, got {epilogue!r}")
     interpret = _interpret_default() if interpret is None else interpret
     m, k = x.shape
     channels = w.shape[-2] if transposed else w.shape[-1]  # the weight's output channels
+    n = output_columns(channels, epilogue)
     glu = epilogue == "swiglu"
-    if glu and channels % 2:
-        raise ValueError(f"quant_matmul: the swiglu epilogue needs an even number of weight channels (gate, then "
-                         f"up), got {channels}")
-    n = channels // 2 if glu else channels               # output columns
     out_dtype = x.dtype if out_dtype is None else out_dtype
     d = launch_tiling(bits, m, k, n, group, transposed=transposed, epilogue=epilogue)
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,

@@ -172,9 +172,9 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_l
                            new_kv=(k_new, v_new, slot_mapping.astype(jnp.int32)))
         k_pages = write_pages(k_pages, k_new, slot_mapping, layer)
         v_pages = write_pages(v_pages, v_new, slot_mapping, layer)
-        out = ragged_paged_attention(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
-                                     kv_block_ids=kv_block_ids, q_block_ids=q_block_ids, max_query_len=max_query_len,
-                                     layer=layer, impl=impl, slot_tokens=slot_tokens)
+        out = _attend(q, k_pages, v_pages, page_table, query_start, query_len, context_len, kv_block_ids=kv_block_ids,
+                      q_block_ids=q_block_ids, max_query_len=max_query_len, layer=layer, impl=impl,
+                      slot_tokens=slot_tokens)
         return out, k_pages, v_pages
     return _attend(q, k_pages, v_pages, page_table, query_start, query_len, context_len, kv_block_ids=kv_block_ids,
                    q_block_ids=q_block_ids, max_query_len=max_query_len, layer=layer, impl=impl,

@@ -50,7 +50,8 @@ def num_blocks(t: int, n_slots: int, bq: int) -> int:
 
 
 def _fold_new_key(carry, s, v, valid):
-    """The online softmax after one more key: scores `s` [rows] (float32), its value `v` [d], `valid` [rows]."""
+    """The online softmax after one more key: scores `s` [rows] (float32), its value `v` [d], `valid` [rows].
+    `online_softmax_step` for a single key, whose [rows, 1] x [1, d] product is too small for a dot tile."""
     o, m, l = carry
     s = jnp.where(valid, s, MASK)
     m_new = jnp.maximum(m, s)

@@ -195,7 +195,7 @@ def test_scan_matches_loop(helpers):
     np.testing.assert_allclose(helpers["forward"](scan, batch), helpers["forward"](loop, batch), atol=1e-6)
 
 
-def _loss_and_grads(module, inputs, targets, compiler_options):
+def _loss_and_grads(module, inputs, targets):
     """Cross-entropy of module(*inputs) against integer targets, or mean square if targets is None."""
     graphdef, state = nnx.split(module)
 
@@ -205,7 +205,7 @@ def _loss_and_grads(module, inputs, targets, compiler_options):
             return jnp.mean(jnp.square(out))
         return optax.softmax_cross_entropy_with_integer_labels(out, targets).mean()
 
-    return jax.jit(jax.value_and_grad(loss), compiler_options=compiler_options)(state)
+    return jax.jit(jax.value_and_grad(loss))(state)
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
@@ -227,7 +227,7 @@ def test_remat_policies_same_loss_and_grads(helpers, scan_layers):
     for policy in policies:
         cfg = helpers["tiny_config"](remat=policy, scan_layers=scan_layers)
         model = helpers["random_model"](cfg, seed=10) if scan_layers else helpers["scan_to_loop"](base, cfg)
-        results.append(_loss_and_grads(model.decoder, inputs, targets, helpers["fast_compile"]))
+        results.append(_loss_and_grads(model.decoder, inputs, targets))
     loss0, grads0 = results[0]
     assert np.isfinite(float(loss0))
     for policy, (loss, grads) in zip(policies[1:], results[1:]):
@@ -270,7 +270,7 @@ def test_vision_remat_grads(helpers):
     """The ViT goes through the same stack helper; check its grads under remat too."""
     images = jnp.asarray(helpers["make_batch"](seed=11)["images"])
     results = [_loss_and_grads(helpers["random_model"](helpers["tiny_config"](remat=p), seed=12).vision,
-                               (images,), None, helpers["fast_compile"]) for p in ("none", "full")]
+                               (images,), None) for p in ("none", "full")]
     (l0, g0), (l1, g1) = results
     np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
     for a, b_ in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_layouts import FAST_COMPILE, IMAGE_ID, MODEL, make_batch, rel_err  # pytest puts this folder on sys.path
+from test_layouts import IMAGE_ID, MODEL, make_batch, rel_err  # pytest puts this folder on sys.path
 
 from mmjax.config import load_config
 from mmjax.engine.feed import to_global_batch
@@ -196,7 +196,7 @@ def train_two_steps(overrides, devices=None, initial=None):
     step = jit_train_step(cfg, setup, optimizer, learning_rate_schedule(cfg), shardings,
                           context_from_config(cfg, mesh))
     batches = [to_global_batch(make_batch(cfg, cfg.train.global_batch_size, seed=s), mesh) for s in (0, 1)]
-    compiled = step.lower(state, batches[0]).compile(FAST_COMPILE)
+    compiled = step.lower(state, batches[0]).compile()
     canonical = (lambda s: s) if setup.storage is None else (  # noqa: E731
         lambda s: setup.storage.state_to_canonical(s, optimizer))
     initial = jax.device_get(canonical(state))

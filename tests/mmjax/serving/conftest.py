@@ -12,7 +12,6 @@ from mmjax.config import ModelConfig, ServeConfig, TextConfig, VisionConfig
 from mmjax.model import MLLM
 
 IMAGE_TOKEN = 3
-FAST_COMPILE = {"xla_backend_optimization_level": 0}  # tiny graphs compile ~2x faster at -O0 on the CPU
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -40,7 +39,7 @@ class PlainReference:
         self.model, self.size, self.max_images = model, size, max_images
         graphdef, state = nnx.split(model)
         self.state = state
-        self._fwd = jax.jit(lambda st, *a: nnx.merge(graphdef, st)(*a), compiler_options=FAST_COMPILE)
+        self._fwd = jax.jit(lambda st, *a: nnx.merge(graphdef, st)(*a))
 
     def logits(self, tokens, images=()):
         """Logits [len(tokens), V] of the plain forward."""
@@ -76,4 +75,4 @@ class PlainReference:
 @pytest.fixture(scope="session")
 def tiny():
     return dict(config=tiny_config, model=random_model, reference=PlainReference, image_token=IMAGE_TOKEN,
-                serve=ServeConfig, fast_compile=FAST_COMPILE)
+                serve=ServeConfig)

@@ -43,8 +43,7 @@ def quant(tiny):
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(4, 64, (1, 32)), jnp.int32)
     positions, segments = jnp.arange(32, dtype=jnp.int32)[None], jnp.ones((1, 32), jnp.int32)
-    fwd = jax.jit(lambda st: nnx.merge(graphdef, st)(tokens, positions, segments, None, None),
-                  compiler_options=tiny["fast_compile"])
+    fwd = jax.jit(lambda st: nnx.merge(graphdef, st)(tokens, positions, segments, None, None))
     return dict(cfg=cfg, model=model, state=state, fwd=fwd, ref=np.asarray(fwd(state)), tiny=tiny)
 
 
