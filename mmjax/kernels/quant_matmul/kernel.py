@@ -22,8 +22,9 @@ registers: the q tile is converted to x's dtype in front of a tensor-core dot wi
   (+-65504) and rounded to float16 (3 more mantissa bits than bf16). Measured on an H100, "magic" makes the
   int4 kernel faster and the int8 one no faster; "f16" is never the fastest (`DEFAULT_CONVERT`). "ptx"
   converts int8 to bf16 four bytes at a time in inline PTX (byte permutes into float32 2^23 + u, a float
-  subtraction, packed bf16x2 conversions), the instruction sequence "magic" stands for, in case the compiler
-  does not emit it from the jnp form (not checked); interpret mode and int4 run "magic" instead.
+  subtraction, packed bf16x2 conversions), the instruction sequence "magic" stands for, written out in case
+  the compiler did not emit it from the jnp form; measured, it is no faster than cast, so int8's distance from
+  copy speed is not its conversion. Interpret mode and int4 run "magic" instead.
 * `transposed`: the weight is stored [N, K] ([N, K // 2] packed), each output channel's K values contiguous, and
   the dot reads the tile as its transposed second operand (`x_tile @ w_tile^T`), the layout tensor-core dots
   take without reshuffling 8-bit values; it has its own default tiling (`transposed_tiling`).
@@ -105,6 +106,10 @@ def _k_splits(bits: int, m_blocks: int, block_m: int, n_blocks: int, block_k: in
 
 
 TRANSPOSED_TARGET_PROGRAMS = 128
+# the int4 swiglu epilogue's programs at decode sizes: 32-channel tiles of the 1.24B gate/up (256 programs) ran
+# fastest of the epilogue's tilings in the 1- and 16-token sweeps (docs/perf/quantization.md)
+SWIGLU_INT4_TARGET_PROGRAMS = 256
+SWIGLU_INT4_MAX_M = 16  # at 32 and 64 tokens the narrow tiles lost end to end
 
 
 def transposed_tiling(bits: int, m: int, k: int, n: int, group: int = 0) -> Tiling:
@@ -365,11 +370,14 @@ def _kernel(layer_ref, x_ref, *refs, bits: int, group: int, block_k: int, steps:
 def launch_tiling(bits: int, m: int, k: int, n: int, group: int, *, transposed: bool, epilogue: str = "none") -> Tiling:
     """The default tiling for an output of N channels. The swiglu epilogue reads 2N weight channels into N outputs
     and takes no K split (the nonlinearity needs the whole sum in one program), so its programs come from
-    narrower N tiles instead, down to 32 channels."""
+    narrower N tiles instead, down to 32 channels; int4 (whose per-element conversion work, not its bytes, bounds
+    a program) goes on to two programs per SM up to 16 tokens (`SWIGLU_INT4_TARGET_PROGRAMS`)."""
     t = transposed_tiling(bits, m, k, n, group) if transposed else default_tiling(bits, m, k, n, group)
     if epilogue != "swiglu":
         return t
     target = TRANSPOSED_TARGET_PROGRAMS if transposed and m <= 32 else TARGET_PROGRAMS
+    if bits == 4 and m <= SWIGLU_INT4_MAX_M:
+        target = max(target, SWIGLU_INT4_TARGET_PROGRAMS)
     m_blocks, bn = -(-m // t.block_m), t.block_n
     while m_blocks * (n // bn) < target and bn > 32 and n % (bn // 2) == 0:
         bn //= 2

@@ -152,6 +152,21 @@ def transposed_tilings(bits: int, m: int, k: int, n: int, quick: bool) -> list[d
     return keep
 
 
+def swiglu_tilings(bits: int, m: int, k: int, n: int, quick: bool) -> list[dict]:
+    """Tilings for the swiglu epilogue (no K split): N tiles of 32 to 128 gate/up channel pairs, K tiles, and
+    warps and stages around the default."""
+    if quick:
+        return [dict(block_n=32)]
+    group = GROUP if bits == 4 else 0
+    keep = []
+    for bn, bk, (w, st) in itertools.product((32, 64, 128), (128, 256) if bits == 8 else (256, 512),
+                                             ((4, 2), (4, 3), (4, 4), (8, 3))):
+        t = Tiling(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+        if tiling_problem(m, k, n // 2, bits=bits, group=group, tiling=t) is None:
+            keep.append(dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st))
+    return keep
+
+
 def sweep_case(name: str, bits: int, m: int, *, quick: bool, unroll: int = 16, dtype=jnp.bfloat16,
                layouts: tuple[str, ...] = ("kn",), converts: tuple[str, ...] = ("cast",),
                grid: bool = True, epilogue: str = "none") -> list[dict]:
@@ -187,12 +202,13 @@ def sweep_case(name: str, bits: int, m: int, *, quick: bool, unroll: int = 16, d
             one = lambda x, w, s, i, kw=kw, conv=conv, nk=nk: quant_matmul(  # noqa: E731
                 x, w, s, group=group, bits=bits, layer=i, transposed=nk, convert=conv, **kw)
             record("pallas_nk" if nk else "pallas", one, (x, wl, scale), tiling=kw or "default", convert=conv)
-        if epilogue == "swiglu":  # the fused activation: [M, N / 2] out of the same weight bytes, default tiling
-            one = lambda x, w, s, i, nk=nk: quant_matmul(  # noqa: E731
-                x, w, s, group=group, bits=bits, layer=i, transposed=nk, epilogue="swiglu")
+        if epilogue == "swiglu":  # the fused activation: [M, N / 2] out of the same weight bytes
             gate, up = np.split(want, 2, axis=1)
-            record(f"pallas{'_nk' if nk else ''}_swiglu", one, (x, wl, scale), expect=gate / (1 + np.exp(-gate)) * up,
-                   tiling="default", convert="default")
+            for kw in [{}] + (swiglu_tilings(bits, m, k, n, quick) if grid else []):
+                one = lambda x, w, s, i, kw=kw, nk=nk: quant_matmul(  # noqa: E731
+                    x, w, s, group=group, bits=bits, layer=i, transposed=nk, epilogue="swiglu", **kw)
+                record(f"pallas{'_nk' if nk else ''}_swiglu", one, (x, wl, scale),
+                       expect=gate / (1 + np.exp(-gate)) * up, tiling=kw or "default", convert="default")
         del wl
     if bits == 8:
         record("xla", xla_path(8), (x, q, scale))

@@ -3,6 +3,8 @@ shape errors and dispatch. Small shapes; the real decode shapes run on the GPU (
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -252,6 +254,20 @@ def test_swiglu_tiling_fills_the_gpu_without_k_splits(transposed, m):
     assert -(-m // t.block_m) * (8192 // t.block_n) >= qk.TARGET_PROGRAMS
 
 
+@pytest.mark.parametrize("m", [1, 16, 32, 64])
+def test_int4_swiglu_tiling_takes_narrow_tiles_only_for_small_steps(m):
+    """int4's epilogue goes to two programs per SM (32-channel tiles) up to 16 tokens, where that ran fastest,
+    and keeps the int8 rule above it, where the narrow tiles lost end to end."""
+    t = qk.launch_tiling(4, m, 2048, 8192, 128, transposed=True, epilogue="swiglu")
+    assert t.k_splits == 1 and qk.tiling_problem(m, 2048, 8192, bits=4, group=128, tiling=t) is None
+    programs = -(-m // t.block_m) * (8192 // t.block_n)
+    if m <= qk.SWIGLU_INT4_MAX_M:
+        assert t.block_n == 32 and programs >= qk.SWIGLU_INT4_TARGET_PROGRAMS
+    else:
+        t8 = qk.launch_tiling(8, m, 2048, 8192, 0, transposed=True, epilogue="swiglu")
+        assert programs == -(-m // t8.block_m) * (8192 // t8.block_n) and t.block_n > 32
+
+
 def test_pack_roundtrip_and_layout():
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.integers(-8, 8, size=(256, 5)), jnp.int8)
@@ -361,3 +377,17 @@ def test_kernel_gpu_swiglu_epilogue(kind, transposed, m):
     got = quant_matmul(x, w, scale, group=group, bits=bits, transposed=transposed, epilogue="swiglu")
     want = _swiglu_of(quant_matmul_reference(x, q.astype(jnp.float32), scale, group=group, out_dtype=jnp.float32))
     _close(got, want, jnp.bfloat16)
+
+
+def test_sweep_times_the_swiglu_epilogue_over_its_tilings(tmp_path):
+    """The sweep's quick mode (interpret mode here) runs every row it would time on a GPU, the epilogue's
+    tilings included, and each row's output matches the reference."""
+    from mmjax.kernels.quant_matmul import sweep
+
+    out = tmp_path / "sweep.json"
+    assert sweep.main([str(out), "--quick", "--bits", "4", "--shapes", "gate_up", "--layouts", "nk", "--swiglu"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert not [r for r in rows if "error" in r]
+    swiglu = [r for r in rows if r["impl"] == "pallas_nk_swiglu"]
+    assert {str(r["tiling"]) for r in swiglu} == {"default", str({"block_n": 32})}
+    assert all(r["rel_err"] < 2e-2 for r in rows if "rel_err" in r)
