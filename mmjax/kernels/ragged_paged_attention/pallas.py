@@ -61,7 +61,8 @@ def _fold_new_key(carry, s, v, valid):
 
 
 def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_blocks: bool, kv_heads: int,
-            num_pages: int, has_scales: bool = False, kv_splits: int = 1, writes_kv: bool = False):
+            num_pages: int, has_scales: bool = False, kv_splits: int = 1, writes_kv: bool = False,
+            slot_group: int = 0, max_keys: int = 0):
     ks_ref = vs_ref = m_ref = l_ref = None
     if writes_kv:  # the pools again, as outputs aliased to the inputs: this step's k, v are written here
         *refs, k_out_ref, v_out_ref = refs
@@ -74,15 +75,24 @@ def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_block
     if has_scales:
         *refs, ks_ref, vs_ref, o_ref = refs
         refs = (*refs, o_ref)
+    *refs, o_ref = refs
     if has_blocks:
-        q_ref, k_ref, v_ref, layer_ref, pt_ref, seq_ref, hi_ref, ctx_ref, qpos_ref, qblk_ref, kvblk_ref, o_ref = refs
-    else:
-        q_ref, k_ref, v_ref, layer_ref, pt_ref, seq_ref, hi_ref, ctx_ref, qpos_ref, o_ref = refs
+        *refs, qblk_ref, kvblk_ref = refs
+    q_ref, k_ref, v_ref, layer_ref, pt_ref, *sched_refs = refs
     q = q_ref[...]
     d = q.shape[-1]
     bk = pages_per_block * page_size
-    seq, hi, ctx = seq_ref[0], hi_ref[0], ctx_ref[0]
-    qpos = qpos_ref[...]
+    live = True
+    if slot_group:  # a decode step in slot order: block i is slot i, its first `slot_group` rows its query heads
+        qlen_ref, ctx_ref = sched_refs
+        seq, ctx, live = pl.program_id(0), ctx_ref[0], qlen_ref[0] > 0
+        hi = jnp.where(live, jnp.minimum(ctx, max_keys), 0)
+        rows = jnp.arange(q.shape[0], dtype=jnp.int32)
+        qpos = jnp.where((rows < slot_group) & live, ctx - 1, -1)
+    else:
+        seq_ref, hi_ref, ctx_ref, qpos_ref = sched_refs
+        seq, hi, ctx = seq_ref[0], hi_ref[0], ctx_ref[0]
+        qpos = qpos_ref[...]
     qblk = qblk_ref[...] if has_blocks else None
     # the pools are flat [layers * KV * P, page_size, D]: this program's (layer, kv head) starts at `base`
     base = (layer_ref[0] * kv_heads + pl.program_id(1)) * num_pages
@@ -111,7 +121,7 @@ def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_block
 
     carry = softmax_carry(q.shape[0], d)
     if writes_kv:  # a decode block: one query at position ctx - 1, whose own k, v this program holds
-        k_new, v_new, slot = k_new_ref[...], v_new_ref[...], slot_ref[0]
+        k_new, v_new, slot = k_new_ref[...], v_new_ref[...], jnp.where(live, slot_ref[0], -1)
         lead = (pl.program_id(2) == 0) if kv_splits > 1 else True  # one program per (token, kv head) writes
         s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * scale
         carry = _fold_new_key(carry, s_new, v_new, (qpos >= 0) & (slot >= 0) & lead)
@@ -211,42 +221,43 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
     # Padding entries point at page 0: a step may read them past the context, where the mask hides them.
     table = jnp.pad(page_table, ((0, 0), (0, padded_pages - max_pages)))
 
-    if slot_tokens:  # block s: slot s, whose query (if any) is token s
-        seq = jnp.arange(n_slots, dtype=jnp.int32)
-        nrows = jnp.clip(query_len, 0, 1).astype(jnp.int32)
-        valid = (nrows > 0)[:, None]
-        idx = jnp.where(valid, seq[:, None], t)
-        qpos_tok = jnp.where(valid, (context_len - 1)[:, None], -1)
-    else:
-        seq, nrows, idx, valid, qpos_tok = _schedule(t, bq, nb, query_start, query_len, context_len)
-    ctx = context_len[seq]
-    hi = jnp.where(nrows > 0, qpos_tok[:, 0] + nrows, 0)  # causal limit: the last query's position + 1
     has_blocks = kv_block_ids is not None
-    if has_blocks:
-        qblk_tok = jnp.where(valid, q_block_ids[jnp.minimum(idx, t - 1)], 0)
-        hi = jnp.where(jnp.any(qblk_tok != 0, axis=1), ctx, hi)  # an image query may see its later tokens
-    hi = jnp.clip(hi, 0, jnp.minimum(ctx, max_pages * page_size)).astype(jnp.int32)
-
-    # Row r of a block tile is query r // gp, head r % gp of the kv head's group; padding rows attend nothing.
-    r = np.arange(rows)
-    row_tok, row_ok = np.minimum(r // gp, bq - 1), (r < bq * gp) & (r % gp < g)
-    qpos = jnp.where(row_ok[None, :], qpos_tok[:, row_tok], -1).astype(jnp.int32)  # [nb, rows]
-    # the blocks' query tokens: with slot_tokens the first nb tokens in order (a slice, not a gather)
-    take = (lambda x: x[:nb]) if slot_tokens else (lambda x: x[jnp.minimum(idx[:, 0], t - 1)])  # noqa: E731
-    qt = (q[:nb, None] if slot_tokens else q[jnp.minimum(idx, t - 1)]).reshape(nb, bq, kvh, g, d)
-    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0))).transpose(0, 2, 1, 3, 4)
-    qt = jnp.pad(qt.reshape(nb, kvh, bq * gp, d), ((0, 0), (0, 0), (0, rows - bq * gp), (0, 0)))
-
     scalar = pl.BlockSpec((1,), lambda i, j, *_: (i,))
     row_spec = pl.BlockSpec((None, rows), lambda i, j, *_: (i, 0))
     head_block = pl.BlockSpec((None, None, rows, d), lambda i, j, *_: (i, j, 0, 0))
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
-    args = [qt, k_pages, v_pages, layer, table, seq, hi, ctx.astype(jnp.int32), qpos]
-    specs = [head_block, whole(k_pages), whole(v_pages), whole(layer), whole(table), scalar, scalar, scalar,
-             row_spec]
+    if slot_tokens:  # block s: slot s, whose query (if any) is token s; the kernel derives its schedule from
+        # the step's own query and context lengths, so no index arrays are built in front of it in every layer
+        valid = (query_len > 0)[:, None]
+        qblk_tok = jnp.where(valid, q_block_ids[:nb, None], 0) if has_blocks else None
+        sched = [query_len.astype(jnp.int32), context_len.astype(jnp.int32)]
+        sched_specs = [scalar, scalar]
+    else:
+        seq, nrows, idx, valid, qpos_tok = _schedule(t, bq, nb, query_start, query_len, context_len)
+        ctx = context_len[seq]
+        hi = jnp.where(nrows > 0, qpos_tok[:, 0] + nrows, 0)  # causal limit: the last query's position + 1
+        if has_blocks:
+            qblk_tok = jnp.where(valid, q_block_ids[jnp.minimum(idx, t - 1)], 0)
+            hi = jnp.where(jnp.any(qblk_tok != 0, axis=1), ctx, hi)  # an image query may see its later tokens
+        hi = jnp.clip(hi, 0, jnp.minimum(ctx, max_pages * page_size)).astype(jnp.int32)
+        # Row r of a block tile is query r // gp, head r % gp of the kv head's group; padding rows attend nothing.
+        r = np.arange(rows)
+        row_tok, row_ok = np.minimum(r // gp, bq - 1), (r < bq * gp) & (r % gp < g)
+        qpos = jnp.where(row_ok[None, :], qpos_tok[:, row_tok], -1).astype(jnp.int32)  # [nb, rows]
+        sched = [seq, hi, ctx.astype(jnp.int32), qpos]
+        sched_specs = [scalar, scalar, scalar, row_spec]
+    # the blocks' query tokens: with slot_tokens the first nb tokens in order (a slice, not a gather)
+    qt = (q[:nb, None] if slot_tokens else q[jnp.minimum(idx, t - 1)]).reshape(nb, bq, kvh, g, d)
+    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0))).transpose(0, 2, 1, 3, 4)
+    qt = jnp.pad(qt.reshape(nb, kvh, bq * gp, d), ((0, 0), (0, 0), (0, rows - bq * gp), (0, 0)))
+
+    args = [qt, k_pages, v_pages, layer, table, *sched]
+    specs = [head_block, whole(k_pages), whole(v_pages), whole(layer), whole(table), *sched_specs]
     if has_blocks:
         kvblk = jnp.pad(kv_block_ids, ((0, 0), (0, (padded_pages - max_pages) * page_size)))
+        r = np.arange(rows)
+        row_tok, row_ok = np.minimum(r // gp, bq - 1), (r < bq * gp) & (r % gp < g)
         qblk = jnp.where(row_ok[None, :], qblk_tok[:, row_tok], 0).astype(jnp.int32)
         args += [qblk, kvblk]
         specs += [row_spec, whole(kvblk)]
@@ -258,15 +269,21 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
     pool_outs, pool_specs = [], []
     if writes_kv:  # per block: its token's k, v rows [nb, KV, D] and flat slot (-1: a block of no token)
         k_new, v_new, slot_mapping = new_kv
-        slot = jnp.where(nrows > 0, take(slot_mapping.astype(jnp.int32)), -1)
+        slot_mapping = slot_mapping.astype(jnp.int32)
+        if slot_tokens:  # block s reads row s of the step's k, v and slots where they lie (no slice or gather)
+            slot = slot_mapping
+        else:
+            rows_of = jnp.minimum(idx[:, 0], t - 1)
+            k_new, v_new, slot = k_new[rows_of], v_new[rows_of], jnp.where(nrows > 0, slot_mapping[rows_of], -1)
         row_block = pl.BlockSpec((None, None, d), lambda i, j, *_: (i, j, 0))
-        args += [take(k_new).astype(q.dtype), take(v_new).astype(q.dtype), slot]
+        args += [k_new.astype(q.dtype), v_new.astype(q.dtype), slot]
         specs += [row_block, row_block, scalar]
         pool_outs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (k_pages, v_pages)]
         pool_specs = [whole(k_pages), whole(v_pages)]
     kernel = functools.partial(_kernel, pages_per_block=pages_per_block, page_size=page_size,
                                scale=1.0 / math.sqrt(d), has_blocks=has_blocks, has_scales=has_scales,
-                               kv_heads=kvh, num_pages=n_pages, kv_splits=kv_splits, writes_kv=writes_kv)
+                               kv_heads=kvh, num_pages=n_pages, kv_splits=kv_splits, writes_kv=writes_kv,
+                               slot_group=g if slot_tokens else 0, max_keys=max_pages * page_size)
     params = dict(in_specs=specs, interpret=_interpret(), compiler_params=compiler_params(num_warps, num_stages),
                   name="mmjax_ragged_paged_attention" + ("_write_kv" if writes_kv else ""))
     if kv_splits == 1:

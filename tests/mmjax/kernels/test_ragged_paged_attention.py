@@ -312,10 +312,12 @@ def test_op_writes_kv_in_the_kernel_only_where_it_can():
     assert not rpa._writes_in_kernel(q, k, v, None, 1, None, "xla")
 
 
+@pytest.mark.parametrize("slot_tokens", [False, True])
 @pytest.mark.parametrize("t", [1, 32])  # 4 key splits at batch 1, none at 32
-def test_decode_kv_write_lowers_to_triton_for_a_gpu(t, monkeypatch):
+def test_decode_kv_write_lowers_to_triton_for_a_gpu(t, slot_tokens, monkeypatch):
     """The kernel with its k, v writes lowers to Triton IR for a GPU (an export for `cuda` on the CPU: every
-    operation has a Triton lowering; PTX is left to the GPU tests), with no scatter left in front of it."""
+    operation has a Triton lowering; PTX is left to the GPU tests), with no scatter left in front of it; in
+    slot order, with no gather or index arithmetic in front of it either (the kernel derives its schedule)."""
     import jax
     from jax import export
 
@@ -331,7 +333,7 @@ def test_decode_kv_write_lowers_to_triton_for_a_gpu(t, monkeypatch):
 
     def step(q, k, v, new_k, new_v, slots, table, start, qlen, ctx):
         return ragged_paged_attention_pallas(q, k, v, table, start, qlen, ctx, max_query_len=1, layer=jnp.int32(1),
-                                             new_kv=(new_k, new_v, slots))
+                                             new_kv=(new_k, new_v, slots), slot_tokens=slot_tokens)
 
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     exported = export.export(jax.jit(step, donate_argnums=(1, 2)), platforms=["cuda"], disabled_checks=[triton])(
@@ -339,6 +341,9 @@ def test_decode_kv_write_lowers_to_triton_for_a_gpu(t, monkeypatch):
     text = exported.mlir_module()
     assert "xla.gpu.triton" in text
     assert not _bf16_scatters(text)  # only the output rows' int32 index map may be scattered
+    if slot_tokens:
+        outside = text.split("xla.gpu.triton")[0]  # the ops in front of the kernel's custom call
+        assert not [op for op in ("stablehlo.gather", "stablehlo.iota", "stablehlo.scatter") if op in outside]
     assert [a.shape for a in exported.out_avals] == [(t, 32, d), pool.shape, pool.shape]
     # the same check sees the scatter `write_pages` would put in front (so it can fail)
     from mmjax.kernels.kv_pages import write_pages
@@ -383,3 +388,28 @@ def test_slot_tokens_layout_gives_the_same_rows(kv_splits, write):
     assert not out[[1, 4, 5]].any() and out[[0, 2, 3]].any()
     with pytest.raises(ValueError, match="slot_tokens"):
         ragged_paged_attention_pallas(q[:3], k, v, table, qstart, qlen, ctx, slot_tokens=True, max_query_len=1)
+
+
+@pytest.mark.parametrize("kv_splits", [1, 4])
+def test_slot_tokens_with_images_in_the_context(kv_splits):
+    """The slot-order decode step derives each block's schedule in the kernel; with image blocks in the context
+    (a decode query is text, block 0) it matches the general schedule and the numpy loop."""
+    from mmjax.kernels.ragged_paged_attention.pallas import ragged_paged_attention_pallas
+
+    lengths = [20, 0, 9]
+    args, blocks = make_case(8, 2, 16, 8, [(1 if n else 0, n) for n in lengths], images=[(0, 2, 10, 3), (2, 1, 5, 1)],
+                             seed=5)
+    q, k, v, table, _, _, _ = args
+    qstart, qlen, ctx = (jnp.arange(3, dtype=jnp.int32), jnp.asarray([1 if n else 0 for n in lengths], jnp.int32),
+                         jnp.asarray(lengths, jnp.int32))
+    t = 4
+    q = jnp.asarray(np.random.default_rng(6).standard_normal((t, 8, 16)), jnp.float32)
+    kw = dict(kv_block_ids=blocks["kv_block_ids"], q_block_ids=jnp.zeros((t,), jnp.int32), max_query_len=1,
+              kv_splits=kv_splits, block_tokens=16)
+    want = ragged_paged_attention_pallas(q, k, v, table, qstart, qlen, ctx, **kw)
+    got = ragged_paged_attention_pallas(q, k, v, table, qstart, qlen, ctx, slot_tokens=True, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+    ref = numpy_loop(q, k, v, table, qstart, qlen, ctx, kv_block_ids=blocks["kv_block_ids"],
+                     q_block_ids=np.zeros(t, np.int32))
+    np.testing.assert_allclose(np.asarray(got)[[0, 2]], np.asarray(ref)[[0, 2]], atol=1e-5)
+    assert not np.asarray(got)[[1, 3]].any()
