@@ -275,11 +275,14 @@ def test_decode_writes_kv_in_the_kernel(kv_splits, stacked):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("slot_tokens", [False, True])
 @pytest.mark.parametrize("batch", [1, 5, 40])  # 4 key splits up to 16 tokens, none above
-def test_decode_writes_kv_in_the_kernel_gpu(batch):
-    """Real sizes, bf16, page_size 16, a layer of stacked pools: the kernel's k, v writes and attention."""
+def test_decode_writes_kv_in_the_kernel_gpu(batch, slot_tokens):
+    """Real sizes, bf16, page_size 16, a layer of stacked pools: the kernel's k, v writes and attention, with
+    the general schedule and in slot order (the schedule derived in the kernel)."""
     lengths = [1 + (97 * i + 500) % 1500 for i in range(batch)]
-    check_decode_kv_write(lengths, 32, 8, 64, 16, stacked=True, dtype=jnp.bfloat16, atol=2e-2)
+    check_decode_kv_write(lengths, 32, 8, 64, 16, stacked=True, dtype=jnp.bfloat16, atol=2e-2,
+                          slot_tokens=slot_tokens)
 
 
 def test_op_writes_kv_in_the_kernel_only_where_it_can():
