@@ -184,8 +184,10 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
     page_size + offset), taking the new key from registers, and returns (out, k_pages, v_pages) with the pools
     updated in place (aliased), in place of a scatter per pool and layer in front of it.
 
-    `slot_tokens` (a decode step's layout: slot s's query, if any, is token s, T >= S): block s is slot s, and
-    the output rows are the blocks' rows in order, padded to T, with no gather of token rows per layer."""
+    `slot_tokens` (a decode step's layout: slot s's query, if any, is token s, T >= S): block s is slot s, the
+    kernel derives its causal limit, query positions and write slot from the slot's query and context lengths
+    (no index arrays, gathers or slices in front of it in every layer), and the output rows are the blocks'
+    rows in order, padded to T, with no gather of token rows per layer."""
     t, h, d = q.shape
     decode = max_query_len == 1
     writes_kv = new_kv is not None
@@ -227,6 +229,9 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
     head_block = pl.BlockSpec((None, None, rows, d), lambda i, j, *_: (i, j, 0, 0))
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
+    # Row r of a block tile is query r // gp, head r % gp of the kv head's group; padding rows attend nothing.
+    r = np.arange(rows)
+    row_tok, row_ok = np.minimum(r // gp, bq - 1), (r < bq * gp) & (r % gp < g)
     if slot_tokens:  # block s: slot s, whose query (if any) is token s; the kernel derives its schedule from
         # the step's own query and context lengths, so no index arrays are built in front of it in every layer
         valid = (query_len > 0)[:, None]
@@ -241,9 +246,6 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
             qblk_tok = jnp.where(valid, q_block_ids[jnp.minimum(idx, t - 1)], 0)
             hi = jnp.where(jnp.any(qblk_tok != 0, axis=1), ctx, hi)  # an image query may see its later tokens
         hi = jnp.clip(hi, 0, jnp.minimum(ctx, max_pages * page_size)).astype(jnp.int32)
-        # Row r of a block tile is query r // gp, head r % gp of the kv head's group; padding rows attend nothing.
-        r = np.arange(rows)
-        row_tok, row_ok = np.minimum(r // gp, bq - 1), (r < bq * gp) & (r % gp < g)
         qpos = jnp.where(row_ok[None, :], qpos_tok[:, row_tok], -1).astype(jnp.int32)  # [nb, rows]
         sched = [seq, hi, ctx.astype(jnp.int32), qpos]
         sched_specs = [scalar, scalar, scalar, row_spec]
@@ -256,8 +258,6 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
     specs = [head_block, whole(k_pages), whole(v_pages), whole(layer), whole(table), *sched_specs]
     if has_blocks:
         kvblk = jnp.pad(kv_block_ids, ((0, 0), (0, (padded_pages - max_pages) * page_size)))
-        r = np.arange(rows)
-        row_tok, row_ok = np.minimum(r // gp, bq - 1), (r < bq * gp) & (r % gp < g)
         qblk = jnp.where(row_ok[None, :], qblk_tok[:, row_tok], 0).astype(jnp.int32)
         args += [qblk, kvblk]
         specs += [row_spec, whole(kvblk)]
