@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 README_TITLE = "Serving (`python -m mmjax.tools.bench_serving`)"
 HF_RESULT_PREFIX = "HF_PEER_RESULT "
+PROFILE_KERNELS = 80  # kernels a decode profile names (by time), for `tools.kernel_sources`; a top 15 hides most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +206,8 @@ def profile_decode(engine: Engine, batch: int, spec: BenchSpec, rng: np.random.G
         tokens = sum(len(o.new_token_ids) for _ in range(n) for o in engine.step())
         wall = time.perf_counter() - t0
         jax.profiler.stop_trace()
-        summary = summarize_trace(trace_dir, steps=max(tokens // batch, 1))
+        # every distinct kernel of a step, not a top 15: `tools.kernel_sources` names the code behind each
+        summary = summarize_trace(trace_dir, steps=max(tokens // batch, 1), top=PROFILE_KERNELS)
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():
