@@ -2,6 +2,7 @@
 against the reference on mixed decode/prefill batches with padding, empty slots and image blocks, the decode
 case against `paged_attention`, guards, dispatch and input errors; a GPU comparison at real sizes (`-m gpu`)."""
 
+import json
 import logging
 
 import jax
@@ -416,3 +417,16 @@ def test_slot_tokens_with_images_in_the_context(kv_splits):
                      q_block_ids=np.zeros(t, np.int32))
     np.testing.assert_allclose(np.asarray(got)[[0, 2]], np.asarray(ref)[[0, 2]], atol=1e-5)
     assert not np.asarray(got)[[1, 3]].any()
+
+
+def test_decode_sweep_runs_the_engines_decode_call(tmp_path):
+    """The attention decode sweep's quick mode (interpret mode here) times the call as the multi-step decode makes
+    it (slot order, k, v written by the kernel, donated pools) and each configuration agrees with the first."""
+    from mmjax.kernels.ragged_paged_attention import decode_sweep
+
+    out = tmp_path / "sweep.json"
+    assert decode_sweep.main([str(out), "--quick"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 1, 4, 4] and not [r for r in rows if "error" in r]
+    assert all(r["max_diff"] < 2e-2 for r in rows)
+    assert rows[0]["kv_splits"] > 1  # few sequences: the split tilings
