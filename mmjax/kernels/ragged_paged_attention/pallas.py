@@ -143,6 +143,44 @@ def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_block
     o_ref[...], m_ref[...], l_ref[...] = o, m, l
 
 
+def _merge_token_rows_kernel(o_ref, m_ref, l_ref, out_ref, *, blocks: int):
+    o, m, l = o_ref[...], m_ref[...], l_ref[...]           # [S, g, d], [S, g], [S, g]: one slot, one kv head
+    w = jnp.exp(m - jnp.max(m, axis=0)[None, :])            # each split weighed against the best
+    num, den = jnp.sum(w[:, :, None] * o, axis=0), jnp.sum(w * l, axis=0)
+    res = jnp.where(den[:, None] > 0, num / jnp.where(den > 0, den, 1.0)[:, None], 0.0)
+    out_ref[...] = jnp.where(pl.program_id(0) < blocks, res, 0.0).astype(out_ref.dtype)  # padding tokens: zero
+
+
+def merge_token_rows(o, m, l, *, tokens: int, group: int, dtype):
+    """A slot-order decode step's key splits merged straight into its output rows [tokens, KV * group, D]: o
+    [nb, KV, S, rows, D] unnormalized partial outputs, m / l [nb, KV, S, rows] running maxima and denominators,
+    whose first `group` rows per (slot, kv head) are that kv head's query heads (`group` a power of two). One
+    kernel in place of XLA's merge reductions and the output's slice, transpose, mask and pad (the rows of
+    tokens past the slots, and of slots that attended nothing, are zero)."""
+    nb, kvh, splits, _, d = o.shape
+    last = nb - 1
+    part = lambda *tail: pl.BlockSpec((None, None, splits, group, *tail),  # noqa: E731
+                                      lambda i, j: (jnp.minimum(i, last), j, 0, 0, *(0 for _ in tail)))
+    return pl.pallas_call(
+        functools.partial(_merge_token_rows_kernel, blocks=nb), grid=(tokens, kvh),
+        in_specs=[part(d), part(), part()], out_specs=pl.BlockSpec((None, group, d), lambda i, j: (i, j, 0)),
+        out_shape=jax.ShapeDtypeStruct((tokens, kvh * group, d), dtype), interpret=_interpret(),
+        compiler_params=compiler_params(4, 1), name="mmjax_ragged_paged_attention_merge")(o, m, l)
+
+
+def _merge_splits(o, m, l):
+    """Key splits' partial results merged and normalized: o [nb, KV, S, rows, d] unnormalized outputs, m / l
+    [nb, KV, S, rows] running maxima and denominators -> [nb, KV, rows, d] float32 (rows that attended nothing
+    zero). Written over the few, static splits as elementwise maxima and sums rather than reductions over the
+    split axis, so that XLA can fuse the whole merge, and the output's layout ops after it, into one kernel."""
+    parts = range(m.shape[2])
+    best = functools.reduce(jnp.maximum, [m[:, :, s] for s in parts])  # each part is weighed against the best
+    w = [jnp.exp(m[:, :, s] - best) for s in parts]
+    num = functools.reduce(jnp.add, [w[s][..., None] * o[:, :, s] for s in parts])
+    den = functools.reduce(jnp.add, [w[s] * l[:, :, s] for s in parts])
+    return normalized(num.reshape(-1, num.shape[-1]), den.reshape(-1)).reshape(num.shape)
+
+
 def _schedule(t, bq, nb, query_start, query_len, context_len):
     """Per block: its slot, first query's offset in the slot, valid queries; per block token: q index, position.
 
@@ -303,15 +341,18 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
                        pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0)),
                        pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0)), *pool_specs],
             out_shape=[f32((*part, d)), f32(part), f32(part), *pool_outs], **params)(*args)
-        w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # each part's weight against the best max
-        out = normalized(jnp.sum(w[..., None] * o, axis=2).reshape(nb * kvh * rows, d),
-                         jnp.sum(w * l, axis=2).reshape(-1)).reshape(nb, kvh, rows, d).astype(q.dtype)
-    out = out[:, :, :bq * gp].reshape(nb, kvh, bq, gp, d)[:, :, :, :g].transpose(0, 2, 1, 3, 4)
-    if slot_tokens:  # rows in slot order are token rows; unused slots and padding tokens get zeros
-        out = jnp.where(valid[:, :, None], out.reshape(nb, h, d), 0).astype(q.dtype)
-        out = jnp.pad(out, ((0, t - nb), (0, 0), (0, 0)))
-    else:
-        out = _token_rows(out.reshape(nb * bq, h, d), idx, t)
+        token_rows = slot_tokens and g == gp  # the merge writes the token rows itself: no layout ops after it
+        if token_rows:
+            out = merge_token_rows(o, m, l, tokens=t, group=g, dtype=q.dtype)
+        else:
+            out = _merge_splits(o, m, l).astype(q.dtype)
+    if not (kv_splits > 1 and token_rows):
+        out = out[:, :, :bq * gp].reshape(nb, kvh, bq, gp, d)[:, :, :, :g].transpose(0, 2, 1, 3, 4)
+        if slot_tokens:  # rows in slot order are token rows; unused slots and padding tokens get zeros
+            out = jnp.where(valid[:, :, None], out.reshape(nb, h, d), 0).astype(q.dtype)
+            out = jnp.pad(out, ((0, t - nb), (0, 0), (0, 0)))
+        else:
+            out = _token_rows(out.reshape(nb * bq, h, d), idx, t)
     if not writes_kv:
         return out
     shape = (n_layers, kvh, n_pages, page_size, d) if stacked else (kvh, n_pages, page_size, d)

@@ -348,6 +348,8 @@ def test_decode_kv_write_lowers_to_triton_for_a_gpu(t, slot_tokens, monkeypatch)
     if slot_tokens:
         outside = text.split("xla.gpu.triton")[0]  # the ops in front of the kernel's custom call
         assert not [op for op in ("stablehlo.gather", "stablehlo.iota", "stablehlo.scatter") if op in outside]
+        # the key splits' merge is a kernel of its own writing the token rows: no XLA reduction after the kernel
+        assert "stablehlo.reduce" not in text and text.count("xla.gpu.triton") == (2 if t == 1 else 1)
     assert [a.shape for a in exported.out_avals] == [(t, 32, d), pool.shape, pool.shape]
     # the same check sees the scatter `write_pages` would put in front (so it can fail)
     from mmjax.kernels.kv_pages import write_pages
