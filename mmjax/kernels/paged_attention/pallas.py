@@ -67,8 +67,8 @@ def online_softmax_step(carry, s, v, valid, v_scale=None):
 
 
 def normalized(o, l):
-    """o / l, with rows that attended nothing set to zero."""
-    return jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    """o [..., d] / l [...], with rows that attended nothing set to zero."""
+    return jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
 
 
 def paged_attention_pallas(q, k_pages, v_pages, page_table, lengths):

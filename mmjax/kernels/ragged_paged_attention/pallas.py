@@ -143,11 +143,16 @@ def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_block
     o_ref[...], m_ref[...], l_ref[...] = o, m, l
 
 
+def merge_parts(o, m, l, axis: int):
+    """Key splits' partial softmax results merged along the split `axis` and normalized: o [..., S, rows, d]
+    unnormalized outputs, m / l [..., S, rows] running maxima and denominators -> [..., rows, d] float32 (rows
+    that attended nothing are zero). Runs in XLA and inside `merge_token_rows`' kernel alike."""
+    w = jnp.exp(m - jnp.max(m, axis=axis, keepdims=True))  # each split weighed against the best
+    return normalized(jnp.sum(w[..., None] * o, axis=axis), jnp.sum(w * l, axis=axis))
+
+
 def _merge_token_rows_kernel(o_ref, m_ref, l_ref, out_ref, *, blocks: int):
-    o, m, l = o_ref[...], m_ref[...], l_ref[...]           # [S, g, d], [S, g], [S, g]: one slot, one kv head
-    w = jnp.exp(m - jnp.max(m, axis=0)[None, :])            # each split weighed against the best
-    num, den = jnp.sum(w[:, :, None] * o, axis=0), jnp.sum(w * l, axis=0)
-    res = jnp.where(den[:, None] > 0, num / jnp.where(den > 0, den, 1.0)[:, None], 0.0)
+    res = merge_parts(o_ref[...], m_ref[...], l_ref[...], axis=0)  # [S, g, d] of one slot and kv head -> [g, d]
     out_ref[...] = jnp.where(pl.program_id(0) < blocks, res, 0.0).astype(out_ref.dtype)  # padding tokens: zero
 
 
@@ -166,19 +171,6 @@ def merge_token_rows(o, m, l, *, tokens: int, group: int, dtype):
         in_specs=[part(d), part(), part()], out_specs=pl.BlockSpec((None, group, d), lambda i, j: (i, j, 0)),
         out_shape=jax.ShapeDtypeStruct((tokens, kvh * group, d), dtype), interpret=_interpret(),
         compiler_params=compiler_params(4, 1), name="mmjax_ragged_paged_attention_merge")(o, m, l)
-
-
-def _merge_splits(o, m, l):
-    """Key splits' partial results merged and normalized: o [nb, KV, S, rows, d] unnormalized outputs, m / l
-    [nb, KV, S, rows] running maxima and denominators -> [nb, KV, rows, d] float32 (rows that attended nothing
-    zero). Written over the few, static splits as elementwise maxima and sums rather than reductions over the
-    split axis, so that XLA can fuse the whole merge, and the output's layout ops after it, into one kernel."""
-    parts = range(m.shape[2])
-    best = functools.reduce(jnp.maximum, [m[:, :, s] for s in parts])  # each part is weighed against the best
-    w = [jnp.exp(m[:, :, s] - best) for s in parts]
-    num = functools.reduce(jnp.add, [w[s][..., None] * o[:, :, s] for s in parts])
-    den = functools.reduce(jnp.add, [w[s] * l[:, :, s] for s in parts])
-    return normalized(num.reshape(-1, num.shape[-1]), den.reshape(-1)).reshape(num.shape)
 
 
 def _schedule(t, bq, nb, query_start, query_len, context_len):
@@ -345,7 +337,7 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
         if token_rows:
             out = merge_token_rows(o, m, l, tokens=t, group=g, dtype=q.dtype)
         else:
-            out = _merge_splits(o, m, l).astype(q.dtype)
+            out = merge_parts(o, m, l, axis=2).astype(q.dtype)
     if not (kv_splits > 1 and token_rows):
         out = out[:, :, :bq * gp].reshape(nb, kvh, bq, gp, d)[:, :, :, :g].transpose(0, 2, 1, 3, 4)
         if slot_tokens:  # rows in slot order are token rows; unused slots and padding tokens get zeros
