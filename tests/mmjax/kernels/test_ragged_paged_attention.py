@@ -366,20 +366,21 @@ def _bf16_scatters(mlir: str) -> int:
                if '"stablehlo.scatter"' in line and "tensor<bf16>" in after)
 
 
-@pytest.mark.parametrize("kv_splits", [1, 4])
+@pytest.mark.parametrize("kv_splits,h", [(1, 8), (4, 8), (4, 6)])  # 6 heads over 2: groups of 3, merged by XLA
 @pytest.mark.parametrize("write", [False, True])
-def test_slot_tokens_layout_gives_the_same_rows(kv_splits, write):
+def test_slot_tokens_layout_gives_the_same_rows(kv_splits, h, write):
     """`slot_tokens` (decode, token s is slot s's query): block s is slot s and the output rows come out in order
-    (unused slots and padding tokens zero), the same as the general schedule's token gather."""
+    (unused slots and padding tokens zero), the same as the general schedule's token gather; key splits are merged
+    by the token-row kernel (groups of a power of two) or by XLA (other groups)."""
     from mmjax.kernels.ragged_paged_attention.pallas import ragged_paged_attention_pallas
 
     lengths = [13, 0, 1, 48]
-    args, _ = make_case(8, 2, 16, 8, [(1 if n else 0, n) for n in lengths], seed=12)
+    args, _ = make_case(h, 2, 16, 8, [(1 if n else 0, n) for n in lengths], seed=12)
     _, k, v, table, _, _, _ = args
     t = 6  # two padding tokens
     qstart, qlen, ctx = (jnp.arange(4, dtype=jnp.int32), jnp.asarray([1 if n else 0 for n in lengths], jnp.int32),
                          jnp.asarray(lengths, jnp.int32))
-    q = jnp.asarray(np.random.default_rng(2).standard_normal((t, 8, 16)), jnp.float32)
+    q = jnp.asarray(np.random.default_rng(2).standard_normal((t, h, 16)), jnp.float32)
     new = jnp.asarray(np.random.default_rng(4).standard_normal((t, 2, 16)), jnp.float32)
     pos = np.maximum(np.asarray(lengths) - 1, 0)
     slots = np.where(np.asarray(lengths) > 0, np.asarray(table)[np.arange(4), pos // 8] * 8 + pos % 8, 0)
@@ -387,9 +388,11 @@ def test_slot_tokens_layout_gives_the_same_rows(kv_splits, write):
     if write:
         kw["new_kv"] = (new, new * 2, jnp.asarray(np.r_[slots, 0, 0], jnp.int32))
     want = ragged_paged_attention_pallas(q, k, v, table, qstart, qlen, ctx, **kw)
-    got = ragged_paged_attention_pallas(q, k, v, table, qstart, qlen, ctx, slot_tokens=True, **kw)
+    slot = lambda q: ragged_paged_attention_pallas(q, k, v, table, qstart, qlen, ctx, slot_tokens=True, **kw)  # noqa: E731
+    got = slot(q)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    assert ("mmjax_ragged_paged_attention_merge" in str(jax.make_jaxpr(slot)(q))) == (kv_splits > 1 and h == 8)
     out = np.asarray(got[0] if write else got)
     assert not out[[1, 4, 5]].any() and out[[0, 2, 3]].any()
     with pytest.raises(ValueError, match="slot_tokens"):
