@@ -3,9 +3,12 @@
     XLA_FLAGS="--xla_dump_to=DUMP --xla_dump_hlo_as_text" python -m mmjax.tools.bench_serving --profile-steps 2 ...
     python -m mmjax.tools.kernel_sources DUMP/*after_optimizations.txt --profile RESULT.json [--variant int8+head]
 
-For every profiled kernel (`bench_serving` / `bench_train` JSON: each `profile`'s top kernels), its time and count
-per step and, for XLA fusions, the jax ops and source lines fused into it (`mmjax.observe.hlo_sources`). Without
-`--profile`, every fusion of the HLO with its ops and lines.
+    python -m mmjax.tools.kernel_sources OUT/train.hlo.txt --trace OUT/train_trace --steps 2   # bench_train --dump-hlo
+
+For every profiled kernel (`bench_serving` / `bench_train` JSON: each `profile`'s named kernels; or every kernel of
+a kept `jax.profiler` trace directory over `--steps` steps), its time and count per step and, for XLA fusions, the
+jax ops and source lines fused into it (`mmjax.observe.hlo_sources`). Without either, every fusion of the HLO with
+its ops and lines.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from mmjax.observe.hlo_sources import Fusion, fusion_sources, kernel_sources
+from mmjax.observe.profile import summarize_trace
+
+ALL_KERNELS = 100_000  # a trace's kernels by name: all of them
 
 
 def profiles(result: Any, variant: str | None = None) -> list[tuple[str, dict]]:
@@ -59,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("hlo", nargs="+", help="optimized HLO text files (compiled.as_text(), *after_optimizations.txt)")
     p.add_argument("--profile", help="a bench_serving / bench_train result JSON with profiles")
     p.add_argument("--variant", help="only the profile of this serving variant (e.g. int8+head)")
+    p.add_argument("--trace", help="a jax.profiler trace directory (e.g. bench_train's <name>_trace) instead")
+    p.add_argument("--steps", type=int, default=1, help="steps the trace holds (for per-step numbers)")
     p.add_argument("--out", help="also write the rows as JSON here")
     args = p.parse_args(argv)
     fusions: dict[str, Fusion] = {}
@@ -69,7 +77,13 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     report: dict[str, list[dict]] = {}
-    if args.profile:
+    if args.trace:
+        summary = summarize_trace(args.trace, steps=args.steps, top=ALL_KERNELS)
+        if not summary["devices"]:
+            print(f"kernel_sources: no device kernels in the trace under {args.trace}", file=sys.stderr)
+            return 2
+        report["trace"] = kernel_sources(summary["devices"][0]["top_kernels"], fusions, max(args.steps, 1))
+    elif args.profile:
         found = profiles(json.loads(Path(args.profile).read_text()), args.variant)
         if not found:
             print(f"kernel_sources: no profile{' of ' + args.variant if args.variant else ''} with device kernels "

@@ -82,3 +82,30 @@ def test_cli_joins_a_serving_profile_and_rejects_text_without_fusions(hlo, tmp_p
     assert tool.main([str(empty)]) == 2 and "no fusion instructions" in capsys.readouterr().err
     assert tool.main([str(hlo_file), "--profile", str(result), "--variant", "fp8"]) == 2
     assert "no profile of fp8" in capsys.readouterr().err
+
+
+def test_cli_reads_a_kept_trace_directory(hlo, tmp_path, capsys):
+    import gzip
+
+    name = next(k for k, f in fusion_sources(hlo).items() if "pad" in f.op_names)
+    hlo_file = tmp_path / "train.hlo.txt"
+    hlo_file.write_text(hlo)
+    meta = [{"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}}]
+    kernels = [{"ph": "X", "pid": 2, "tid": 7, "ts": ts, "dur": 30, "name": kernel}
+               for ts, kernel in ((0, name), (40, "sm90_xmma_gemm_bf16bf16"), (80, name), (120, name))]
+    run = tmp_path / "trace" / "plugins" / "profile" / "run"
+    run.mkdir(parents=True)
+    with gzip.open(run / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + kernels}, f)
+    out = tmp_path / "rows.json"
+    assert tool.main([str(hlo_file), "--trace", str(tmp_path / "trace"), "--steps", "2", "--out", str(out)]) == 0
+    rows = {r["kernel"]: r for r in json.loads(out.read_text())["trace"]}
+    assert rows[name]["per_step"] == 1.5 and rows[name]["ms_per_step"] == pytest.approx(0.045)
+    assert "pad" in rows[name]["ops"]
+    assert rows["sm90_xmma_gemm_bf16bf16"]["ops"] == []
+    capsys.readouterr()
+    with gzip.open(run / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": []}, f)
+    assert tool.main([str(hlo_file), "--trace", str(tmp_path / "trace")]) == 2
+    assert "no device kernels" in capsys.readouterr().err
