@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 README_TITLE = "Serving (`python -m mmjax.tools.bench_serving`)"
 HF_RESULT_PREFIX = "HF_PEER_RESULT "
-PROFILE_KERNELS = 80  # kernels a decode profile names (by time), for `tools.kernel_sources`; a top 15 hides most
+PROFILE_KERNELS = 80  # kernels a decode profile names (by time), for `tools.kernel_sources`
 
 
 @dataclasses.dataclass(frozen=True)

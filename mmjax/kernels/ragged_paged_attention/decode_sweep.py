@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for batch in batches:
         case = decode_case(batch, layers, context)
-        kv_bytes = int(np.asarray(case[-2]).sum()) * KV * D * 2 * 2
+        *_, ctx, _ = case
+        kv_bytes = int(np.asarray(ctx).sum()) * KV * D * 2 * 2
         first = None
         todo = configs(batch)[:1] + configs(batch)[-1:] if args.quick else configs(batch)
         for tiling in todo:

@@ -314,6 +314,8 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
                                scale=1.0 / math.sqrt(d), has_blocks=has_blocks, has_scales=has_scales,
                                kv_heads=kvh, num_pages=n_pages, kv_splits=kv_splits, writes_kv=writes_kv,
                                slot_group=g if slot_tokens else 0, max_keys=max_pages * page_size)
+    # with key splits in slot order, the merge writes the token rows itself: no layout ops after it
+    token_rows = kv_splits > 1 and slot_tokens and g == gp
     params = dict(in_specs=specs, interpret=_interpret(), compiler_params=compiler_params(num_warps, num_stages),
                   name="mmjax_ragged_paged_attention" + ("_write_kv" if writes_kv else ""))
     if kv_splits == 1:
@@ -333,12 +335,11 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
                        pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0)),
                        pl.BlockSpec((None, None, None, rows), lambda i, j, k: (i, j, k, 0)), *pool_specs],
             out_shape=[f32((*part, d)), f32(part), f32(part), *pool_outs], **params)(*args)
-        token_rows = slot_tokens and g == gp  # the merge writes the token rows itself: no layout ops after it
         if token_rows:
             out = merge_token_rows(o, m, l, tokens=t, group=g, dtype=q.dtype)
         else:
             out = merge_parts(o, m, l, axis=2).astype(q.dtype)
-    if not (kv_splits > 1 and token_rows):
+    if not token_rows:
         out = out[:, :, :bq * gp].reshape(nb, kvh, bq, gp, d)[:, :, :, :g].transpose(0, 2, 1, 3, 4)
         if slot_tokens:  # rows in slot order are token rows; unused slots and padding tokens get zeros
             out = jnp.where(valid[:, :, None], out.reshape(nb, h, d), 0).astype(q.dtype)
