@@ -29,7 +29,7 @@ from mmjax.engine.steps import jit_train_step
 from mmjax.kernels.bench import Row
 from mmjax.observe.flops import peak_flops_per_device, training_flops
 from mmjax.observe.metrics import memory_metrics
-from mmjax.observe.profile import Profiler
+from mmjax.observe.profile import Profiler, summarize_host_trace
 from mmjax.parallel.mesh import make_mesh
 from mmjax.parallel.sharding import context_from_config
 
@@ -62,12 +62,15 @@ def image_token_id(cfg: Config) -> int:
 
 
 def run_train_bench(cfg: Config, *, steps: int = 20, warmup: int = 3, profile_steps: int = 2,
-                    out_dir: str | Path | None = None, hlo_path: str | Path | None = None) -> dict[str, Any]:
+                    out_dir: str | Path | None = None, hlo_path: str | Path | None = None,
+                    profile_compile: bool = False) -> dict[str, Any]:
     """Compile, warm up, time `steps` train steps, then profile `profile_steps` more; returns the result dict.
 
     `hlo_path`: also write the compiled step's optimized HLO there. The profile names kernels by their HLO
     fusion names (`fusion_67`, `wrapped_convert`); the HLO says which op each one is and how many times a
     custom call appears (how a cross-entropy cast left in a loop and a duplicated attention kernel were found).
+    `profile_compile`: trace the lowering and compilation with the host profiler and rank their phases
+    (`compile_profile`): where a compile time goes (tracing, HLO passes, autotuning, kernel compilation).
     """
     mesh = make_mesh(cfg)
     setup = model_setup(cfg, mesh, image_token_id=image_token_id(cfg))
@@ -78,9 +81,18 @@ def run_train_bench(cfg: Config, *, steps: int = 20, warmup: int = 3, profile_st
     host = synthetic_batch(cfg, cfg.train.global_batch_size, cfg.train.seed)
     batch = to_global_batch(host, mesh)
 
+    compile_trace = Path(out_dir or "/tmp/mmjax_bench") / "compile_profile"
+    if profile_compile:
+        jax.profiler.start_trace(str(compile_trace))
     start = time.perf_counter()
-    compiled = step_fn.lower(state, batch).compile()
+    lowered = step_fn.lower(state, batch)
+    lower_s = time.perf_counter() - start
+    compiled = lowered.compile()
     compile_s = time.perf_counter() - start
+    compile_profile = None
+    if profile_compile:
+        jax.profiler.stop_trace()
+        compile_profile = summarize_host_trace(compile_trace)
     if hlo_path is not None:
         Path(hlo_path).parent.mkdir(parents=True, exist_ok=True)
         Path(hlo_path).write_text(compiled.as_text())
@@ -131,11 +143,14 @@ def run_train_bench(cfg: Config, *, steps: int = 20, warmup: int = 3, profile_st
         "peak_tflops_per_device": peak / 1e12 if peak else None,
         "mfu": flops / step_s / (n_dev * peak) if peak else None,
         "compile_s": compile_s,
+        "lower_s": lower_s,
         "compiled_memory": memory_analysis,
         "memory": memory_metrics(),
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
         "hlo_file": None if hlo_path is None else str(hlo_path),
     }
+    if compile_profile is not None:
+        result["compile_profile"] = compile_profile
     if profile_steps > 0:
         profiler = Profiler([(steps + warmup + 1, steps + warmup + profile_steps)],
                             Path(out_dir or "/tmp/mmjax_bench") / "profile")
@@ -158,9 +173,13 @@ def format_result(r: dict[str, Any]) -> str:
         f"step time         {1e3 * r['step_time_s']:.1f} ms",
         f"tokens/s          {r['tokens_per_sec']:,.0f}",
         f"MFU               {mfu}  ({r['achieved_tflops_per_device']:.0f} TFLOP/s per device)",
-        f"compile           {r['compile_s']:.1f} s",
+        f"compile           {r['compile_s']:.1f} s (tracing and lowering {r['lower_s']:.1f} s)",
         f"peak memory       {mem / 2**30:.1f} GiB" if mem else "peak memory       n/a",
     ]
+    if phases := (r.get("compile_profile") or {}).get("phases"):
+        lines.append("compile phases (nested: a phase's time includes its children's)")
+        for ph in phases[:20]:
+            lines.append(f"  {ph['total_ms'] / 1e3:7.2f} s  {ph['count']:5d}x  {ph['name'][:90]}")
     p = r.get("profile")
     if p and p.get("devices"):
         overlap = "n/a (no collectives)" if p["nccl_overlap_pct"] is None else f"{p['nccl_overlap_pct']:.1f}%"

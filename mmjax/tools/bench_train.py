@@ -69,7 +69,8 @@ def run_variant(args: argparse.Namespace, stem: str, name: str, flags: str) -> d
     child = ["--config", args.config, "--steps", str(args.steps), "--warmup", str(args.warmup), "--profile-steps",
              str(args.profile_steps), "--out", args.out, "--name", f"{stem}_{name}",
              *(["--text-only"] if args.text_only else []), *(["--remat", args.remat] if args.remat else []),
-             *(["--dump-hlo"] if args.dump_hlo else []), *args.overrides]
+             *(["--dump-hlo"] if args.dump_hlo else []), *(["--profile-compile"] if args.profile_compile else []),
+             *args.overrides]
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
     done = subprocess.run([sys.executable, "-m", "mmjax.tools.bench_train", *child], env=env, capture_output=True,
                           text=True)
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="", help="result file stem (default: train_<model>_<date>)")
     p.add_argument("--out", default="docs/perf/results")
     p.add_argument("--dump-hlo", action="store_true", help="also write the compiled step's HLO to <out>/<name>.hlo.txt")
+    p.add_argument("--profile-compile", action="store_true",
+                   help="trace the step's lowering and compilation and rank their phases (compile time, by phase)")
     p.add_argument("--peer", default="", help=f"comma list of peers run first, own process: {', '.join(PEERS)}")
     p.add_argument("--peer-on-cpu", action="store_true", help="let the torch peer run on the CPU (tiny models only)")
     p.add_argument("--xla-variant", action="append", default=[], metavar="NAME=FLAGS",
@@ -139,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     variant_rows = [run_variant(args, stem, name, flags) for name, flags in variants]  # before this process's backend
     result = run_with_remat_fallback(cfg, remats, steps=args.steps, warmup=args.warmup,
                                      profile_steps=args.profile_steps, out_dir=out / f"{stem}_trace",
-                                     hlo_path=out / f"{stem}.hlo.txt" if args.dump_hlo else None)
+                                     hlo_path=out / f"{stem}.hlo.txt" if args.dump_hlo else None,
+                                     profile_compile=args.profile_compile)
     for peer in peer_results:
         if "tokens_per_s" in peer:
             peer["mmjax_ratio"] = result["tokens_per_sec"] / peer["tokens_per_s"]

@@ -16,13 +16,17 @@ def test_bench_trains_text_only_and_reports(tmp_path):
     cfg = load_config(None, TINY_TEXT)
     batch = synthetic_batch(cfg, 8)
     assert "images" not in batch and batch["tokens"].shape == (8, 32)
-    r = run_train_bench(cfg, steps=3, warmup=1, profile_steps=1, out_dir=tmp_path, hlo_path=tmp_path / "step.hlo.txt")
+    r = run_train_bench(cfg, steps=3, warmup=1, profile_steps=1, out_dir=tmp_path, hlo_path=tmp_path / "step.hlo.txt",
+                        profile_compile=True)
     assert r["model"]["text_only"] and r["tokens_per_sec"] > 0
     flops = training_flops(cfg.model).step_flops(8 * 32, 8 * 32 * 33 / 2, 0)
     assert r["model_tflop_per_step"] * 1e12 == np.float64(flops)
     assert 0 < r["mfu"] < 1
     assert np.isfinite(r["loss_first"]) and r["loss_last"] < r["loss_first"]  # same batch: it memorises
     assert r["profile"]["first_step"] == 5 and r["profile"]["devices"] == []  # CPU: no device kernels
+    phases = {p["name"]: p for p in r["compile_profile"]["phases"]}  # the compiler's own phases, ranked
+    assert any("Compile" in name for name in phases) and all(p["total_ms"] >= 0 for p in phases.values())
+    assert r["compile_profile"]["python"] and 0 < r["lower_s"] <= r["compile_s"]
     hlo = (tmp_path / "step.hlo.txt").read_text()  # the optimized step
     assert r["hlo_file"] == str(tmp_path / "step.hlo.txt") and hlo.startswith("HloModule") and "ENTRY" in hlo
 
