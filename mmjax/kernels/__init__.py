@@ -24,11 +24,12 @@ from mmjax.kernels.quant_matmul import quant_matmul
 from mmjax.kernels.ragged_paged_attention import OP as _RAGGED_PAGED_ATTENTION
 from mmjax.kernels.ragged_paged_attention import ragged_paged_attention
 from mmjax.kernels.swiglu import OP as _SWIGLU
-from mmjax.kernels.swiglu import swiglu
+from mmjax.kernels.swiglu import swiglu, swiglu_dense
 
 __all__ = ["kv_pages", "MeshSharding", "use_sharding", "kv_head_axes", "pool_spec", "attention", "paged_attention",
            "ragged_paged_attention",
-           "linear_cross_entropy", "rms_norm", "layer_norm", "bias_gelu", "swiglu", "quant_matmul", "OPS"]
+           "linear_cross_entropy", "rms_norm", "layer_norm", "bias_gelu", "swiglu", "swiglu_dense", "quant_matmul",
+           "OPS"]
 
 OPS = {"attention": _ATTENTION, "paged_attention": _PAGED_ATTENTION,
        "ragged_paged_attention": _RAGGED_PAGED_ATTENTION, "cross_entropy": _CROSS_ENTROPY,

@@ -12,13 +12,13 @@ from mmjax.config import ModelConfig
 from mmjax.model.layers import (
     RMSNorm,
     dense,
-    dense_swiglu,
     make_stack,
     normal,
     param,
     remat_name,
     rope,
     run_stack,
+    swiglu_mlp,
     zeros,
 )
 from mmjax.parallel.sharding import attention, constrain, embed_lookup
@@ -95,9 +95,8 @@ class DecoderLayer(nnx.Module):
         # residual add + RMSNorm in one kernel: (norm(x + attn_out), x + attn_out)
         h, x = self.mlp_norm(dense(attn, self.out[...], "bshd,hde->bse", self.compute_dtype, fp8=fp8), residual=x)
         x = constrain(x, RESIDUAL)
-        h = dense_swiglu(h, self.gate_up[...], "bse,ecm->bscm", self.compute_dtype, fp8=fp8, impl=self.swiglu_impl)
-        h = constrain(h, ("batch", "length", "mlp"))
-        mlp = dense(h, self.down[...], "bsm,me->bse", self.compute_dtype, fp8=fp8)
+        mlp = swiglu_mlp(h, self.gate_up[...], self.down[...], self.compute_dtype, fp8=fp8, impl=self.swiglu_impl,
+                         constrain_hidden=lambda a: constrain(a, ("batch", "length", *[None] * (a.ndim - 3), "mlp")))
         return (x, constrain(mlp, RESIDUAL)) if defer_add else constrain(x + mlp, RESIDUAL)
 
     def __call__(self, x, positions, segment_ids, block_ids):

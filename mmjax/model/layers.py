@@ -101,6 +101,21 @@ def dense_swiglu(x, w, spec: str, dtype, *, fp8: bool = False, impl: str = "auto
     return kernels.swiglu(dense(x, w, spec, dtype, fp8=fp8), impl=impl)
 
 
+def swiglu_mlp(x, w_gate_up, w_down, dtype, *, fp8: bool = False, impl: str = "auto",
+               constrain_hidden: Callable = lambda h: h):
+    """down(swiglu(gate_up(x))) for x [B, S, E], w_gate_up [E, 2, M], w_down [M, E].
+
+    Plain weights take `kernels.swiglu_dense`: the activation is recomputed in the backward pass rather than saved
+    (one [B, S, M] residual fewer per layer). Quantized weights (the gate/up kernel's SwiGLU epilogue) and fp8
+    matmuls (their own gradients) take the two steps apart. `constrain_hidden` pins the hidden values' layout:
+    the activation [B, S, M] where it exists apart, else the gate/up product [B, S, 2, M]."""
+    if fp8 or hasattr(w_gate_up, "quantized_einsum") or hasattr(w_down, "quantized_einsum"):
+        h = constrain_hidden(dense_swiglu(x, w_gate_up, "bse,ecm->bscm", dtype, fp8=fp8, impl=impl))
+        return dense(h, w_down, "bsm,me->bse", dtype, fp8=fp8)
+    gate_up = constrain_hidden(dense(x, w_gate_up, "bse,ecm->bscm", dtype))
+    return kernels.swiglu_dense(gate_up, w_down.astype(dtype), impl=impl)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype, impl: str = "auto"):
         self.scale = param(None, ones, (dim,), ("embed",), param_dtype)

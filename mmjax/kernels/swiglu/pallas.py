@@ -36,12 +36,21 @@ def _bwd_kernel(h_ref, g_ref, dh_ref):
     dh_ref[:, 1, :] = du.astype(dh_ref.dtype)
 
 
-def _call(kernel, args, in_blocks, out_block, out_shape, warps, name):
-    r, bc = out_block[0], out_block[-1]
-    grid = (out_shape.shape[0] // r, out_shape.shape[-1] // bc)
+def _bwd_act_kernel(h_ref, g_ref, dh_ref, y_ref):
+    _bwd_kernel(h_ref, g_ref, dh_ref)
+    _fwd_kernel(h_ref, y_ref)
+
+
+def _call(kernel, args, in_blocks, out_blocks, out_shapes, warps, name):
+    """`out_blocks` / `out_shapes`: one block and shape, or a tuple of them (the first sets the grid)."""
+    many = isinstance(out_shapes, tuple)
+    first_block, first = (out_blocks[0], out_shapes[0]) if many else (out_blocks, out_shapes)
+    r, bc = first_block[0], first_block[-1]
+    grid = (first.shape[0] // r, first.shape[-1] // bc)
     spec = lambda block: pl.BlockSpec(block, (lambda i, j: (i, 0, j)) if len(block) == 3 else (lambda i, j: (i, j)))
-    return pl.pallas_call(kernel, grid=grid, in_specs=[spec(b) for b in in_blocks], out_specs=spec(out_block),
-                          out_shape=out_shape, interpret=interpret(), name=name,
+    out_specs = tuple(spec(b) for b in out_blocks) if many else spec(out_blocks)
+    return pl.pallas_call(kernel, grid=grid, in_specs=[spec(b) for b in in_blocks], out_specs=out_specs,
+                          out_shape=out_shapes, interpret=interpret(), name=name,
                           compiler_params=_rows.compiler_params(warps))(*args)
 
 
@@ -61,6 +70,18 @@ def bwd(h2, g2):
     dh = _call(_bwd_kernel, (_rows.pad_cols(h2, mp), _rows.pad_cols(g2, mp)), [(r, 2, bc), (r, bc)], (r, 2, bc),
                jax.ShapeDtypeStruct((n, 2, mp), h2.dtype), TILING.warps(2 * r * bc, fwd=False), "mmjax_swiglu_bwd")
     return dh[..., :m]
+
+
+def bwd_with_activation(h2, g2):
+    """h2 [n, 2, m], g2 [n, m] -> (dh [n, 2, m], swiglu(h2) [n, m]): the backward pass that also recomputes the
+    activation from the h it reads anyway, for a consumer whose own gradient needs it (`kernels.swiglu_dense`)."""
+    n, _, m = h2.shape
+    r, bc, mp = tiles(n, m)
+    dh, y = _call(_bwd_act_kernel, (_rows.pad_cols(h2, mp), _rows.pad_cols(g2, mp)), [(r, 2, bc), (r, bc)],
+                  ((r, 2, bc), (r, bc)), (jax.ShapeDtypeStruct((n, 2, mp), h2.dtype),
+                                          jax.ShapeDtypeStruct((n, mp), h2.dtype)),
+                  TILING.warps(2 * r * bc, fwd=False), "mmjax_swiglu_bwd_act")
+    return dh[..., :m], y[:, :m]
 
 
 @jax.custom_vjp

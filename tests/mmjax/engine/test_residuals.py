@@ -20,6 +20,9 @@ def test_each_layer_saves_each_value_once(platform):
     assert not [r for r in layers[0].residuals if r.producer in IDENTITIES]
     b, s, e = 2, cfg.model.max_seq_len, cfg.model.text.dim  # the norm keeps its input: one [B, S, E] activation
     assert any(math.prod(r.shape) == b * s * e for r in layers[0].residuals)
+    m = cfg.model.text.mlp_dim  # the gate/up product [B, S, 2, M] is kept; its SwiGLU [B, S, M] is recomputed
+    assert [r.shape[-2:] for r in layers[0].residuals if math.prod(r.shape) == b * s * m] == []
+    assert any(math.prod(r.shape) == 2 * b * s * m for r in layers[0].residuals)
 
 
 def test_remat_full_saves_only_the_layer_inputs():

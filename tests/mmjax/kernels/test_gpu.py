@@ -148,6 +148,21 @@ def test_swiglu_gpu(shape):
     _close(jax.jit(jax.grad(loss("pallas")))(h), jax.jit(jax.grad(loss("xla")))(h), 3e-2)
 
 
+@pytest.mark.parametrize("shape", [(16384, 2, 8192), (300, 2, 1000)])
+def test_swiglu_dense_gpu(shape):
+    """The Pallas backward that also writes the activation, through `swiglu_dense`, against the XLA one."""
+    rng = np.random.default_rng(5)
+    h = jnp.asarray(rng.standard_normal(shape) * 2, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((shape[2], 256)) * 0.02, jnp.bfloat16)
+    c = jnp.asarray(rng.standard_normal((shape[0], 256)), jnp.float32)
+    grads = lambda i: jax.jit(jax.value_and_grad(
+        lambda h, w: jnp.sum(kernels.swiglu_dense(h, w, impl=i).astype(jnp.float32) * c), argnums=(0, 1)))(h, w)
+    (lp, (dhp, dwp)), (lx, (dhx, dwx)) = grads("pallas"), grads("xla")
+    _close(lp, lx, 2e-2)
+    _close(dhp, dhx, 3e-2)
+    _close(dwp, dwx, 3e-2)
+
+
 def test_linear_cross_entropy_gpu():
     rng = np.random.default_rng(4)
     n, e, v = 4096 + 100, 1024, 50_000

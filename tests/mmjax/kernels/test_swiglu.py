@@ -74,3 +74,33 @@ def test_rejects_a_shape_without_the_gate_up_axis_and_unknown_impls():
         kernels.swiglu(jnp.zeros((4, 3, 8)))
     with pytest.raises(ValueError, match="unknown swiglu implementation 'triton'"):
         kernels.swiglu(jnp.zeros((4, 2, 8)), impl="triton")
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_swiglu_dense_matches_autodiff_and_keeps_only_h_and_w(impl):
+    """swiglu(h) @ w against autodiff of the float32 reference, values and both gradients; the backward keeps only
+    h and w (the activation, which the weight gradient reads, is recomputed in the SwiGLU backward kernel)."""
+    h = jnp.asarray(RNG.standard_normal((3, 5, 2, 40)) * 2, jnp.float32)
+    w = jnp.asarray(RNG.standard_normal((40, 24)) / 6, jnp.float32)
+    c = jnp.asarray(RNG.standard_normal((3, 5, 24)), jnp.float32)
+    loss = lambda fn: jax.jit(jax.value_and_grad(lambda h, w: jnp.sum(fn(h, w) * c), argnums=(0, 1)))
+    want, (want_dh, want_dw) = loss(lambda h, w: swiglu_reference(h) @ w)(h, w)
+    got, (dh, dw) = loss(lambda h, w: kernels.swiglu_dense(h, w, impl=impl))(h, w)
+    close(got, want, 1e-5)
+    close(dh, want_dh, 1e-4)
+    close(dw, want_dw, 1e-4)
+    _, lin = jax.linearize(lambda h, w: kernels.swiglu_dense(h, w, impl=impl), h, w)
+    saved = sorted(x.size for x in jax.tree.leaves(lin) if hasattr(x, "shape") and x.size > 1)
+    assert saved == sorted([h.size, w.size]), saved
+
+
+def test_swiglu_dense_bf16_and_errors():
+    h = jnp.asarray(RNG.standard_normal((4, 2, 300)), jnp.bfloat16)
+    w = jnp.asarray(RNG.standard_normal((300, 16)) / 10, jnp.bfloat16)
+    y = kernels.swiglu_dense(h, w)
+    assert y.dtype == jnp.bfloat16 and y.shape == (4, 16)
+    close(y, swiglu_reference(h.astype(jnp.float32)) @ w.astype(jnp.float32), 3e-2)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 2, M\], got shape \(4, 300\)"):
+        kernels.swiglu_dense(h[:, 0], w)
+    with pytest.raises(ValueError, match=r"weight \(299, 16\) does not match the activation's 300 channels"):
+        kernels.swiglu_dense(h, w[:299])
