@@ -194,12 +194,12 @@ def remat_name(x: jax.Array, name: str, policy: str) -> jax.Array:
     return checkpoint_name(x, name) if policy in NAMED_REMAT else x
 
 
-def remat(fn: Callable, policy: str, *, prevent_cse: bool = True) -> Callable:
+def remat(fn: Callable, policy: str, *, prevent_cse: bool = True, static_argnums: tuple[int, ...] = ()) -> Callable:
     if policy not in REMAT_POLICIES:
         raise ConfigError(f"model.remat={policy!r} is not one of: {', '.join(REMAT_POLICIES)}")
     if policy == "none":
         return fn
-    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy], prevent_cse=prevent_cse)
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy], prevent_cse=prevent_cse, static_argnums=static_argnums)
 
 
 def make_stack(make_layer: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs, *, scan: bool):
@@ -259,11 +259,12 @@ def run_stack(layers, body: Callable, carry, xs=None, *, scan: bool, remat_polic
         step = remat(lambda c, px: pure(graphdef, px[0], c, px[1]), remat_policy, prevent_cse=False)
         return jax.lax.scan(step, carry, (params, xs))
     ys = []
+    step = jax.jit(remat(pure, remat_policy, static_argnums=(0,)) if remat_policy != "none" else pure,
+                   static_argnums=(0,))
     for i, layer in enumerate(layers):
         graphdef, params = nnx.split(layer)
-        step = remat(lambda p, c, x, g=graphdef: pure(g, p, c, x), remat_policy)
         x_i = None if xs is None else jax.tree.map(lambda a, i=i: a[i], xs)
-        carry, y = step(params, carry, x_i)
+        carry, y = step(graphdef, params, carry, x_i)
         ys.append(y)
     ys = None if all(y is None for y in ys) else jax.tree.map(lambda *a: jnp.stack(a), *ys)
     return carry, ys
