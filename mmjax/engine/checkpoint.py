@@ -31,6 +31,7 @@ import importlib.metadata
 import json
 import logging
 import platform
+import re
 import threading
 import time
 from pathlib import Path
@@ -202,12 +203,28 @@ def check_shapes(saved: Any, target: Any, where: str, ignore: tuple[str, ...] = 
         raise CheckpointError(
             f"{where} holds a different state tree: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
             f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}; it was written for another model config "
-            "(compare its meta config with this run's)")
+            f"(compare its meta config with this run's){_layer_layout_hint(missing, extra)}")
     for key in sorted(want, key=lambda k: (not k.startswith("params/"), k)):  # name a parameter first
         if have[key] != want[key]:
             raise CheckpointError(
                 f"{where}: {key} has shape {have[key]} in the checkpoint but {want[key]} in this run; the "
                 "model config differs (compare the checkpoint's meta config with this run's)")
+
+
+_UNROLLED_LAYER = re.compile(r"/layers/\d+/")
+
+
+def _layer_layout_hint(missing: list[str], extra: list[str]) -> str:
+    """Where the trees differ only in how the layers are kept, the setting that reads the checkpoint."""
+    def unrolled(keys: list[str]) -> bool | None:
+        layer_keys = [k for k in keys if "/layers/" in k]
+        return None if not layer_keys else all(_UNROLLED_LAYER.search(k) for k in layer_keys)
+
+    saved, wanted = unrolled(extra), unrolled(missing)
+    if saved is None or wanted is None or saved == wanted:
+        return ""
+    return (f": its layers are {'unrolled' if saved else 'stacked'} and this run's are "
+            f"{'unrolled' if wanted else 'stacked'}; resume it with model.scan_layers={str(not saved).lower()}")
 
 
 def _dropped_fields(saved: Any, target: Any) -> dict[str, Any]:

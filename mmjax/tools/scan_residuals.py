@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="", help="write the inventory to this JSON file")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.remat=dots")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    overrides = ["model.compute_dtype=bfloat16", *(["model.text_only=true"] if args.text_only else []),
+    # the layer scan is what this inventories (a config that unrolls its layers has no layer stacks to list)
+    overrides = ["model.compute_dtype=bfloat16", "model.scan_layers=true",
+                 *(["model.text_only=true"] if args.text_only else []),
                  *args.overrides]
     cfg = load_config(args.config, overrides)
     platform = None if args.platform == "here" else args.platform

@@ -9,6 +9,7 @@ from flax import nnx
 
 from mmjax.errors import ConfigError, ModelError
 from mmjax.model import MLLM, logical_axes, resolve_dtype
+from mmjax.model.layers import params_in_layout
 
 KNOWN_AXES = {"layers", "vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", None}
 
@@ -193,6 +194,16 @@ def test_scan_matches_loop(helpers):
     loop = helpers["scan_to_loop"](scan, helpers["tiny_config"](scan_layers=False))
     batch = helpers["make_batch"](seed=9)
     np.testing.assert_allclose(helpers["forward"](scan, batch), helpers["forward"](loop, batch), atol=1e-6)
+    # gradients too: the loop runs each layer as one jitted function called per layer (both towers)
+    inputs = tuple(jnp.asarray(batch[k]) for k in helpers["batch_keys"])
+    targets = jnp.asarray(np.roll(batch["tokens"], -1, axis=1))
+    (ls, gs), (ll, gl) = _loss_and_grads(scan, inputs, targets), _loss_and_grads(loop, inputs, targets)
+    np.testing.assert_allclose(ll, ls, rtol=1e-6)
+    gl = params_in_layout(nnx.to_pure_dict(nnx.State(gl).filter(nnx.Param)), scan=True)
+    gs = nnx.to_pure_dict(nnx.State(gs).filter(nnx.Param))
+    for (path, a), (_, b) in zip(sorted(nnx.traversals.flatten_mapping(gs).items()),
+                                 sorted(nnx.traversals.flatten_mapping(gl).items()), strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-6, rtol=1e-5, err_msg=str(path))
 
 
 def _loss_and_grads(module, inputs, targets):
