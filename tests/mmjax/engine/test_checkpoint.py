@@ -155,8 +155,9 @@ def test_different_model_shape_is_refused_and_nothing_is_deleted(runs, tmp_path)
         Trainer(cfg)
     assert "\n" not in str(e.value)
     # the same model with its layers unrolled: the error names the setting that reads the checkpoint
-    unrolled = load_config(DEFAULT_CONFIG, common + ["model.scan_layers=false", f"train.output_dir={tmp_path / 'u'}",
-                                                     f"train.resume={full / 'checkpoints'}", f"train.steps={2 * N + 1}"])
+    unrolled = load_config(DEFAULT_CONFIG, common + [
+        "model.scan_layers=false", f"train.output_dir={tmp_path / 'u'}", f"train.resume={full / 'checkpoints'}",
+        f"train.steps={2 * N + 1}"])
     with pytest.raises(CheckpointError, match=r"its layers are stacked and this run's are unrolled; resume it with "
                                               r"model.scan_layers=true"):
         Trainer(unrolled)
