@@ -111,6 +111,9 @@ class ModelConfig:
     projector: ProjectorConfig = ProjectorConfig()
     compute_dtype: ComputeDtype = "auto"
     param_dtype: ParamDtype = "float32"
+    # true: lax.scan over stacked layers (the shortest compile; what a pipeline needs); false: the layers unrolled,
+    # each one jitted function called per layer (no stacked residuals copied in and out: a faster training step,
+    # a longer compile; docs/perf/train.md). Checkpoints keep the layers in the form the run used.
     scan_layers: bool = True
     remat: RematPolicy = "none"
     # "fp8": the decoder layers' training matmuls round their inputs to e4m3 and gradients to e5m2 (per-tensor
