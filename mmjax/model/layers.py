@@ -259,8 +259,9 @@ def run_stack(layers, body: Callable, carry, xs=None, *, scan: bool, remat_polic
         step = remat(lambda c, px: pure(graphdef, px[0], c, px[1]), remat_policy, prevent_cse=False)
         return jax.lax.scan(step, carry, (params, xs))
     ys = []
-    step = jax.jit(remat(pure, remat_policy, static_argnums=(0,)) if remat_policy != "none" else pure,
-                   static_argnums=(0,))
+    # One jitted function for every layer (their graphdefs are equal): jax traces and lowers the layer once, not
+    # once per layer, and XLA inlines the calls into one unrolled program (docs/perf/train.md, "Unrolled layers").
+    step = jax.jit(remat(pure, remat_policy, static_argnums=(0,)), static_argnums=(0,))
     for i, layer in enumerate(layers):
         graphdef, params = nnx.split(layer)
         x_i = None if xs is None else jax.tree.map(lambda a, i=i: a[i], xs)

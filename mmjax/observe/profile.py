@@ -178,13 +178,16 @@ def find_trace_file(trace_dir: str | Path) -> Path | None:
     return max(files, key=lambda p: p.stat().st_mtime) if files else None
 
 
+def _trace_events(path: Path) -> list[dict[str, Any]]:
+    with gzip.open(path, "rt") as f:
+        return json.load(f).get("traceEvents", [])
+
+
 def summarize_trace(trace_dir: str | Path, steps: int = 1, top: int = 15) -> dict[str, Any]:
     path = find_trace_file(trace_dir)
     if path is None:
         return {"steps": steps, "devices": [], "error": f"no *.trace.json.gz under {trace_dir}"}
-    with gzip.open(path, "rt") as f:
-        trace = json.load(f)
-    summary = summarize_events(trace.get("traceEvents", []), steps=steps, top=top)
+    summary = summarize_events(_trace_events(path), steps=steps, top=top)
     summary["trace_file"] = str(path)
     if not summary["devices"]:
         summary["note"] = "no device kernel events in the trace (CPU backend, or the device tracer was off)"
@@ -221,9 +224,7 @@ def summarize_host_trace(trace_dir: str | Path, top: int = 30) -> dict[str, Any]
     path = find_trace_file(trace_dir)
     if path is None:
         return {"phases": [], "python": [], "error": f"no *.trace.json.gz under {trace_dir}"}
-    with gzip.open(path, "rt") as f:
-        trace = json.load(f)
-    return {**summarize_host_events(trace.get("traceEvents", []), top=top), "trace_file": str(path)}
+    return {**summarize_host_events(_trace_events(path), top=top), "trace_file": str(path)}
 
 
 class Profiler:
