@@ -180,7 +180,7 @@ def format_result(r: dict[str, Any]) -> str:
         f"peak memory       {mem / 2**30:.1f} GiB" if mem else "peak memory       n/a",
     ]
     if phases := (r.get("compile_profile") or {}).get("phases"):
-        lines.append("compile phases (nested: a phase's time includes its children's)")
+        lines.append("compile phases (summed over the compiler's threads; a phase includes its children)")
         for ph in phases[:20]:
             lines.append(f"  {ph['total_ms'] / 1e3:7.2f} s  {ph['count']:5d}x  {ph['name'][:90]}")
     p = r.get("profile")

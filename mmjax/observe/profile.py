@@ -199,8 +199,9 @@ def summarize_host_events(events: Sequence[dict[str, Any]], top: int = 30) -> di
 
     XLA's compiler marks its phases (`GpuCompiler::RunHloPasses`, autotuning, kernel compilation, ...) and jax's
     Python tracer marks frames (names starting with `$`); the two are ranked apart. Phases nest, so totals of a
-    parent include its children; `count` separates one long phase from many short ones (a kernel compiled once
-    per call site, say)."""
+    parent include its children, and they add up over threads (XLA compiles kernels in parallel), so they can
+    exceed the wall time; `count` separates one long phase from many short ones (a kernel compiled once per call
+    site, say)."""
     processes = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in events
                  if e.get("ph") == "M" and e.get("name") == "process_name"}
     host = {pid for pid, name in processes.items() if not DEVICE_PROCESS.search(name)}
