@@ -82,10 +82,10 @@ def run_train_bench(cfg: Config, *, steps: int = 20, warmup: int = 3, profile_st
     host = synthetic_batch(cfg, cfg.train.global_batch_size, cfg.train.seed)
     batch = to_global_batch(host, mesh)
 
-    compile_trace = Path(out_dir or "/tmp/mmjax_bench") / "compile_profile"
     start = time.perf_counter()
     lowered = step_fn.lower(state, batch)
     lower_s = time.perf_counter() - start
+    compile_trace = Path(out_dir or "/tmp/mmjax_bench") / "compile_profile"
     if profile_compile:  # the Python tracer off: its events would crowd the compiler's phases out of the trace
         options = jax.profiler.ProfileOptions()
         options.python_tracer_level = 0

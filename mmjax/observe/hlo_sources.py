@@ -34,6 +34,12 @@ class Fusion:
     sources: Counter = field(default_factory=Counter)   # "file:line (function)" of those ops, by count
 
 
+    def described(self) -> dict:
+        """Its most frequent fused ops and source lines, as a report row gives them."""
+        return {"ops": [op for op, _ in self.op_names.most_common(6)],
+                "sources": [src for src, _ in self.sources.most_common(3)]}
+
+
 def kernel_name(instruction: str) -> str:
     """The name a GPU profile gives the kernel of an HLO fusion instruction (dots become underscores)."""
     return instruction.replace(".", "_")
@@ -125,6 +131,5 @@ def kernel_sources(top_kernels: list[dict], fusions: dict[str, Fusion], steps: i
     for k in top_kernels:
         fusion = fusions.get(k["name"])
         rows.append({"kernel": k["name"], "ms_per_step": k["total_ms"] / steps, "per_step": k["count"] / steps,
-                     "ops": [op for op, _ in fusion.op_names.most_common(6)] if fusion else [],
-                     "sources": [src for src, _ in fusion.sources.most_common(3)] if fusion else []})
+                     **(fusion.described() if fusion else {"ops": [], "sources": []})})
     return rows

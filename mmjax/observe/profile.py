@@ -194,12 +194,12 @@ def summarize_trace(trace_dir: str | Path, steps: int = 1, top: int = 15) -> dic
     return summary
 
 
-def summarize_host_events(events: Sequence[dict[str, Any]], top: int = 30) -> dict[str, Any]:
+def summarize_host_events(events: Sequence[dict[str, Any]], top: int = 30) -> list[dict[str, Any]]:
     """Host-side time by event name (every non-device process): what a traced compilation spent its time on.
 
-    XLA's compiler marks its phases (`GpuCompiler::RunHloPasses`, autotuning, kernel compilation, ...) and jax's
-    Python tracer marks frames (names starting with `$`); the two are ranked apart. Phases nest, so totals of a
-    parent include its children, and they add up over threads (XLA compiles kernels in parallel), so they can
+    XLA's compiler marks its phases (`GpuCompiler::RunHloPasses`, autotuning, kernel compilation, ...); jax's
+    Python tracer frames (names starting with `$`), if the trace has them, are left out. Phases nest, so totals of
+    a parent include its children, and they add up over threads (XLA compiles kernels in parallel), so they can
     exceed the wall time; `count` separates one long phase from many short ones (a kernel compiled once per call
     site, say)."""
     processes = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in events
@@ -207,25 +207,20 @@ def summarize_host_events(events: Sequence[dict[str, Any]], top: int = 30) -> di
     host = {pid for pid, name in processes.items() if not DEVICE_PROCESS.search(name)}
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in events:
-        if e.get("ph") == "X" and e.get("pid") in host:
-            entry = totals[str(e.get("name", ""))]
-            entry[0] += float(e.get("dur", 0))
-            entry[1] += 1
-
-    def ranked(python: bool) -> list[dict[str, Any]]:
-        rows = [(k, v) for k, v in totals.items() if k.startswith("$") == python]
-        return [{"name": k[:160], "total_ms": v[0] / 1e3, "count": int(v[1])}
-                for k, v in sorted(rows, key=lambda kv: -kv[1][0])[:top]]
-
-    return {"phases": ranked(False), "python": ranked(True)}
+        name = str(e.get("name", ""))
+        if e.get("ph") == "X" and e.get("pid") in host and not name.startswith("$"):
+            totals[name][0] += float(e.get("dur", 0))
+            totals[name][1] += 1
+    return [{"name": k[:160], "total_ms": v[0] / 1e3, "count": int(v[1])}
+            for k, v in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
 def summarize_host_trace(trace_dir: str | Path, top: int = 30) -> dict[str, Any]:
     """`summarize_host_events` of the newest trace under `trace_dir`."""
     path = find_trace_file(trace_dir)
     if path is None:
-        return {"phases": [], "python": [], "error": f"no *.trace.json.gz under {trace_dir}"}
-    return {**summarize_host_events(_trace_events(path), top=top), "trace_file": str(path)}
+        return {"phases": [], "error": f"no *.trace.json.gz under {trace_dir}"}
+    return {"phases": summarize_host_events(_trace_events(path), top=top), "trace_file": str(path)}
 
 
 class Profiler:

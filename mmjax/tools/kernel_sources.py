@@ -93,9 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             steps = max(int(profile.get("steps") or 1), 1)
             report[label] = kernel_sources(profile["devices"][0]["top_kernels"], fusions, steps)
     else:
-        report["hlo"] = [{"kernel": f.kernel, "ops": [op for op, _ in f.op_names.most_common(6)],
-                          "sources": [s for s, _ in f.sources.most_common(3)]} for f in sorted(
-                              fusions.values(), key=lambda f: f.kernel)]
+        report["hlo"] = [{"kernel": f.kernel, **f.described()}
+                         for f in sorted(fusions.values(), key=lambda f: f.kernel)]
     for label, rows in report.items():
         print(f"\n{label}\n\n{_table(rows)}")
     if args.out:

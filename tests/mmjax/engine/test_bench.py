@@ -26,6 +26,7 @@ def test_bench_trains_text_only_and_reports(tmp_path):
     assert r["profile"]["first_step"] == 5 and r["profile"]["devices"] == []  # CPU: no device kernels
     phases = {p["name"]: p for p in r["compile_profile"]["phases"]}  # the compiler's own phases, ranked
     assert any("Compile" in name for name in phases) and all(p["total_ms"] >= 0 for p in phases.values())
+    assert not [name for name in phases if name.startswith("$")]  # Python frames are not compiler phases
     assert 0 < r["lower_s"] <= r["compile_s"]
     hlo = (tmp_path / "step.hlo.txt").read_text()  # the optimized step
     assert r["hlo_file"] == str(tmp_path / "step.hlo.txt") and hlo.startswith("HloModule") and "ENTRY" in hlo
