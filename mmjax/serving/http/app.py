@@ -284,10 +284,10 @@ class _Generation:
                 self.logprobs[i].append((decode([lp.token]), float(lp.logprob),
                                          [(decode([a]), float(b)) for a, b in zip(lp.top_ids, lp.top_logprobs)]))
         self.post_s[i] += time.perf_counter() - t0
+        self.metrics[i] = out.metrics  # the latest, so a choice the client abandons still logs its timings
         if out.finished:
             self.done[i] = True
             self.finish[i] = out.finish_reason
-            self.metrics[i] = out.metrics
         return i
 
     def _num_logprobs(self) -> int | None:
