@@ -123,6 +123,10 @@ class ModelConfig:
     attention_impl: str = "auto"
     norm_impl: str = "auto"        # kernels.rms_norm / layer_norm: auto | pallas | triton | xla
     loss_impl: str = "auto"        # kernels.linear_cross_entropy: auto | chunked | xla
+    # tokens per chunk of the chunked cross-entropy; 0: as many as fit its float32 temporaries' budget
+    # (kernels.cross_entropy.CHUNK_BYTES). Larger chunks: fewer passes over the float32 LM-head weight-gradient
+    # sum, more memory for the [chunk, vocab] temporaries.
+    loss_chunk_tokens: int = 0
     activation_impl: str = "auto"  # kernels.bias_gelu (ViT MLP, projector): auto | triton | pallas | xla
     swiglu_impl: str = "auto"      # kernels.swiglu (decoder MLP): auto | pallas | xla
     text_only: bool = False  # decoder only: no vision tower or projector; batches carry no images
@@ -601,6 +605,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(msg)
 
     check_kernel_choices(m)
+    need(m.loss_chunk_tokens >= 0, f"model.loss_chunk_tokens must be >= 0 (0: automatic), got {m.loss_chunk_tokens}")
     for name, value in [("model.text.dim", t.dim), ("model.text.n_layers", t.n_layers),
                         ("model.text.n_heads", t.n_heads), ("model.text.n_kv_heads", t.n_kv_heads),
                         ("model.text.mlp_dim", t.mlp_dim), ("model.vision.dim", v.dim),

@@ -92,7 +92,8 @@ def make_pipeline_loss(cfg, mesh, shardings: ShardingPlan) -> LossFn:
         layers_gd, layers_state = nnx.split(dec.layers)
         norm_gd, norm_state = nnx.split(dec.final_norm)
         w, layout = dec.output_matrix()
-        loss_impl = getattr(getattr(model, "cfg", None), "loss_impl", "xla")
+        cfg = getattr(model, "cfg", None)
+        loss_impl, chunk = getattr(cfg, "loss_impl", "xla"), getattr(cfg, "loss_chunk_tokens", 0) or None
 
         def stage_fn(pc, h, side):
             positions, segment_ids, block_ids = side
@@ -112,7 +113,8 @@ def make_pipeline_loss(cfg, mesh, shardings: ShardingPlan) -> LossFn:
             hidden = nnx.merge(norm_gd, hp["norm"])(h)
             count = jnp.sum(mask)
             if loss_impl != "xla":  # the fused linear cross-entropy, as in loss_sums: no [b, s, vocab] logits
-                total = kernels.linear_cross_entropy(hidden, hp["w"], targets, mask, w_layout=layout, impl=loss_impl)
+                total = kernels.linear_cross_entropy(hidden, hp["w"], targets, mask, w_layout=layout, impl=loss_impl,
+                                                     chunk=chunk)
                 return total, count
             spec = "bse,ve->bsv" if layout == "ve" else "bse,ev->bsv"
             logits = jnp.einsum(spec, hidden, hp["w"].astype(dec.compute_dtype), preferred_element_type=jnp.float32)

@@ -22,7 +22,8 @@ MODEL_INPUTS = ("tokens", "positions", "segment_ids", "images", "image_valid")
 
 def loss_sums(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
     """(sum of masked token cross-entropies, number of loss tokens); float32 whatever the compute dtype."""
-    loss_impl = getattr(getattr(model, "cfg", None), "loss_impl", "xla")
+    cfg = getattr(model, "cfg", None)
+    loss_impl, chunk = getattr(cfg, "loss_impl", "xla"), getattr(cfg, "loss_chunk_tokens", 0) or None
     # a decoder-only model (model.text_only, e.g. a converted Llama) ignores the loader's empty image slots
     inputs = MODEL_INPUTS[:3] if getattr(model, "text_only", False) else MODEL_INPUTS
     if loss_impl != "xla" and hasattr(model, "hidden"):
@@ -30,7 +31,8 @@ def loss_sums(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
         hidden = model.hidden(*(batch.get(k) for k in inputs))
         w, layout = model.output_matrix()
         mask = batch["loss_mask"].astype(jnp.float32)
-        total = kernels.linear_cross_entropy(hidden, w, batch["targets"], mask, w_layout=layout, impl=loss_impl)
+        total = kernels.linear_cross_entropy(hidden, w, batch["targets"], mask, w_layout=layout, impl=loss_impl,
+                                              chunk=chunk)
         return total, jnp.sum(mask)
     logits = model(*(batch.get(k) for k in inputs))
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])

@@ -285,8 +285,12 @@ def bench_swiglu(rows: list, n=16384, m=8192, dtype=jnp.bfloat16, impls=("pallas
         _run(rows, "swiglu_fwd_bwd", impl, shape, g_fn, (h, None, g), nbytes=8 * y)
 
 
-def bench_cross_entropy(rows: list, n=16384, e=2048, v=128256, dtype=jnp.bfloat16, impls=("chunked", "xla")):
-    """Loss + grads (x, W) at Llama-3 vocab; tied layout [V, E] like the 1B config. Peak = temp + outputs."""
+def bench_cross_entropy(rows: list, n=16384, e=2048, v=128256, dtype=jnp.bfloat16, impls=("chunked", "xla"),
+                        chunks=(1024, 2048)):
+    """Loss + grads (x, W) at Llama-3 vocab; tied layout [V, E] like the 1B config. Peak = temp + outputs.
+
+    `chunked` runs at its automatic chunk and at each of `chunks` tokens (`model.loss_chunk_tokens`): the
+    weight gradient's float32 sum is read and written once per chunk, the temporaries grow with the chunk."""
     from mmjax import kernels
     x = jax.random.normal(jax.random.PRNGKey(7), (n, e), dtype)
     w = (jax.random.normal(jax.random.PRNGKey(8), (v, e), jnp.float32) * 0.02).astype(dtype)
@@ -294,10 +298,12 @@ def bench_cross_entropy(rows: list, n=16384, e=2048, v=128256, dtype=jnp.bfloat1
     weights = jnp.ones((n,), jnp.float32)
     shape = f"N{n} E{e} V{v} {jnp.dtype(dtype).name}"
     flops = 3 * 2 * n * e * v
-    for impl in impls:
-        f = jax.jit(jax.value_and_grad(
-            lambda x, w: kernels.linear_cross_entropy(x, w, labels, weights, w_layout="ve", impl=impl), argnums=(0, 1)))
-        _run(rows, "linear_cross_entropy_fwd_bwd", impl, shape, f, (x, w), flops=flops, mem=True)
+    runs = [(impl, None) for impl in impls] + [("chunked", c) for c in chunks if "chunked" in impls]
+    for impl, chunk in runs:
+        f = jax.jit(jax.value_and_grad(lambda x, w: kernels.linear_cross_entropy(
+            x, w, labels, weights, w_layout="ve", impl=impl, chunk=chunk), argnums=(0, 1)))
+        label = impl if chunk is None else f"{impl} chunk {chunk}"
+        _run(rows, "linear_cross_entropy_fwd_bwd", label, shape, f, (x, w), flops=flops, mem=True)
 
 
 # ----------------------------------------------------------------------------------------------

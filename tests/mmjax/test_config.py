@@ -59,6 +59,7 @@ def test_base_loop_is_an_error(tmp_path):
     ("model.projector.pos_embed=sincos", "model.projector.pos_embed='sincos' is not one of: none, learned"),
     ("model.vision.pos_temperature=1", "model.vision.pos_temperature must be > 1"),
     ("model.swiglu_impl=triton", "model.swiglu_impl='triton' is not one of ('auto', 'pallas', 'xla')"),
+    ("model.loss_chunk_tokens=-512", "model.loss_chunk_tokens must be >= 0 (0: automatic), got -512"),
     ("mesh.data=-1", None),
 ])
 def test_each_error_kind_names_the_key(override, message):
