@@ -20,6 +20,13 @@ from mmjax.kernels.cross_entropy import cross_entropy_reference
 RNG = np.random.default_rng(0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_rng():
+    """Every test draws the same data whichever worker runs it and whatever ran before it."""
+    global RNG
+    RNG = np.random.default_rng(0)
+
+
 def arr(shape, scale=1.0, dtype=jnp.float32):
     return jnp.asarray(RNG.standard_normal(shape) * scale, dtype)
 

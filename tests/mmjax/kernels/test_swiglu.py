@@ -16,6 +16,13 @@ from mmjax.kernels.swiglu import OP, swiglu_reference
 RNG = np.random.default_rng(0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_rng():
+    """Every test draws the same data whichever worker runs it and whatever ran before it."""
+    global RNG
+    RNG = np.random.default_rng(0)
+
+
 def close(a, b, tol):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     np.testing.assert_allclose(a, b, atol=tol * max(1.0, np.abs(b).max()), rtol=tol)
