@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from mmjax import kernels
-from mmjax.engine.steps import MODEL_INPUTS, split_micro_batches
+from mmjax.engine.steps import MODEL_INPUTS, loss_settings, split_micro_batches
 from mmjax.model.decoder import RESIDUAL
 from mmjax.model.layers import run_stack
 from mmjax.parallel.pipeline.executor import AXIS, BatchSplit, pipeline_loss
@@ -92,8 +92,7 @@ def make_pipeline_loss(cfg, mesh, shardings: ShardingPlan) -> LossFn:
         layers_gd, layers_state = nnx.split(dec.layers)
         norm_gd, norm_state = nnx.split(dec.final_norm)
         w, layout = dec.output_matrix()
-        cfg = getattr(model, "cfg", None)
-        loss_impl, chunk = getattr(cfg, "loss_impl", "xla"), getattr(cfg, "loss_chunk_tokens", 0) or None
+        loss_impl, chunk = loss_settings(model)
 
         def stage_fn(pc, h, side):
             positions, segment_ids, block_ids = side

@@ -20,10 +20,15 @@ Batch = dict[str, jax.Array]
 MODEL_INPUTS = ("tokens", "positions", "segment_ids", "images", "image_valid")
 
 
+def loss_settings(model: nnx.Module) -> tuple[str, int | None]:
+    """(model.loss_impl, the cross-entropy's chunk or None for automatic); a model without a config: xla."""
+    cfg = getattr(model, "cfg", None)
+    return getattr(cfg, "loss_impl", "xla"), getattr(cfg, "loss_chunk_tokens", 0) or None
+
+
 def loss_sums(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
     """(sum of masked token cross-entropies, number of loss tokens); float32 whatever the compute dtype."""
-    cfg = getattr(model, "cfg", None)
-    loss_impl, chunk = getattr(cfg, "loss_impl", "xla"), getattr(cfg, "loss_chunk_tokens", 0) or None
+    loss_impl, chunk = loss_settings(model)
     # a decoder-only model (model.text_only, e.g. a converted Llama) ignores the loader's empty image slots
     inputs = MODEL_INPUTS[:3] if getattr(model, "text_only", False) else MODEL_INPUTS
     if loss_impl != "xla" and hasattr(model, "hidden"):
