@@ -17,14 +17,7 @@ from mmjax import kernels
 from mmjax.kernels import _dispatch
 from mmjax.kernels.cross_entropy import cross_entropy_reference
 
-RNG = np.random.default_rng(0)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_rng():
-    """Every test draws the same data whichever worker runs it and whatever ran before it."""
-    global RNG
-    RNG = np.random.default_rng(0)
+RNG = np.random.default_rng(0)  # restarted for every test (conftest.py)
 
 
 def arr(shape, scale=1.0, dtype=jnp.float32):

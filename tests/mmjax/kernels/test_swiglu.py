@@ -13,14 +13,7 @@ import pytest
 from mmjax import kernels
 from mmjax.kernels.swiglu import OP, swiglu_reference
 
-RNG = np.random.default_rng(0)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_rng():
-    """Every test draws the same data whichever worker runs it and whatever ran before it."""
-    global RNG
-    RNG = np.random.default_rng(0)
+RNG = np.random.default_rng(0)  # restarted for every test (conftest.py)
 
 
 def close(a, b, tol):
