@@ -33,6 +33,17 @@ REMOVED_KEYS = {
 }
 
 
+def need(ok: bool, msg: str) -> None:
+    """Raise `ConfigError(msg)` unless `ok`: the one-line check each section's `validate` is written in."""
+    if not ok:
+        raise ConfigError(msg)
+
+
+def need_positive(pairs: list[tuple[str, int | float]]) -> None:
+    for name, value in pairs:
+        need(value > 0, f"{name} must be positive, got {value}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TextConfig:
     """Llama-style decoder."""
@@ -57,6 +68,21 @@ class TextConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.dim // self.n_heads
+
+    def validate(self) -> None:
+        need_positive([("model.text.dim", self.dim), ("model.text.n_layers", self.n_layers),
+                       ("model.text.n_heads", self.n_heads), ("model.text.n_kv_heads", self.n_kv_heads),
+                       ("model.text.mlp_dim", self.mlp_dim)])
+        need(self.n_heads % self.n_kv_heads == 0,
+             f"model.text.n_heads={self.n_heads} must be a multiple of model.text.n_kv_heads={self.n_kv_heads}")
+        need(self.head_dim > 0 or self.dim % self.n_heads == 0,
+             f"model.text.dim={self.dim} is not divisible by model.text.n_heads={self.n_heads}; "
+             "set model.text.head_dim")
+        need(self.resolved_head_dim % 2 == 0, f"RoPE needs an even head dim, got {self.resolved_head_dim}")
+        need(self.rope_scaling == "none"
+             or (self.rope_factor > 0 and self.rope_high_freq_factor > self.rope_low_freq_factor > 0),
+             "model.text.rope_scaling=llama3 needs rope_factor > 0 and "
+             "rope_high_freq_factor > rope_low_freq_factor > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +114,22 @@ class VisionConfig:
     @property
     def num_patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2
+
+    def validate(self) -> None:
+        need_positive([("model.vision.dim", self.dim), ("model.vision.n_layers", self.n_layers),
+                       ("model.vision.n_heads", self.n_heads), ("model.vision.mlp_dim", self.mlp_dim)])
+        need(self.dim % self.n_heads == 0,
+             f"model.vision.dim={self.dim} is not divisible by model.vision.n_heads={self.n_heads}")
+        need(self.pos_temperature > 1.0,
+             f"model.vision.pos_temperature must be > 1 (1 makes every sincos2d frequency the same), "
+             f"got {self.pos_temperature}")
+        need(self.pos_embed != "sincos2d" or self.dim % 4 == 0,
+             f"model.vision.pos_embed=sincos2d needs model.vision.dim divisible by 4, got {self.dim}")
+        need(self.image_size % self.patch_size == 0,
+             f"model.vision.image_size={self.image_size} is not a multiple of "
+             f"model.vision.patch_size={self.patch_size}")
+        need(len(self.mean) == self.channels and len(self.std) == self.channels,
+             f"model.vision.mean/std need {self.channels} values (one per channel)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +184,20 @@ class ModelConfig:
         """Placeholder tokens one image fills in the text sequence."""
         return self.vision.num_patches
 
+    def validate(self, cfg: Config) -> None:
+        """Shapes only: whether a model.*_impl kernel can run on this machine is checked where the model is
+        built (`mmjax.model.kernel_choices`), since asking needs the kernels."""
+        need(self.loss_chunk_tokens >= 0,
+             f"model.loss_chunk_tokens must be >= 0 (0: automatic), got {self.loss_chunk_tokens}")
+        need_positive([("model.vocab_size", self.vocab_size), ("model.max_seq_len", self.max_seq_len)])
+        need(self.init_from == "" or (self.init_from.startswith("hf:") and len(self.init_from) > 3),
+             f"model.init_from={self.init_from!r} must be empty or hf:PATH (a local Hugging Face model folder)")
+        self.text.validate()
+        self.vision.validate()
+        need(self.text_only or cfg.data.max_images * self.image_tokens < self.max_seq_len,
+             f"model.max_seq_len={self.max_seq_len} cannot hold data.max_images={cfg.data.max_images} images of "
+             f"{self.image_tokens} tokens each plus text; raise model.max_seq_len or model.vision.patch_size")
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
@@ -157,6 +213,16 @@ class MeshConfig:
     dcn_data: int = 1
     dcn_fsdp: int = 1
     dcn_pipeline: int = 1  # how many of `pipeline`'s stages sit on different nodes/slices (stage hops cross DCN)
+
+    def validate(self, cfg: Config) -> None:
+        """Sizes only: against the device count in `mmjax.parallel.mesh`, against the pipeline planner in
+        `mmjax.training.pipeline` (both know what this module does not)."""
+        sizes = {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("dcn_")}
+        need(min(self.dcn_data, self.dcn_fsdp, self.dcn_pipeline) >= 1,
+             "mesh.dcn_data, mesh.dcn_fsdp and mesh.dcn_pipeline must be >= 1")
+        need(list(sizes.values()).count(-1) <= 1,
+             f"at most one mesh axis may be -1 (the rest of the devices), got {sizes}")
+        need(all(s == -1 or s > 0 for s in sizes.values()), f"mesh sizes must be positive or -1, got {sizes}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +252,15 @@ class ParallelConfig:
     # from fragmenting the pool. An allocator setting already in the environment wins.
     gpu_memory_fraction: float = 0.9
 
+    def validate(self, cfg: Config) -> None:
+        need(0.0 <= self.gpu_memory_fraction <= 1.0,
+             f"parallel.gpu_memory_fraction={self.gpu_memory_fraction} must be in (0, 1], or 0 for JAX's default")
+        axes = ("data", "fsdp", "pipeline", "sequence", "tensor")
+        for key, target in self.rules.items():
+            targets = target if isinstance(target, list) else [] if target is None else [target]
+            need(all(isinstance(a, str) and a in axes for a in targets),
+                 f"parallel.rules.{key}={target!r}: map a logical axis to null, one of {axes}, or a list of them")
+
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
@@ -197,6 +272,9 @@ class DistributedConfig:
     process_id: int = -1  # -1 = auto-detected
     cpu_collectives: Literal["gloo", "mpi"] = "gloo"  # CPU cross-process collectives
     initialization_timeout: int = 300  # seconds to wait for every process to join
+
+    def validate(self, cfg: Config) -> None:
+        """Nothing to check before `jax.distributed` runs: it names a bad address or process count itself."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +315,26 @@ class DataConfig:
     image_buckets: tuple[int, ...] = ()  # image slots per row; data.max_images is always one
     bucket_max_wait: int = 16  # batches' worth of examples a queued example waits before its batch is closed
 
+    def validate(self, cfg: Config) -> None:
+        need_positive([("data.num_shards", self.num_shards)])
+        need(self.num_workers >= 0, "data.num_workers must be >= 0")
+        need(self.source == "builtin" or bool(self.paths),
+             f"data.source={self.source} needs data.paths (files, directories, globs or fsspec URLs)")
+        need(self.source == "builtin" or bool(self.tokenizer),
+             f"data.source={self.source} needs data.tokenizer (path to the model's tokenizer.json; train one with "
+             "python -m mmjax.tools.train_tokenizer)")
+        need(0.0 <= self.max_skip_fraction <= 1.0, "data.max_skip_fraction must be within [0, 1]")
+        need(self.shuffle_window >= 0, "data.shuffle_window must be >= 0 (0 = global shuffle)")
+        need(self.pack_lookahead >= 0, "data.pack_lookahead must be >= 0")
+        need(self.remote_cache_shards >= 1, "data.remote_cache_shards must be >= 1")
+        max_len = cfg.model.max_seq_len
+        need(self.pad_to_multiple >= 1 and max_len % self.pad_to_multiple == 0,
+             f"data.pad_to_multiple={self.pad_to_multiple} must be >= 1 and divide model.max_seq_len={max_len}")
+        validate_buckets(cfg)
+        need(self.image_tiles == 0 or (self.image_tiles >= 2 and self.max_images >= 1 + self.image_tiles**2),
+             f"data.image_tiles={self.image_tiles} must be 0 (off) or >= 2 with data.max_images >= "
+             f"{1 + max(self.image_tiles, 2) ** 2} (a thumbnail + g x g tile slots per image)")
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -255,6 +353,11 @@ class OptimConfig:
     loss_scale_growth_interval: int = 1000
     loss_scale_factor: float = 2.0
 
+    def validate(self, cfg: Config) -> None:
+        need(self.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+        need(self.schedule_steps >= 0, "optim.schedule_steps must be >= 0 (0 = train.steps)")
+        need(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio must be within [0, 1]")
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -268,10 +371,22 @@ class TrainConfig:
     # checkpoint.dir; a path: a checkpoint folder (or one step folder in it), e.g. from another run.
     resume: str | int = "auto"
 
+    def validate(self, cfg: Config) -> None:
+        need_positive([("train.steps", self.steps), ("train.global_batch_size", self.global_batch_size),
+                       ("train.grad_accum_steps", self.grad_accum_steps)])
+        need(self.global_batch_size % self.grad_accum_steps == 0,
+             f"train.global_batch_size={self.global_batch_size} is not divisible by "
+             f"train.grad_accum_steps={self.grad_accum_steps}")
+        resume = self.resume
+        need(not isinstance(resume, int) or resume >= 0,
+             f"train.resume={resume} must be auto, never, a step >= 0 or a checkpoint path")
+        need(isinstance(resume, int) or resume.strip() != "",
+             "train.resume is empty; use auto, never, a step number or a checkpoint path")
+
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """Orbax checkpoints of the full train state + data iterator (mmjax.engine.checkpoint)."""
+    """Orbax checkpoints of the full train state + data iterator (mmjax.checkpoint.orbax_state)."""
 
     enabled: bool = True
     dir: str = ""  # "" = <train.output_dir>/checkpoints
@@ -284,6 +399,12 @@ class CheckpointConfig:
     # the train state)
     device_snapshot: bool = True
 
+    def validate(self, cfg: Config) -> None:
+        for name, value in [("checkpoint.every_steps", self.every_steps), ("checkpoint.keep", self.keep),
+                            ("checkpoint.keep_every", self.keep_every)]:
+            need(value >= 0,
+                 f"{name} must be >= 0 (0 = {'only at the end' if 'every_steps' in name else 'off'}), got {value}")
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
@@ -291,6 +412,10 @@ class EvalConfig:
     num_examples: int = 500  # held-out examples scored at most (all of them when the eval set is smaller)
     batch_size: int = 100
     max_new_tokens: int = 8
+
+    def validate(self, cfg: Config) -> None:
+        need_positive([("eval.batch_size", self.batch_size)])
+        need(self.num_examples > 0, f"eval.num_examples must be positive, got {self.num_examples}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +437,17 @@ class ObserveConfig:
     startup_timeout_s: float = 300.0  # report what start-up waits for (devices, first batch, compile) after this
     profile_steps: tuple[tuple[int, ...], ...] = ()  # [[first, last], ...] step ranges traced with jax.profiler
 
+    def validate(self, cfg: Config) -> None:
+        need_positive([("observe.log_every", self.log_every)])
+        need(0 <= self.prometheus_port < 65536, f"observe.prometheus_port={self.prometheus_port} is not a TCP port")
+        need(self.step_time_window > 0, "observe.step_time_window must be positive")
+        need(self.watchdog_timeout_s >= 0 and self.startup_timeout_s >= 0,
+             "observe.watchdog_timeout_s and observe.startup_timeout_s must be >= 0 (0 = off)")
+        for r in self.profile_steps:
+            need(len(r) == 2 and 1 <= r[0] <= r[1],
+                 f"observe.profile_steps entry {list(r)} must be [first, last] with 1 <= first <= last, "
+                 "e.g. [[10, 12]]")
+
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
@@ -325,6 +461,11 @@ class SpeculativeConfig:
     ngram_min: int = 1
     draft_checkpoint: str = ""  # draft: an mmjax checkpoint (same tokenizer), served text-only
     draft_overrides: tuple[str, ...] = ()  # draft: dotted config overrides for loading it
+
+    def validate(self) -> None:
+        need(1 <= self.num_tokens <= 16, f"serve.speculative.num_tokens={self.num_tokens} must be in [1, 16]")
+        need(1 <= self.ngram_min <= self.ngram_max, f"serve.speculative.ngram_min={self.ngram_min} / ngram_max="
+             f"{self.ngram_max}: need 1 <= ngram_min <= ngram_max")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,6 +512,35 @@ class ServeConfig:
     unroll_layers: bool = True
     speculative: SpeculativeConfig = SpeculativeConfig()
 
+    def validate(self, cfg: Config) -> None:
+        self.check(cfg.model.max_seq_len)
+
+    def check(self, model_max_len: int) -> None:
+        """serve.* ranges, for a model of `model_max_len` (the engine calls this for a ServeConfig built in code)."""
+        for name in ("page_size", "max_num_batched_tokens", "max_num_seqs", "min_token_bucket", "min_slot_bucket",
+                     "image_cache_size"):
+            need(getattr(self, name) >= 1, f"serve.{name} must be >= 1, got {getattr(self, name)}")
+        need(self.page_size & (self.page_size - 1) == 0, f"serve.page_size={self.page_size} must be a power of two")
+        need(self.num_pages >= 2, f"serve.num_pages={self.num_pages} must be >= 2 (page 0 is the reserved null page)")
+        need(self.max_model_len == 0 or self.max_model_len >= 2,
+             f"serve.max_model_len={self.max_model_len} must be 0 (= model.max_seq_len) or >= 2")
+        need(self.max_model_len <= model_max_len,
+             f"serve.max_model_len={self.max_model_len} exceeds model.max_seq_len={model_max_len}; lower it or use 0")
+        need(self.long_prefill_token_threshold >= 0, "serve.long_prefill_token_threshold must be >= 0 (0 = off)")
+        need(0 <= self.max_logprobs <= 20, f"serve.max_logprobs={self.max_logprobs} must be in [0, 20]")
+        need(0 <= self.max_beam_width <= 16, f"serve.max_beam_width={self.max_beam_width} must be in [0, 16]")
+        need(1 <= self.decode_steps <= 64, f"serve.decode_steps={self.decode_steps} must be in [1, 64]")
+        self.speculative.validate()
+        need(self.max_num_seqs <= self.max_num_batched_tokens,
+             f"serve.max_num_seqs={self.max_num_seqs} must be <= "
+             f"serve.max_num_batched_tokens={self.max_num_batched_tokens} "
+             "(each running sequence takes at least one token of a step)")
+        need(0 <= self.port <= 65535, f"serve.port={self.port} must be in [0, 65535]")
+        for name in ("token_budget", "max_queue_wait_s", "interactive_ttft_s", "drain_timeout_s",
+                     "max_images_per_request"):
+            need(getattr(self, name) >= 0, f"serve.{name} must be >= 0, got {getattr(self, name)}")
+        need(self.max_queue_len >= 1, f"serve.max_queue_len={self.max_queue_len} must be >= 1 (the queue is bounded)")
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -385,6 +555,11 @@ class Config:
     observe: ObserveConfig = ObserveConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     serve: ServeConfig = ServeConfig()
+
+    def validate(self) -> None:
+        """Every section checks itself (and the other sections' keys it depends on); the first failure names its key."""
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate(self)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -576,128 +751,13 @@ def to_yaml(cfg: Config) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Cross-field validation (device-count checks live in mmjax.parallel.mesh, which knows the devices)
-
-
-# model.<key> -> the kernels.OPS entry it names an implementation of (its registry is the list of choices)
-KERNEL_KEYS = {"attention_impl": "attention", "norm_impl": "norm", "loss_impl": "cross_entropy",
-               "activation_impl": "bias_gelu", "swiglu_impl": "swiglu"}
-
-
-def check_kernel_choices(m: ModelConfig) -> None:
-    """Each model.*_impl names a registered implementation that can run here (`auto` always can)."""
-    from mmjax import kernels  # local: kernels imports jax, config stays importable without it
-    for key, op_name in KERNEL_KEYS.items():
-        op, value = kernels.OPS[op_name], getattr(m, key)
-        choices = ("auto", *op.available())
-        if value not in choices:
-            raise ConfigError(f"model.{key}={value!r} is not one of {choices}")
-        reason = op.unsupported_here(value, m.compute_dtype)
-        if reason is not None:
-            raise ConfigError(f"model.{key}={value} cannot run on this machine: {reason}; use auto")
+# Validation: each section's `validate` above; the device count is checked in mmjax.parallel.mesh, kernel choices
+# where the model is built (mmjax.model.kernel_choices), a pipeline plan in mmjax.training.pipeline.
 
 
 def validate(cfg: Config) -> None:
-    m, t, v = cfg.model, cfg.model.text, cfg.model.vision
-
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ConfigError(msg)
-
-    check_kernel_choices(m)
-    need(m.loss_chunk_tokens >= 0, f"model.loss_chunk_tokens must be >= 0 (0: automatic), got {m.loss_chunk_tokens}")
-    for name, value in [("model.text.dim", t.dim), ("model.text.n_layers", t.n_layers),
-                        ("model.text.n_heads", t.n_heads), ("model.text.n_kv_heads", t.n_kv_heads),
-                        ("model.text.mlp_dim", t.mlp_dim), ("model.vision.dim", v.dim),
-                        ("model.vision.n_layers", v.n_layers), ("model.vision.n_heads", v.n_heads),
-                        ("model.vision.mlp_dim", v.mlp_dim), ("model.vocab_size", m.vocab_size),
-                        ("model.max_seq_len", m.max_seq_len), ("train.steps", cfg.train.steps),
-                        ("train.global_batch_size", cfg.train.global_batch_size),
-                        ("train.grad_accum_steps", cfg.train.grad_accum_steps),
-                        ("observe.log_every", cfg.observe.log_every),
-                        ("eval.batch_size", cfg.eval.batch_size), ("data.num_shards", cfg.data.num_shards)]:
-        need(value > 0, f"{name} must be positive, got {value}")
-    need(m.init_from == "" or (m.init_from.startswith("hf:") and len(m.init_from) > 3),
-         f"model.init_from={m.init_from!r} must be empty or hf:PATH (a local Hugging Face model folder)")
-    need(t.n_heads % t.n_kv_heads == 0,
-         f"model.text.n_heads={t.n_heads} must be a multiple of model.text.n_kv_heads={t.n_kv_heads}")
-    need(t.head_dim > 0 or t.dim % t.n_heads == 0,
-         f"model.text.dim={t.dim} is not divisible by model.text.n_heads={t.n_heads}; set model.text.head_dim")
-    need(t.resolved_head_dim % 2 == 0, f"RoPE needs an even head dim, got {t.resolved_head_dim}")
-    need(t.rope_scaling == "none" or (t.rope_factor > 0 and t.rope_high_freq_factor > t.rope_low_freq_factor > 0),
-         "model.text.rope_scaling=llama3 needs rope_factor > 0 and rope_high_freq_factor > rope_low_freq_factor > 0")
-    need(v.dim % v.n_heads == 0, f"model.vision.dim={v.dim} is not divisible by model.vision.n_heads={v.n_heads}")
-    need(v.pos_temperature > 1.0,
-         f"model.vision.pos_temperature must be > 1 (1 makes every sincos2d frequency the same), "
-         f"got {v.pos_temperature}")
-    need(v.pos_embed != "sincos2d" or v.dim % 4 == 0,
-         f"model.vision.pos_embed=sincos2d needs model.vision.dim divisible by 4, got {v.dim}")
-    need(v.image_size % v.patch_size == 0,
-         f"model.vision.image_size={v.image_size} is not a multiple of model.vision.patch_size={v.patch_size}")
-    need(len(v.mean) == v.channels and len(v.std) == v.channels,
-         f"model.vision.mean/std need {v.channels} values (one per channel)")
-    need(m.text_only or cfg.data.max_images * m.image_tokens < m.max_seq_len,
-         f"model.max_seq_len={m.max_seq_len} cannot hold data.max_images={cfg.data.max_images} images of "
-         f"{m.image_tokens} tokens each plus text; raise model.max_seq_len or model.vision.patch_size")
-    o = cfg.observe
-    need(0 <= o.prometheus_port < 65536, f"observe.prometheus_port={o.prometheus_port} is not a TCP port")
-    need(o.step_time_window > 0, "observe.step_time_window must be positive")
-    need(o.watchdog_timeout_s >= 0 and o.startup_timeout_s >= 0,
-         "observe.watchdog_timeout_s and observe.startup_timeout_s must be >= 0 (0 = off)")
-    for r in o.profile_steps:
-        need(len(r) == 2 and 1 <= r[0] <= r[1],
-             f"observe.profile_steps entry {list(r)} must be [first, last] with 1 <= first <= last, e.g. [[10, 12]]")
-    need(cfg.optim.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
-    need(cfg.optim.schedule_steps >= 0, "optim.schedule_steps must be >= 0 (0 = train.steps)")
-    need(0.0 <= cfg.optim.min_lr_ratio <= 1.0, "optim.min_lr_ratio must be within [0, 1]")
-    need(cfg.train.global_batch_size % cfg.train.grad_accum_steps == 0,
-         f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
-         f"train.grad_accum_steps={cfg.train.grad_accum_steps}")
-    need(cfg.eval.num_examples > 0, f"eval.num_examples must be positive, got {cfg.eval.num_examples}")
-    need(cfg.data.num_workers >= 0, "data.num_workers must be >= 0")
-    d = cfg.data
-    need(d.source == "builtin" or bool(d.paths),
-         f"data.source={d.source} needs data.paths (files, directories, globs or fsspec URLs)")
-    need(d.source == "builtin" or bool(d.tokenizer),
-         f"data.source={d.source} needs data.tokenizer (path to the model's tokenizer.json; train one with "
-         "python -m mmjax.tools.train_tokenizer)")
-    need(0.0 <= d.max_skip_fraction <= 1.0, "data.max_skip_fraction must be within [0, 1]")
-    need(d.shuffle_window >= 0, "data.shuffle_window must be >= 0 (0 = global shuffle)")
-    need(d.pack_lookahead >= 0, "data.pack_lookahead must be >= 0")
-    need(d.remote_cache_shards >= 1, "data.remote_cache_shards must be >= 1")
-    need(d.pad_to_multiple >= 1 and m.max_seq_len % d.pad_to_multiple == 0,
-         f"data.pad_to_multiple={d.pad_to_multiple} must be >= 1 and divide model.max_seq_len={m.max_seq_len}")
-    validate_buckets(cfg)
-    need(d.image_tiles == 0 or (d.image_tiles >= 2 and d.max_images >= 1 + d.image_tiles**2),
-         f"data.image_tiles={d.image_tiles} must be 0 (off) or >= 2 with data.max_images >= "
-         f"{1 + max(d.image_tiles, 2) ** 2} (a thumbnail + g x g tile slots per image)")
-    p = cfg.parallel
-    need(0.0 <= p.gpu_memory_fraction <= 1.0,
-         f"parallel.gpu_memory_fraction={p.gpu_memory_fraction} must be in (0, 1], or 0 for JAX's default")
-    axes = ("data", "fsdp", "pipeline", "sequence", "tensor")
-    for key, target in p.rules.items():
-        targets = target if isinstance(target, list) else [] if target is None else [target]
-        need(all(isinstance(a, str) and a in axes for a in targets),
-             f"parallel.rules.{key}={target!r}: map a logical axis to null, one of {axes}, or a list of them")
-    c, resume = cfg.checkpoint, cfg.train.resume
-    for name, value in [("checkpoint.every_steps", c.every_steps), ("checkpoint.keep", c.keep),
-                        ("checkpoint.keep_every", c.keep_every)]:
-        need(value >= 0,
-             f"{name} must be >= 0 (0 = {'only at the end' if 'every_steps' in name else 'off'}), got {value}")
-    need(not isinstance(resume, int) or resume >= 0,
-         f"train.resume={resume} must be auto, never, a step >= 0 or a checkpoint path")
-    need(isinstance(resume, int) or resume.strip() != "",
-         "train.resume is empty; use auto, never, a step number or a checkpoint path")
-    validate_serve(cfg.serve, m.max_seq_len)
-    sizes = {k: v for k, v in dataclasses.asdict(cfg.mesh).items() if not k.startswith("dcn_")}
-    need(min(cfg.mesh.dcn_data, cfg.mesh.dcn_fsdp, cfg.mesh.dcn_pipeline) >= 1,
-         "mesh.dcn_data, mesh.dcn_fsdp and mesh.dcn_pipeline must be >= 1")
-    need(list(sizes.values()).count(-1) <= 1,
-         f"at most one mesh axis may be -1 (the rest of the devices), got {sizes}")
-    need(all(s == -1 or s > 0 for s in sizes.values()), f"mesh sizes must be positive or -1, got {sizes}")
-    if cfg.mesh.pipeline > 1:
-        from mmjax.parallel.pipeline.plan import check_pipeline  # local: config stays importable without jax
-        check_pipeline(cfg, cfg.mesh.pipeline)
+    """`cfg.validate()`: one line naming the first bad key, as a `ConfigError`."""
+    cfg.validate()
 
 
 def validate_buckets(cfg: Config) -> None:
@@ -732,34 +792,3 @@ def validate_buckets(cfg: Config) -> None:
     if cfg.model.text_only and d.image_buckets:
         raise ConfigError("data.image_buckets needs a vision tower; model.text_only=true takes no images")
 
-
-def validate_serve(s: ServeConfig, model_max_len: int) -> None:
-    """serve.* ranges (the engine calls this too, for a ServeConfig built in code)."""
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ConfigError(msg)
-
-    for name in ("page_size", "max_num_batched_tokens", "max_num_seqs", "min_token_bucket", "min_slot_bucket",
-                 "image_cache_size"):
-        need(getattr(s, name) >= 1, f"serve.{name} must be >= 1, got {getattr(s, name)}")
-    need(s.page_size & (s.page_size - 1) == 0, f"serve.page_size={s.page_size} must be a power of two")
-    need(s.num_pages >= 2, f"serve.num_pages={s.num_pages} must be >= 2 (page 0 is the reserved null page)")
-    need(s.max_model_len == 0 or s.max_model_len >= 2,
-         f"serve.max_model_len={s.max_model_len} must be 0 (= model.max_seq_len) or >= 2")
-    need(s.max_model_len <= model_max_len,
-         f"serve.max_model_len={s.max_model_len} exceeds model.max_seq_len={model_max_len}; lower it or use 0")
-    need(s.long_prefill_token_threshold >= 0, "serve.long_prefill_token_threshold must be >= 0 (0 = off)")
-    need(0 <= s.max_logprobs <= 20, f"serve.max_logprobs={s.max_logprobs} must be in [0, 20]")
-    need(0 <= s.max_beam_width <= 16, f"serve.max_beam_width={s.max_beam_width} must be in [0, 16]")
-    need(1 <= s.decode_steps <= 64, f"serve.decode_steps={s.decode_steps} must be in [1, 64]")
-    sp = s.speculative
-    need(1 <= sp.num_tokens <= 16, f"serve.speculative.num_tokens={sp.num_tokens} must be in [1, 16]")
-    need(1 <= sp.ngram_min <= sp.ngram_max, f"serve.speculative.ngram_min={sp.ngram_min} / ngram_max="
-         f"{sp.ngram_max}: need 1 <= ngram_min <= ngram_max")
-    need(s.max_num_seqs <= s.max_num_batched_tokens,
-         f"serve.max_num_seqs={s.max_num_seqs} must be <= serve.max_num_batched_tokens={s.max_num_batched_tokens} "
-         "(each running sequence takes at least one token of a step)")
-    need(0 <= s.port <= 65535, f"serve.port={s.port} must be in [0, 65535]")
-    for name in ("token_budget", "max_queue_wait_s", "interactive_ttft_s", "drain_timeout_s", "max_images_per_request"):
-        need(getattr(s, name) >= 0, f"serve.{name} must be >= 0, got {getattr(s, name)}")
-    need(s.max_queue_len >= 1, f"serve.max_queue_len={s.max_queue_len} must be >= 1 (the queue is bounded)")

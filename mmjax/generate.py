@@ -52,6 +52,7 @@ def hf_source(model: str) -> Path | None:
 def prompt_input(llm, prompt: str, num_images: int, system: str | None, raw: bool) -> str | list[int]:
     """What `LLM.generate` gets: the prompt text (`--raw`, or a tokenizer without a chat template), else
     the chat-template token ids with image placeholders expanded."""
+    # local imports in this CLI: `--help` and argument errors answer before jax and the engine load
     from mmjax.data.tokenizer import render_chat
 
     tok, model_cfg = llm.engine.tokenizer, llm.engine.model_cfg
@@ -73,7 +74,7 @@ def generate(args: argparse.Namespace) -> str:
     hf = hf_source(args.model)
     ckpt, tokenizer = args.model, None
     if hf is not None:
-        from mmjax.engine.convert.init_from import converted_copy, hf_folder
+        from mmjax.checkpoint.convert.init_from import converted_copy, hf_folder
 
         folder = hf_folder(f"hf:{hf}")
         ckpt = converted_copy(folder, args.dtype or "float32", args.cache_dir)

@@ -62,6 +62,7 @@ def model_name_of(ckpt: Path) -> str:
 
 def random_model(cfg: Config) -> tuple[Config, Any, Any]:
     """(config, randomly initialised model, the dataset's tokenizer) of `cfg`."""
+    # local, like main's: the CLI sets up logging and the backend's flags before the library is imported
     from mmjax.data.pipeline import open_dataset
     from mmjax.serving.load import build_model
 
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    # local imports from here on: after the logging set-up (Orbax logs through absl when imported), and the
+    # server's after configure_backend; fastapi and uvicorn are the optional serve extra
     from mmjax.parallel.distributed import configure_backend
 
     configure_backend(cfg)  # parallel.xla_flags and the GPU memory share, before the backend starts

@@ -33,11 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     # first: importing Orbax logs through absl, which installs an unfiltered root handler if none exists yet
     setup_console_logging()  # details (Orbax, kernel choices) go to <train.output_dir>/train.log only
-    try:
-        from mmjax.engine.convert.init_from import load_run_config  # model.init_from=hf:PATH fills the model
+    # local imports, after the logging set-up above: they import jax, and absl through Orbax
+    from mmjax.checkpoint.convert.init_from import load_run_config
+    from mmjax.training.checks import check_runnable
 
+    try:
         config_path = args.config or DEFAULT_CONFIG
-        cfg = load_run_config(config_path, args.overrides)
+        cfg = load_run_config(config_path, args.overrides)  # model.init_from=hf:PATH fills the model section
+        check_runnable(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -50,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS(sys.argv[:1])
-    from mmjax.engine.trainer import Trainer
+    # local, as above: imported once logging is set up
     from mmjax.parallel.distributed import setup_runtime
+    from mmjax.training.trainer import Trainer
 
     try:
         setup_runtime(cfg)  # XLA flags, GPU memory share, jax.distributed: before the backend starts

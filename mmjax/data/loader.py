@@ -19,7 +19,7 @@ Because packing and batching happen after the workers' round-robin merge, the ba
 examples held back by the packer, and the seen/skipped counters. A resume with another worker count is
 therefore exact; one with another process count is refused (the stream slices would differ). grain's own
 `mp_prefetch` state (one entry per worker) is never saved: the upstream is rebuilt at the saved position.
-The trainer saves the state as the checkpoint's `data` item (`mmjax.engine.checkpoint`); that is the one
+The trainer saves the state as the checkpoint's `data` item (`mmjax.checkpoint.orbax_state`); that is the one
 way it is written.
 
 Worker processes seed Python's and numpy's global RNGs from `derive_seed(train.seed, "worker", p, w)`

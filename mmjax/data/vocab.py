@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mmjax.data.sources.base import RecordSource
-from mmjax.data.tokenizer import IMAGE_MARKER, train_bpe_tokenizer
+from mmjax.data.tokenizer import IMAGE_MARKER, Tokenizer, train_bpe_tokenizer
 from mmjax.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,5 @@ def train_tokenizer_on(source: RecordSource, vocab_size: int, out: str | Path, *
     path = train_bpe_tokenizer(texts(), vocab_size, out)
     if not counts["records"]:
         raise DataError(f"none of the {n} records could be read, so the tokenizer at {path} learned nothing")
-    from mmjax.data.tokenizer import Tokenizer
 
     return VocabReport(path, Tokenizer.from_file(path).vocab_size, counts["records"], counts["skipped"])

@@ -24,6 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mmjax.kernels._sharding import active
+
 log = logging.getLogger("mmjax.kernels")
 
 
@@ -221,7 +223,6 @@ def jax_triton(ctx: Ctx, *, min_capability=(8, 0), dtypes=("float32", "bfloat16"
 
 
 def _sharded() -> bool:
-    from mmjax.kernels._sharding import active
     return active() is not None
 
 

@@ -104,7 +104,3 @@ def check_fits(cfg: Config, sizes: dict[str, int]) -> None:
     if cfg.model.max_seq_len % sizes["sequence"]:
         raise ConfigError(f"model.max_seq_len={cfg.model.max_seq_len} is not divisible by "
                           f"mesh.sequence={sizes['sequence']}")
-    if sizes["pipeline"] != 1:
-        from mmjax.parallel.pipeline.plan import check_pipeline
-
-        check_pipeline(cfg, sizes["pipeline"])

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mmjax import kernels
 from mmjax.kernels import _sharding
 from mmjax.kernels._sharding import MeshSharding, shard_map, use_sharding
+from mmjax.parallel.context_parallel import context_parallel_attention, supports_layout
 from mmjax.parallel.rules import fit_spec, logical_to_spec, rules_from_config, spec_axes
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,6 @@ def attention(q, k, v, *, q_segment_ids, kv_segment_ids, q_positions, kv_positio
     kw = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
               kv_positions=kv_positions, causal=causal, q_block_ids=q_block_ids, kv_block_ids=kv_block_ids)
     if ctx is not None and ctx.axes_size("length") > 1 and q.shape[1] == k.shape[1]:
-        from mmjax.parallel.context_parallel import context_parallel_attention, supports_layout
 
         reason = supports_layout(ctx, q, k)
         if reason is None:

@@ -21,6 +21,7 @@ from flax import nnx
 
 from mmjax.config import Config, load_config, to_yaml
 from mmjax.errors import CheckpointError
+from mmjax.model import MLLM
 from mmjax.quant.apply import param_name as _name
 from mmjax.quant.table import QuantizedTable
 from mmjax.quant.weights import FP8, QuantizedWeight
@@ -66,7 +67,6 @@ def save_quantized(folder: str | os.PathLike, cfg: Config, model: Any) -> Path:
 
 def load_quantized(folder: str | os.PathLike, overrides: tuple[str, ...] = ()) -> tuple[Config, Any]:
     """(config, MLLM) of a folder `save_quantized` wrote; the model holds the stored (quantized) weights."""
-    from mmjax.model import MLLM
 
     folder = Path(folder)
     missing = [f for f in FILES if not (folder / f).is_file()]

@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from mmjax.config import Config, validate_serve
+from mmjax.config import Config
 from mmjax.data.image import decode_image, preprocess
 from mmjax.errors import DataError
 from mmjax.serving.detokenize import IncrementalDetokenizer
 from mmjax.serving.kv_manager import KVCacheManager
+from mmjax.serving.load import load_for_serving
 from mmjax.serving.request import ExtraKey, Request, RequestError, RequestStatus, SamplingParams
 from mmjax.serving.runner import ImageInput, ModelRunner, PendingStep, SampledToken, image_hash
 from mmjax.serving.scheduler import Scheduler, SchedulerOutput
@@ -99,7 +100,7 @@ class Engine:
         self.tokenizer = tokenizer
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
         model_cfg = nnx.merge(graphdef, state).cfg
-        validate_serve(serve, model_cfg.max_seq_len)
+        serve.check(model_cfg.max_seq_len)
         self.serve = serve
         self.model_cfg = model_cfg
         self.max_model_len = serve.max_model_len or model_cfg.max_seq_len
@@ -379,7 +380,6 @@ class LLM:
                         overrides: Sequence[str] = (), dtype: str | None = None, **engine_kw: Any) -> LLM:
         """Serve a checkpoint (a run's checkpoints folder, a step folder, an imported one); `tokenizer`: an
         mmjax Tokenizer, a tokenizer.json path, or None for the checkpoint's own (see `serving.load`)."""
-        from mmjax.serving.load import load_for_serving
 
         cfg, model, tok = load_for_serving(ckpt, tokenizer, step=step, overrides=overrides, dtype=dtype)
         return cls(cfg, model, tok, **engine_kw)

@@ -18,7 +18,10 @@ from typing import Any
 import jax
 from flax import nnx
 
+from mmjax.checkpoint.convert import load_params
 from mmjax.config import Config, DataConfig, EvalConfig, apply_override, from_tree, validate
+from mmjax.data.pipeline import ensure_builtin_dataset
+from mmjax.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from mmjax.errors import CheckpointError, ConfigError, MmjaxError
 from mmjax.model import MLLM
 from mmjax.model.layers import params_in_layout
@@ -41,7 +44,6 @@ class Checkpoint:
 def read_checkpoint(ckpt: str | os.PathLike, *, step: int | None = None, overrides: Sequence[str] = (),
                     dtype: str | None = None) -> Checkpoint:
     """The config and host params of `ckpt` (the latest step unless `step`); `dtype` sets model.param_dtype."""
-    from mmjax.engine.convert import load_params  # engine imports serving: keep the graph acyclic at import
 
     if not Path(ckpt).expanduser().exists():
         raise CheckpointError(f"checkpoint {Path(ckpt).expanduser().absolute()} does not exist; pass a run's "
@@ -84,7 +86,6 @@ def open_tokenizer(tokenizer: Any, cfg: Config, step_dir: Path, meta: dict | Non
     """`tokenizer` as given (an object), loaded from a path, or when None the checkpoint's: data.tokenizer
     of the run, else the `tokenizer/` folder an import or export wrote beside the steps, else the built-in
     dataset's (regenerated into data.cache_dir if absent)."""
-    from mmjax.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         return tokenizer
@@ -96,7 +97,6 @@ def open_tokenizer(tokenizer: Any, cfg: Config, step_dir: Path, meta: dict | Non
     if (beside / TOKENIZER_FILE).is_file():
         return Tokenizer.from_file(beside)
     if cfg.data.source == "builtin" and "hf" not in (meta or {}):  # an import names no dataset
-        from mmjax.data.pipeline import ensure_builtin_dataset
 
         return Tokenizer.from_file(ensure_builtin_dataset(cfg).tokenizer_path)
     raise CheckpointError(f"checkpoint {step_dir} names no tokenizer (no data.tokenizer, no {beside}); pass "

@@ -13,8 +13,8 @@
     python -m mmjax.tools.bench_mgpu_bwd       Mosaic GPU flash-attention backward candidates (H100/H200)
     python -m mmjax.tools.sweep_attention      flash-attention tile sweep (GPU)
     python -m mmjax.tools.sweep_rows           launch-shape sweep of the row-wise kernels (GPU)
-    python -m mmjax.kernels.ragged_paged_attention.decode_sweep   decode tiling of the ragged paged attention (GPU)
-    python -m mmjax.serving.bench_host         host time per engine step (scheduling, inputs, outputs; CPU is fine)
+    python -m mmjax.bench.decode_sweep   decode tiling of the ragged paged attention (GPU)
+    python -m mmjax.bench.serving_host         host time per engine step (scheduling, inputs, outputs; CPU is fine)
 
-Benchmarks write JSON into `docs/perf/results/` relative to the working directory unless `--out` says otherwise.
+Benchmarks write JSON into `docs/perf/results/<area>/` relative to the working directory unless `--out` says otherwise.
 """

@@ -1,7 +1,7 @@
 """Measure checkpoint save/restore time and the training stall per save (snapshot vs async vs sync).
 
   python -m mmjax.tools.bench_checkpoint --config models/llama_1b.yaml [overrides ...] [--dir /tmp/ckpt]
-      [--out docs/perf/results/checkpoint-<date>.json]
+      [--out docs/perf/results/checkpoint/checkpoint-<date>.json]
 
 Prints a table and writes JSON (date, device, versions, command, numbers).
 """
@@ -15,6 +15,10 @@ import logging
 import sys
 from pathlib import Path
 
+from mmjax.bench import checkpoint as checkpoint_bench
+from mmjax.checkpoint.orbax_state import package_versions
+from mmjax.config import load_config, to_dict
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -27,13 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("mmjax.engine.checkpoint_bench").setLevel(logging.INFO)  # partial results as they come
+    logging.getLogger("mmjax.bench.checkpoint").setLevel(logging.INFO)  # partial results as they come
 
     import jax
 
-    from mmjax.config import load_config, to_dict
-    from mmjax.engine import checkpoint_bench
-    from mmjax.engine.checkpoint import package_versions
 
     cfg = load_config(args.config, args.overrides)
     modes = tuple(args.modes.split(","))

@@ -1,4 +1,4 @@
-"""Loader throughput (samples/s, tokens/s) against data.num_workers; writes JSON to docs/perf/results/.
+"""Loader throughput (samples/s, tokens/s) against data.num_workers; writes JSON to docs/perf/results/data/.
 
     python -m mmjax.tools.bench_data                             # built-in shapes, tiny_shapes config
     python -m mmjax.tools.bench_data --workload llava_like --config mmjax/configs/models/llama_1b.yaml \\
@@ -15,8 +15,8 @@ import platform
 import sys
 from pathlib import Path
 
+from mmjax.bench.data import run_bench
 from mmjax.config import load_config
-from mmjax.data.bench import run_bench
 from mmjax.errors import MmjaxError
 
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=10.0, help="measured seconds per worker count")
     p.add_argument("--workload", choices=("config", "llava_like"), default="config")
     p.add_argument("--work-dir", default="~/.cache/mmjax/bench", help="where llava_like data is generated")
-    p.add_argument("--out", default="docs/perf/results")
+    p.add_argument("--out", default="docs/perf/results/data")
     p.add_argument("--tag", default="", help="added to the output file name (e.g. the machine)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)

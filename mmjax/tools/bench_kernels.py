@@ -1,7 +1,7 @@
 """Benchmark every kernel against XLA, cuDNN and torch SDPA in one run; write JSON and the docs table.
 
     python -m mmjax.tools.bench_kernels                 # all sections, on the default device
-    python -m mmjax.tools.bench_kernels --sections attention norms --out docs/perf/results
+    python -m mmjax.tools.bench_kernels --sections attention norms --out docs/perf/results/kernels
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import logging
 import sys
 from pathlib import Path
 
-from mmjax.engine import bench as train_bench
-from mmjax.kernels import bench
+from mmjax.bench import kernels as bench
+from mmjax.bench import train as train_bench
 
 SECTIONS = (*bench.SECTIONS, "train_step")  # the kernels' sections, then the whole train step (engine.bench)
 
@@ -22,7 +22,7 @@ SECTIONS = (*bench.SECTIONS, "train_step")  # the kernels' sections, then the wh
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
-    p.add_argument("--out", default="docs/perf/results", help="folder for kernels-<date>.json")
+    p.add_argument("--out", default="docs/perf/results/kernels", help="folder for kernels-<date>.json")
     p.add_argument("--readme", default="docs/perf/README.md", help="markdown file whose kernel table is replaced")
     p.add_argument("--train-steps", type=int, default=10)
     p.add_argument("--train-impls", nargs="+", choices=list(train_bench.train_configs()),

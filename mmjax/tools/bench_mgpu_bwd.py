@@ -16,9 +16,12 @@ import logging
 import traceback
 from pathlib import Path
 
+from mmjax.bench import kernels as bench
+from mmjax.kernels.attention import MgpuFlashConfig, flash_attention_mgpu
+from mmjax.kernels.attention import MgpuFlashConfig as M
+
 
 def candidates():
-    from mmjax.kernels.attention import MgpuFlashConfig as M
     return {
         "pallas_bwd": M(),
         "mgpu_q64_kv64": M(bwd_impl="mgpu"),
@@ -42,7 +45,6 @@ def _grad_fn(cfg, lay, causal):
     import jax
     import jax.numpy as jnp
 
-    from mmjax.kernels.attention import flash_attention_mgpu
     loss = lambda q, k, v: jnp.sum(
         flash_attention_mgpu(q, k, v, causal=causal, config=cfg, **lay).astype(jnp.float32))
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -52,7 +54,6 @@ def check(rows, name, cfg):
     """Max |dq|,|dk|,|dv| difference to the Pallas backward (B2 S1024 H8 KV2, D128 and D64, bf16 causal)."""
     import jax.numpy as jnp
 
-    from mmjax.kernels.attention import MgpuFlashConfig
     for d in (128, 64):
         q, k, v, lay = _inputs(2, 1024, 8, d, jnp.bfloat16)
         k, v = k[:, :, :2], v[:, :, :2]
@@ -79,7 +80,6 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     import jax.numpy as jnp
 
-    from mmjax.kernels import bench
     rows: list = []
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ arrivals at each `--rates` value, seeded ShareGPT-like lengths (optionally image
 end-to-end p50/p90/p99, throughput and goodput; writes the JSON and a latency-vs-rate plot (`--plot`).
 
 The model is `--config` with `model.text_only=true` and bf16 weights and compute; trailing `key=value` arguments
-override any config key. Prints the tables, writes docs/perf/results/serving-<date>.json (or `--out`) and, with
+override any config key. Prints the tables, writes docs/perf/results/serving/serving-<date>.json (or `--out`) and, with
 `--readme`, replaces the serving section of docs/perf/README.md. See docs/serving.md, "Benchmark".
 """
 
@@ -25,11 +25,15 @@ import shlex
 import sys
 from pathlib import Path
 
+from mmjax.bench import loadgen
+from mmjax.bench import quant as bench_quant
+from mmjax.bench import serving as bench
+from mmjax.bench import spec as bench_spec
+from mmjax.bench.kernels import replace_readme_section
+from mmjax.checkpoint.convert import load_params
+from mmjax.checkpoint.convert.hf import text_config_to_hf
 from mmjax.config import load_config
-from mmjax.engine.convert import load_params
-from mmjax.engine.convert.hf import text_config_to_hf
 from mmjax.parallel.distributed import configure_backend
-from mmjax.serving import bench
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="trace this many decode steps at the smallest and largest batch (device idle, top kernels)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate peer")
     p.add_argument("--hf-on-cpu", action="store_true", help="run the HF peer on the CPU (tiny models only)")
-    p.add_argument("--out", default="", help="JSON path (default docs/perf/results/serving-<date>.json)")
+    p.add_argument("--out", default="", help="JSON path (default docs/perf/results/serving/serving-<date>.json)")
     p.add_argument("--readme", nargs="?", const="docs/perf/README.md", default=None,
                    help="replace the serving section of this markdown file (default docs/perf/README.md)")
     p.add_argument("--sweep-quant", nargs="+", default=None, metavar="SCHEME[:KV]",
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_config = None if args.no_hf else text_config_to_hf(cfg.model.text, cfg.model.vocab_size,
                                                          bench.serving_config(cfg, spec).model.max_seq_len,
                                                          "llama", cfg.model.param_dtype)
-    out = Path(args.out or f"docs/perf/results/serving-{datetime.date.today().isoformat()}.json")
+    out = Path(args.out or f"docs/perf/results/serving/serving-{datetime.date.today().isoformat()}.json")
     command = "python -m mmjax.tools.bench_serving " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
 
@@ -116,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _speculative(args: argparse.Namespace, cfg) -> int:
-    from mmjax.serving import bench_spec
     spec = bench_spec.SpecBenchSpec(batches=tuple(args.batches or (1, 8)), prompt_len=args.prompt_len,
                                     new_tokens=args.new_tokens, num_tokens=args.spec_k, draft_layers=args.draft_layers,
                                     num_beams=args.num_beams, beam_batch=args.beam_batch, seed=args.seed)
@@ -128,7 +131,7 @@ def _speculative(args: argparse.Namespace, cfg) -> int:
         params, _, _ = load_params(args.checkpoint)
         params = {k: v for k, v in params.items() if k == "decoder"}
     record = bench_spec.run_spec_bench(cfg, spec, params=params, hf_config=hf_config, hf_on_cpu=args.hf_on_cpu)
-    out = Path(args.out or f"docs/perf/results/serving-spec-{datetime.date.today().isoformat()}.json")
+    out = Path(args.out or f"docs/perf/results/spec/serving-spec-{datetime.date.today().isoformat()}.json")
     record["command"] = "python -m mmjax.tools.bench_serving " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
@@ -139,10 +142,9 @@ def _speculative(args: argparse.Namespace, cfg) -> int:
 
 def _sweep_quant(args, cfg, spec, params, command: str) -> int:
     """`--sweep-quant`: decode per (weights, KV dtype) variant, to serving-quant-<date>.json."""
-    from mmjax.serving import bench_quant
 
     variants = bench_quant.parse_variants(args.sweep_quant)
-    out = Path(args.out or f"docs/perf/results/serving-quant-{datetime.date.today().isoformat()}.json")
+    out = Path(args.out or f"docs/perf/results/quant/serving-quant-{datetime.date.today().isoformat()}.json")
     quality = json.loads(Path(args.quality).read_text()) if args.quality else None
 
     def save(record: dict) -> None:
@@ -154,7 +156,6 @@ def _sweep_quant(args, cfg, spec, params, command: str) -> int:
     save(record)
     text = bench_quant.table(record, quality)
     if args.readme:
-        from mmjax.kernels.bench import replace_readme_section
         replace_readme_section(args.readme, bench_quant.README_TITLE,
                                f"{record['device']}, {record['date']}; command: `{command}`\n\n{text}")
     print(text)
@@ -166,7 +167,6 @@ def server_main(args: argparse.Namespace, argv: list[str] | None) -> int:
     """Server mode: the Poisson sweep against `args.server`."""
     import dataclasses
 
-    from mmjax.serving.http import loadgen
 
     lengths = bench.LengthDistribution()
     lengths = dataclasses.replace(lengths, **{k: v for k, v in (("prompt_mu", args.prompt_mu),
@@ -177,7 +177,7 @@ def server_main(args: argparse.Namespace, argv: list[str] | None) -> int:
     record = loadgen.run_sweep(args.server, spec)
     record["command"] = "python -m mmjax.tools.bench_serving " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    out = Path(args.out or f"docs/perf/results/serving-server-{datetime.date.today().isoformat()}.json")
+    out = Path(args.out or f"docs/perf/results/serving/serving-server-{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
     plot = args.plot or str(out.with_suffix(".png"))

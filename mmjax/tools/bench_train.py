@@ -3,7 +3,7 @@
     python -m mmjax.tools.bench_train --config mmjax/configs/models/llama_1b.yaml --text-only \
         train.global_batch_size=8 model.max_seq_len=2048 --peer hf-torch-compile
 
-Prints a table and writes the JSON to docs/perf/results/ (or --out). `--peer` first trains the same decoder shape
+Prints a table and writes the JSON to docs/perf/results/train/ (or --out). `--peer` first trains the same decoder shape
 in Hugging Face transformers + torch in a separate process (float32 weights and AdamW, bfloat16 autocast, SDPA;
 `hf-torch-compile` adds `torch.compile`) and reports its tokens/s and mmjax's ratio to it. `--xla-variant
 NAME=FLAGS` (repeatable) runs the same step once more per variant, each in its own process with FLAGS added to
@@ -26,10 +26,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mmjax.bench.peer_process import run_peer_process
+from mmjax.bench.train import format_result, run_with_remat_fallback
+from mmjax.checkpoint.convert.hf import text_config_to_hf
 from mmjax.config import Config, load_config
-from mmjax.engine.bench import format_result, run_with_remat_fallback
-from mmjax.engine.convert.hf import text_config_to_hf
-from mmjax.engine.peer_process import run_peer_process
 from mmjax.parallel.distributed import configure_backend
 
 PEERS = {"hf-torch-compile": True, "hf-torch-eager": False}  # peer name -> torch.compile on
@@ -48,7 +48,7 @@ def run_peers(cfg: Config, names: list[str], *, steps: int, warmup: int, on_cpu:
     for name in names:
         args = {"config": hf, "batch": cfg.train.global_batch_size, "seq": cfg.model.max_seq_len, "steps": steps,
                 "warmup": warmup, "compile": PEERS[name], "allow_cpu": on_cpu, "seed": cfg.train.seed}
-        out.append({"peer": name, **run_peer_process("mmjax.engine.hf_train_peer", args, "HF_TRAIN_PEER_RESULT ")})
+        out.append({"peer": name, **run_peer_process("mmjax.bench.hf_train_peer", args, "HF_TRAIN_PEER_RESULT ")})
     return out
 
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-steps", type=int, default=2, help="steps traced after timing (0 = none)")
     p.add_argument("--remat", default="", help="comma list tried in order until one fits, e.g. none,full")
     p.add_argument("--name", default="", help="result file stem (default: train_<model>_<date>)")
-    p.add_argument("--out", default="docs/perf/results")
+    p.add_argument("--out", default="docs/perf/results/train")
     p.add_argument("--dump-hlo", action="store_true", help="also write the compiled step's HLO to <out>/<name>.hlo.txt")
     p.add_argument("--profile-compile", action="store_true",
                    help="trace the step's lowering and compilation and rank their phases (compile time, by phase)")

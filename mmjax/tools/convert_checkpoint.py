@@ -1,4 +1,4 @@
-"""Convert and inspect checkpoints (Hugging Face <-> mmjax); see `mmjax.engine.convert`.
+"""Convert and inspect checkpoints (Hugging Face <-> mmjax); see `mmjax.checkpoint.convert`.
 
   python -m mmjax.tools.convert_checkpoint import  HF_DIR OUT [--dtype bfloat16] [--max-seq-len 4096]
   python -m mmjax.tools.convert_checkpoint export  CKPT OUT [--step N] [--family llama|mistral|qwen2] [--dtype ...]
@@ -17,6 +17,7 @@ import json
 import logging
 import sys
 
+from mmjax.checkpoint import convert
 from mmjax.errors import MmjaxError
 from mmjax.observe.console import setup_console_logging
 
@@ -52,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_console_logging(logging.WARNING)
 
-    from mmjax.engine import convert
 
     try:
         if args.command == "import":

@@ -30,10 +30,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mmjax.bench.quant_quality import evaluate
 from mmjax.config import load_config
+from mmjax.data.builtin.shapes import generate_records
+from mmjax.data.pipeline import SHAPES_SEED
 from mmjax.model.layers import resolve_dtype
+from mmjax.quant import quantize_state
 from mmjax.quant.apply import SCHEMES, VARIANTS, parse_variant
-from mmjax.quant.evaluate import evaluate
+from mmjax.quant.store import save_quantized
+from mmjax.serving.load import build_model, load_for_serving
 
 KV_DTYPES = ("auto", "fp8", "int8")
 
@@ -56,8 +61,6 @@ def held_out_tokens(cfg, tokenizer: Any, text_file: str, n: int, length: int,
     if text_file:
         ids, source = np.asarray(tokenizer.encode(Path(text_file).read_text()), np.int32), text_file
     elif tokenizer is not None and cfg.data.source == "builtin" and cfg.data.dataset == "shapes":
-        from mmjax.data.builtin.shapes import generate_records
-        from mmjax.data.pipeline import SHAPES_SEED
         v = cfg.model.vision
         image_tokens = (v.image_size // v.patch_size) ** 2
         pairs = [tokenizer.encode_chat(r["conversations"], image_tokens)
@@ -110,17 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     overrides = ["model.text_only=true", *args.overrides]
     if args.checkpoint:
-        from mmjax.serving.load import load_for_serving
         cfg, model, tokenizer = load_for_serving(args.checkpoint, overrides=overrides)
     else:
-        from mmjax.serving.load import build_model
         cfg = load_config(args.config, overrides)
         model, tokenizer = build_model(cfg), None
     if args.save_quantized:
         from flax import nnx
 
-        from mmjax.quant import quantize_state
-        from mmjax.quant.store import save_quantized
         scheme, folder = args.save_quantized
         base, head = parse_variant(scheme)
         nnx.update(model, quantize_state(nnx.state(model, nnx.Param), base, lm_head=head))

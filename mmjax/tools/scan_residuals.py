@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from mmjax.bench.residuals import format_table, to_json, train_step_residuals
 from mmjax.config import load_config
-from mmjax.engine.residuals import format_table, to_json, train_step_residuals
 
 
 def main(argv: list[str] | None = None) -> int:

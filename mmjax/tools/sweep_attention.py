@@ -1,6 +1,6 @@
 """Tile sweep for the flash-attention kernels: Pallas-Triton forward/backward tiles and Mosaic GPU forward tiles.
 
-    python -m mmjax.tools.sweep_attention [--out docs/perf/results/attention-sweep-<date>.json]
+    python -m mmjax.tools.sweep_attention [--out docs/perf/results/kernels/attention-sweep-<date>.json]
 
 Each candidate is timed forward and forward+backward at B4 S4096 H16 D128 bf16 causal (the bench's shape),
 the Mosaic GPU ones also at D64 H32; a candidate that fails (e.g. exceeds shared memory) is listed with its
@@ -13,9 +13,13 @@ import argparse
 import datetime
 import logging
 
+from mmjax.bench import kernels as bench
+from mmjax.kernels.attention import FlashConfig as C
+from mmjax.kernels.attention import MgpuFlashConfig as M
+from mmjax.kernels.attention import flash_attention, flash_attention_mgpu
+
 
 def pallas_candidates():
-    from mmjax.kernels.attention import FlashConfig as C
     wide = dict(dkv_block_q=64, dkv_block_k=128, dq_block_q=128, dq_block_k=64)
     return {
         "default": C(),
@@ -34,7 +38,6 @@ def pallas_candidates():
 
 
 def mgpu_candidates():
-    from mmjax.kernels.attention import MgpuFlashConfig as M
     return {"default": None, "kv64": M(block_kv=64), "steps2": M(max_concurrent_steps=2)}
 
 
@@ -42,8 +45,6 @@ def sweep_mgpu(rows: list, b=4, s=4096):
     import jax
     import jax.numpy as jnp
 
-    from mmjax.kernels import bench
-    from mmjax.kernels.attention import flash_attention, flash_attention_mgpu
     for h, d in ((16, 128), (32, 64)):
         keys = jax.random.split(jax.random.PRNGKey(0), 3)
         q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
@@ -55,24 +56,23 @@ def sweep_mgpu(rows: list, b=4, s=4096):
         # Pallas-Triton at the same shapes, for the `auto` choice between the two forwards (D64 included)
         pallas = lambda q, k, v: flash_attention(q, k, v, **kw)
         pgrad = jax.grad(lambda q, k, v: jnp.sum(pallas(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
-        bench._run(rows, "attention_fwd", "pallas[default]", shape, jax.jit(pallas), (q, k, v), flops=fwd_flops)
-        bench._run(rows, "attention_fwd_bwd", "pallas[default]", shape, jax.jit(pgrad), (q, k, v),
-                   flops=3.5 * fwd_flops)
+        bench.time_row(rows, "attention_fwd", "pallas[default]", shape, jax.jit(pallas), (q, k, v), flops=fwd_flops)
+        bench.time_row(rows, "attention_fwd_bwd", "pallas[default]", shape, jax.jit(pgrad), (q, k, v),
+                       flops=3.5 * fwd_flops)
         for name, cfg in mgpu_candidates().items():
             call = lambda q, k, v, cfg=cfg: flash_attention_mgpu(q, k, v, config=cfg, **kw)
             grad = jax.grad(lambda q, k, v: jnp.sum(call(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
-            bench._run(rows, "attention_fwd", f"mgpu[{name}]", shape, jax.jit(call), (q, k, v), flops=fwd_flops)
-            bench._run(rows, "attention_fwd_bwd", f"mgpu[{name}]+pallas_bwd", shape, jax.jit(grad), (q, k, v),
-                       flops=3.5 * fwd_flops)
+            bench.time_row(rows, "attention_fwd", f"mgpu[{name}]", shape, jax.jit(call), (q, k, v), flops=fwd_flops)
+            bench.time_row(rows, "attention_fwd_bwd", f"mgpu[{name}]+pallas_bwd", shape, jax.jit(grad), (q, k, v),
+                           flops=3.5 * fwd_flops)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=f"docs/perf/results/attention-sweep-{datetime.date.today().isoformat()}.json")
+    p.add_argument("--out", default=f"docs/perf/results/kernels/attention-sweep-{datetime.date.today().isoformat()}.json")
     p.add_argument("--skip", nargs="*", default=[], choices=["pallas", "mgpu"])
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from mmjax.kernels import bench
     rows: list = []
     if "pallas" not in args.skip:
         for name, cfg in pallas_candidates().items():

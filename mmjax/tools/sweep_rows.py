@@ -1,6 +1,6 @@
 """Launch-shape sweep for the row-wise kernels: RMSNorm (Pallas) and bias+GELU (jax-triton).
 
-    python -m mmjax.tools.sweep_rows [--ops rms_norm bias_gelu] [--out docs/perf/results/rows-sweep-<date>.json]
+    python -m mmjax.tools.sweep_rows [--ops rms_norm bias_gelu] [--out docs/perf/results/kernels/rows-sweep-<date>.json]
 
 Each candidate `RowTiling` (tile size, row tiles per backward program, warps, backward pipeline stages)
 replaces the op module's `TILING` and is timed on the bench's [32768, 4096] bf16 rows: forward and
@@ -17,9 +17,14 @@ import dataclasses
 import datetime
 import logging
 
+from mmjax import kernels
+from mmjax.bench import kernels as bench
+from mmjax.kernels.bias_gelu import pallas as bias_gelu_pallas
+from mmjax.kernels.norms import pallas as norms_pallas
+
 
 def norm_candidates() -> dict:
-    from mmjax.kernels.norms.pallas import TILING as d
+    d = norms_pallas.TILING
     r = lambda **kw: dataclasses.replace(d, **kw)
     # Earlier sweeps (docs/perf/README.md) chose the default; candidates vary it one field at a time.
     return {
@@ -33,7 +38,7 @@ def norm_candidates() -> dict:
 
 
 def gelu_candidates() -> dict:
-    from mmjax.kernels.bias_gelu.pallas import TILING as d
+    d = bias_gelu_pallas.TILING
     r = lambda **kw: dataclasses.replace(d, **kw)
     # The first sweep's results are in docs/perf/README.md.
     return {
@@ -48,59 +53,52 @@ def sweep_norms(rows: list, n=32768, e=4096):
     import jax
     import jax.numpy as jnp
 
-    from mmjax import kernels
-    from mmjax.kernels import bench
-    from mmjax.kernels.norms import pallas as mod
     x = jax.random.normal(jax.random.PRNGKey(1), (n, e), jnp.bfloat16)
     dy = jax.random.normal(jax.random.PRNGKey(2), (n, e), jnp.bfloat16)
     scale = jnp.ones((e,), jnp.float32)
     b = x.size * x.dtype.itemsize
     shape = f"[{n},{e}] bfloat16"
-    default = mod.TILING
+    default = norms_pallas.TILING
     try:
         for name, tiling in norm_candidates().items():
-            mod.TILING = tiling
+            norms_pallas.TILING = tiling
             rms = lambda x, s: kernels.rms_norm(x, s, eps=1e-5, impl="pallas")
-            bench._run(rows, "rms_norm_fwd", f"pallas[{name}]", shape, jax.jit(rms), (x, scale), nbytes=2 * b)
-            bench._run(rows, "rms_norm_fwd_bwd", f"pallas[{name}]", shape, bench._fwd_bwd(rms), (x, scale, dy),
-                       nbytes=5 * b)
+            bench.time_row(rows, "rms_norm_fwd", f"pallas[{name}]", shape, jax.jit(rms), (x, scale), nbytes=2 * b)
+            bench.time_row(rows, "rms_norm_fwd_bwd", f"pallas[{name}]", shape, bench._fwd_bwd(rms), (x, scale, dy),
+                           nbytes=5 * b)
     finally:
-        mod.TILING = default
+        norms_pallas.TILING = default
 
 
 def sweep_bias_gelu(rows: list, n=32768, e=4096):
     import jax
     import jax.numpy as jnp
 
-    from mmjax import kernels
-    from mmjax.kernels import bench
-    from mmjax.kernels.bias_gelu import pallas as mod
     x = jax.random.normal(jax.random.PRNGKey(3), (n, e), jnp.bfloat16)
     bias = jax.random.normal(jax.random.PRNGKey(4), (e,), jnp.bfloat16)
     b = x.size * x.dtype.itemsize
-    default = mod.TILING
+    default = bias_gelu_pallas.TILING
     try:
         for name, tiling in gelu_candidates().items():
-            mod.TILING = tiling
+            bias_gelu_pallas.TILING = tiling
             for approx in (False, True):
                 shape = f"[{n},{e}] bfloat16 {'tanh' if approx else 'erf'}"
                 f = lambda x, bb, a=approx: kernels.bias_gelu(x, bb, approximate=a, impl="triton")
-                bench._run(rows, "bias_gelu_fwd", f"triton[{name}]", shape, jax.jit(f), (x, bias), nbytes=2 * b)
+                bench.time_row(rows, "bias_gelu_fwd", f"triton[{name}]", shape, jax.jit(f), (x, bias), nbytes=2 * b)
                 if not approx:
-                    bench._run(rows, "bias_gelu_fwd_bwd", f"triton[{name}]", shape, bench._fwd_bwd(f),
-                               (x, bias, x[::-1]), nbytes=5 * b)
+                    bench.time_row(rows, "bias_gelu_fwd_bwd", f"triton[{name}]", shape, bench._fwd_bwd(f),
+                                   (x, bias, x[::-1]), nbytes=5 * b)
     finally:
-        mod.TILING = default
+        bias_gelu_pallas.TILING = default
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", nargs="+", default=["rms_norm", "bias_gelu"], choices=["rms_norm", "bias_gelu"])
     p.add_argument("--shape", nargs=2, type=int, default=[32768, 4096], metavar=("ROWS", "WIDTH"))
-    p.add_argument("--out", default=f"docs/perf/results/rows-sweep-{datetime.date.today().isoformat()}.json")
+    p.add_argument("--out", default=f"docs/perf/results/kernels/rows-sweep-{datetime.date.today().isoformat()}.json")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from mmjax.kernels import bench
     rows: list = []
     n, e = args.shape
     bench.bench_copy(rows, n, e)

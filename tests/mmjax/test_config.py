@@ -7,6 +7,7 @@ import pytest
 
 from mmjax.config import Config, load_config, to_yaml
 from mmjax.errors import ConfigError
+from mmjax.training.checks import check_runnable
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,7 +59,6 @@ def test_base_loop_is_an_error(tmp_path):
     ("model.max_seq_len=8", "model.max_seq_len=8 cannot hold"),
     ("model.projector.pos_embed=sincos", "model.projector.pos_embed='sincos' is not one of: none, learned"),
     ("model.vision.pos_temperature=1", "model.vision.pos_temperature must be > 1"),
-    ("model.swiglu_impl=triton", "model.swiglu_impl='triton' is not one of ('auto', 'pallas', 'xla')"),
     ("model.loss_chunk_tokens=-512", "model.loss_chunk_tokens must be >= 0 (0: automatic), got -512"),
     ("mesh.data=-1", None),
 ])
@@ -143,16 +143,27 @@ def test_storage_options_is_a_mapping(tmp_path):
 
 
 def test_kernel_impl_that_cannot_run_here_fails_at_config_time():
-    """The tests pin JAX to the CPU: Mosaic GPU, cuDNN and jax-triton kernels cannot run; Pallas can (interpret)."""
+    """The tests pin JAX to the CPU: Mosaic GPU, cuDNN and jax-triton kernels cannot run; Pallas can (interpret).
+    The config validates without the kernels; the run's check (`python -m mmjax.train` before anything is built)
+    asks them."""
     for override, reason in [("model.attention_impl=mgpu", "Mosaic GPU flash attention needs a CUDA GPU, not cpu"),
                              ("model.attention_impl=cudnn", "cuDNN flash attention needs a CUDA GPU"),
-                             ("model.activation_impl=triton", "jax-triton kernels run only on a CUDA GPU")]:
+                             ("model.activation_impl=triton", "jax-triton kernels run only on a CUDA GPU"),
+                             ("model.swiglu_impl=triton", "is not one of")]:
         key = override.split("=")[0]
-        with pytest.raises(ConfigError, match=f"{key}=.* cannot run on this machine: {reason}"):
-            load_config(None, [override])
+        cfg = load_config(None, [override])
+        with pytest.raises(ConfigError, match=f"{key}=.* {reason}"):
+            check_runnable(cfg)
     for ok in ["model.attention_impl=pallas", "model.attention_impl=xla", "model.norm_impl=pallas",
                "model.attention_impl=auto", "model.swiglu_impl=pallas"]:
-        load_config(None, [ok])
+        check_runnable(load_config(None, [ok]))
+
+
+def test_train_cli_exits_2_on_a_kernel_that_cannot_run(capsys):
+    from mmjax.train import main
+
+    assert main(["model.attention_impl=mgpu", "--print-config"]) == 2
+    assert "config error: model.attention_impl=mgpu cannot run on this machine" in capsys.readouterr().err
 
 
 def test_kernel_support_query_needs_no_backend():

@@ -10,7 +10,7 @@ from jax.experimental import pallas as pl
 
 from mmjax.kernels import _rows
 from mmjax.kernels._dispatch import interpret
-from mmjax.kernels.bias_gelu import gelu_and_grad, keep_mask
+from mmjax.kernels.bias_gelu.reference import gelu_and_grad, keep_mask
 
 # Shared by this module and the jax-triton kernels (`triton_kernels.py`): same tiles, same dropout indices.
 # From `mmjax.tools.sweep_rows` on an H200 (numbers in docs/perf/README.md): 4 x 1024 tiles with 4 warps are

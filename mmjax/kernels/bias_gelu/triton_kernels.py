@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import jax_triton as jt
 
-from mmjax.kernels.bias_gelu import HASH_K0, HASH_K1, HASH_K2
 from mmjax.kernels.bias_gelu import pallas as _tiling
 from mmjax.kernels.bias_gelu.pallas import tiles
+from mmjax.kernels.bias_gelu.reference import HASH_K0, HASH_K1, HASH_K2
 from mmjax.kernels.bias_gelu.triton_src import bias_gelu_bwd, bias_gelu_fwd
 
 

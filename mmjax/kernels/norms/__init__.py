@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.kernels import _dispatch
+from mmjax.kernels.norms.pallas import norm
 
 __all__ = ["rms_norm", "layer_norm", "norm_reference", "OP"]
 
@@ -37,7 +38,6 @@ def norm_reference(x, scale, bias=None, residual=None, *, eps: float, center: bo
 
 
 def _pallas(*args, **kw):
-    from mmjax.kernels.norms.pallas import norm
     return norm(*args, **kw)
 
 

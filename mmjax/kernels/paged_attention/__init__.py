@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.kernels import _dispatch
+from mmjax.kernels.paged_attention.pallas import paged_attention_pallas
 
 __all__ = ["paged_attention", "paged_attention_reference", "check_inputs", "check_pool", "pallas_pool_guard", "OP"]
 
@@ -78,7 +79,6 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, lengths):
 
 
 def _pallas(q, k_pages, v_pages, page_table, lengths):
-    from mmjax.kernels.paged_attention.pallas import paged_attention_pallas
     return paged_attention_pallas(q, k_pages, v_pages, page_table, lengths)
 
 

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.kernels import _dispatch
+from mmjax.kernels.quant_matmul import kernel
 from mmjax.kernels.quant_matmul.kernel import launch_tiling, output_columns, shape_problem, tiling_problem
 from mmjax.kernels.quant_matmul.pack import PACK_BLOCK, pack_int4, unpack_int4
 from mmjax.kernels.quant_matmul.reference import quant_matmul_reference
@@ -60,7 +61,6 @@ def _xla(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None, tran
 
 def _pallas(x, w, scale, *, group: int, bits: int, layer=None, out_dtype=None, transposed: bool = False,
             epilogue: str = "none"):
-    from mmjax.kernels.quant_matmul import kernel
     return kernel.quant_matmul(x, w, scale, group=group, bits=bits, layer=layer, out_dtype=out_dtype,
                                transposed=transposed, epilogue=epilogue)
 

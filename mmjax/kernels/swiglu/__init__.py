@@ -24,23 +24,12 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.kernels import _dispatch
+from mmjax.kernels.swiglu import pallas
+from mmjax.kernels.swiglu.reference import swiglu_grad, swiglu_reference
 
 __all__ = ["swiglu", "swiglu_dense", "swiglu_reference", "OP"]
 
 OP = _dispatch.Op("swiglu")
-
-
-def swiglu_reference(h):
-    """silu(gate) * up in float32, rounded to h's dtype (autodiff: the reference for both gradients)."""
-    a, b = h[..., 0, :].astype(jnp.float32), h[..., 1, :].astype(jnp.float32)
-    return (jax.nn.silu(a) * b).astype(h.dtype)
-
-
-def swiglu_grad(a, b, g):
-    """(d_gate, d_up) in float32 for the cotangent g of silu(a) * b (gate a, up b): every implementation's."""
-    a, b, g = a.astype(jnp.float32), b.astype(jnp.float32), g.astype(jnp.float32)
-    sig = 1.0 / (1.0 + jnp.exp(-a))
-    return g * b * sig * (1.0 + a * (1.0 - sig)), g * a * sig   # d silu(a)/da = sig (1 + a (1 - sig))
 
 
 @jax.custom_vjp
@@ -69,12 +58,10 @@ def _xla_bwd_with_activation(h2, g2):
 
 
 def _pallas(h):
-    from mmjax.kernels.swiglu import pallas
     return pallas.swiglu(h)
 
 
 def _pallas_bwd_with_activation(h2, g2):
-    from mmjax.kernels.swiglu import pallas
     return pallas.bwd_with_activation(h2, g2)
 
 

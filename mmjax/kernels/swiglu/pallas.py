@@ -12,7 +12,7 @@ from jax.experimental import pallas as pl
 
 from mmjax.kernels import _rows
 from mmjax.kernels._dispatch import interpret
-from mmjax.kernels.swiglu import swiglu_grad
+from mmjax.kernels.swiglu.reference import swiglu_grad
 
 TILING = _rows.RowTiling(tile_elems=8192, fwd_warps=4, bwd_warps=4, max_cols=1024)
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mmjax.engine.memory import is_device_oom
+from mmjax.observe.memory import is_device_oom
 from mmjax.serving.http.admission import CLASS_PRIORITY_OFFSET, CLASSES, Admission
 
 log = logging.getLogger(__name__)

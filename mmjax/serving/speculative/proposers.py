@@ -21,7 +21,10 @@ import numpy as np
 from flax import nnx
 
 from mmjax.config import ServeConfig, SpeculativeConfig
+from mmjax.errors import ConfigError
+from mmjax.model.decoder import PagedMeta
 from mmjax.serving.kv_manager import KVCacheManager
+from mmjax.serving.load import load_model
 from mmjax.serving.request import Request, RequestStatus
 from mmjax.serving.runner import ModelRunner
 from mmjax.serving.sampling import SamplingTensors, _row_keys, full_sampler_history
@@ -122,7 +125,6 @@ class DraftRunner(ModelRunner):
     def _step_fn(self, state, pools, batch, sampling):
         self.num_compiles += 1
         model = nnx.merge(self.graphdef, state)
-        from mmjax.model.decoder import PagedMeta
         meta = PagedMeta(batch["slot_mapping"], batch["page_table"], batch["query_start"], batch["query_len"],
                          batch["context_len"], batch["logits_indices"])
         rows, mask = batch.get("image_rows"), batch.get("image_mask")
@@ -299,11 +301,9 @@ def make_proposer(serve: ServeConfig, *, max_model_len: int, seeds: Mapping[str,
     if cfg.method == "ngram":
         return NgramProposer(cfg)
     if draft_model is None:
-        from mmjax.errors import ConfigError
         if not cfg.draft_checkpoint:
             raise ConfigError("serve.speculative.method=draft needs serve.speculative.draft_checkpoint (an mmjax "
                               "checkpoint of the draft model) or a draft_model passed to the Engine")
-        from mmjax.serving.load import load_model
         _, draft_model = load_model(cfg.draft_checkpoint, overrides=("model.text_only=true",
                                                                      *cfg.draft_overrides))
     return DraftProposer(draft_model, serve, max_model_len=max_model_len, seeds=seeds)

@@ -27,7 +27,7 @@ def test_prepare_data_cli_reports_bad_records(llava_export, tmp_path, capsys):
 def test_bench_library_smoke(cfg, tmp_path):
     import dataclasses
 
-    from mmjax.data.bench import llava_like_config, make_llava_like, measure
+    from mmjax.bench.data import llava_like_config, make_llava_like, measure
     from mmjax.data.tokenizer import Tokenizer
 
     root = make_llava_like(tmp_path / "ll", num_records=16, num_shards=2)

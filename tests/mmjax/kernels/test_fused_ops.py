@@ -135,8 +135,8 @@ def test_model_fused_loss_matches_logits_loss():
     from flax import nnx
 
     from mmjax.config import ModelConfig, TextConfig
-    from mmjax.engine.steps import loss_sums
     from mmjax.model import MLLM
+    from mmjax.training.steps import loss_sums
     cfg = ModelConfig(vocab_size=96, max_seq_len=32, compute_dtype="float32", text_only=True,
                       text=TextConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=48))
 

@@ -382,7 +382,7 @@ def test_kernel_gpu_swiglu_epilogue(kind, transposed, m):
 def test_sweep_times_the_swiglu_epilogue_over_its_tilings(tmp_path):
     """The sweep's quick mode (interpret mode here) runs every row it would time on a GPU, the epilogue's
     tilings included, and each row's output matches the reference."""
-    from mmjax.kernels.quant_matmul import sweep
+    from mmjax.bench import quant_matmul_sweep as sweep
 
     out = tmp_path / "sweep.json"
     assert sweep.main([str(out), "--quick", "--bits", "4", "--shapes", "gate_up", "--layouts", "nk", "--swiglu"]) == 0

@@ -427,7 +427,7 @@ def test_slot_tokens_with_images_in_the_context(kv_splits):
 def test_decode_sweep_runs_the_engines_decode_call(tmp_path):
     """The attention decode sweep's quick mode (interpret mode here) times the call as the multi-step decode makes
     it (slot order, k, v written by the kernel, donated pools) and each configuration agrees with the first."""
-    from mmjax.kernels.ragged_paged_attention import decode_sweep
+    from mmjax.bench import decode_sweep
 
     out = tmp_path / "sweep.json"
     assert decode_sweep.main([str(out), "--quick"]) == 0

@@ -13,10 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-import mmjax.engine.trainer as trainer_module
+import mmjax.training.trainer as trainer_module
 from mmjax.config import load_config
-from mmjax.engine.trainer import Trainer
 from mmjax.observe.health import NonFiniteError
+from mmjax.training.trainer import Trainer
 
 TINY = [
     "model.text.dim=32", "model.text.mlp_dim=64", "model.text.n_layers=1", "model.text.n_heads=4",

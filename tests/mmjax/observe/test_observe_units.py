@@ -215,7 +215,7 @@ def test_console_shows_what_a_person_needs():
     def shown(name, level, msg):
         return ConsoleFilter().filter(logging.LogRecord(name, level, __file__, 1, msg, None, None))
 
-    assert shown("mmjax.engine.trainer", logging.INFO, "model: 0.2M parameters")
+    assert shown("mmjax.training.trainer", logging.INFO, "model: 0.2M parameters")
     assert not shown("mmjax.kernels", logging.INFO, "attention impl=auto chose 'xla'")  # log file only
     assert not shown("absl", logging.INFO, "Created BasePyTreeCheckpointHandler")  # Orbax details
     assert not shown("absl", logging.WARNING, "Given directory is read only=/x")  # a checkpoint opened to read

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from mmjax.config import load_config
-from mmjax.engine.feed import to_global_batch
-from mmjax.engine.init import create_train_state, model_setup, state_shardings
-from mmjax.engine.optimizer import learning_rate_schedule, make_optimizer
-from mmjax.engine.steps import make_train_step
 from mmjax.parallel.mesh import make_mesh
 from mmjax.parallel.rules import addressable_fraction
 from mmjax.parallel.sharding import context_from_config, in_sharding_context
+from mmjax.training.feed import to_global_batch
+from mmjax.training.init import create_train_state, model_setup, state_shardings
+from mmjax.training.optimizer import learning_rate_schedule, make_optimizer
+from mmjax.training.steps import make_train_step
 
 IMAGE_ID = 3
 MODEL = "mmjax/configs/models/tiny_mllm.yaml"

@@ -3,10 +3,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from mmjax.config import PACKAGED_CONFIGS, load_config
-from mmjax.engine.init import model_setup
 from mmjax.errors import ConfigError
 from mmjax.parallel.mesh import make_mesh, resolve_mesh_shape
 from mmjax.parallel.rules import logical_to_spec, rules_from_config
+from mmjax.training.init import model_setup
 
 
 def test_minus_one_takes_the_remaining_devices():

@@ -13,8 +13,8 @@ import torch
 import transformers as T
 from scipy import stats
 
+from mmjax.checkpoint.convert import import_hf
 from mmjax.config import ServeConfig, SpeculativeConfig
-from mmjax.engine.convert import import_hf
 from mmjax.serving.engine import LLM
 from mmjax.serving.load import load_model
 from mmjax.serving.request import RequestError, SamplingParams

@@ -14,10 +14,10 @@ from flax import nnx
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
+from mmjax.checkpoint.convert import import_hf
+from mmjax.checkpoint.orbax_state import FORMAT_VERSION, Checkpointer
 from mmjax.config import Config, DataConfig, to_dict
 from mmjax.data.tokenizer import SPECIAL_TOKENS
-from mmjax.engine.checkpoint import FORMAT_VERSION, Checkpointer
-from mmjax.engine.convert import import_hf
 from mmjax.errors import CheckpointError, ModelError
 from mmjax.model.layers import params_in_layout
 from mmjax.serving.engine import LLM

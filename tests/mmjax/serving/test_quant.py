@@ -229,7 +229,7 @@ def test_engine_greedy_fp8_kv_agrees_with_float_pool(quant):
 
 
 def test_greedy_agreement_tells_a_drift_from_one_wrong_position():
-    from mmjax.quant.evaluate import greedy_agreement
+    from mmjax.bench.quant_quality import greedy_agreement
     ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
     drift = greedy_agreement(ref, [[1, 2, 9, 9], [5, 6, 7, 8]])   # one output parts at position 2 and stays apart
     assert drift == dict(greedy_token_agreement=0.75, greedy_sequence_agreement=0.5, greedy_first_diff_mean=3.0,
@@ -259,7 +259,8 @@ def test_runner_quantizes_at_load_and_on_update(quant):
 
 
 def test_bench_sweep_rooflines_from_own_bytes(quant):
-    from mmjax.serving import bench, bench_quant
+    from mmjax.bench import quant as bench_quant
+    from mmjax.bench import serving as bench
 
     cfg = dataclasses.replace(Config(), model=quant["tiny"]["config"](text_only=True),
                               serve=quant["tiny"]["serve"](page_size=4, num_pages=8, max_num_batched_tokens=8,

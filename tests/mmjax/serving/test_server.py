@@ -28,9 +28,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
+from mmjax.checkpoint.orbax_state import FORMAT_VERSION, Checkpointer
 from mmjax.config import Config, DataConfig, to_dict
 from mmjax.data.tokenizer import SPECIAL_TOKENS
-from mmjax.engine.checkpoint import FORMAT_VERSION, Checkpointer
 from mmjax.serving.engine import Engine
 from mmjax.serving.http.admission import Admission
 from mmjax.serving.http.server import make_server

@@ -1,0 +1,152 @@
+"""Benchmark of speculative decoding and beam search in the engine (`python -m mmjax.tools.bench_serving
+--mode speculative`).
+
+* **Speculation**: greedy tok/s at each batch size with speculation off, n-gram lookup and a draft model, on a
+  repetitive workload (each prompt is a random block of tokens repeated, as code or extraction prompts that
+  quote their input) and a non-repetitive one (random prompt ids), plus the acceptance rate. The draft is the
+  target's config with `draft_layers` layers; weights of both are random unless a checkpoint is given, so the
+  acceptance says how often the random draft agrees with the random target, and n-gram hits come from the
+  target's own repetitions: neither is a quality measure.
+* **Beam search**: `batch` requests with `num_beams` beams (EOS ignored, `new_tokens` each) through the engine,
+  against Hugging Face `generate(num_beams=...)` of the same shapes in its own process (`hf_peer`).
+
+Each timed pass follows an untimed pass of the same shapes (compiles what the timed one needs); the compile
+counter is recorded around every timed pass (`compiles_during_timing`, expected 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from mmjax.bench.serving import BenchSpec, IdTokenizer, hf_peer
+from mmjax.checkpoint.orbax_state import package_versions
+from mmjax.config import Config, SpeculativeConfig
+from mmjax.serving.engine import Engine
+from mmjax.serving.load import build_model
+from mmjax.serving.request import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecBenchSpec:
+    batches: tuple[int, ...] = (1, 8)
+    prompt_len: int = 512
+    new_tokens: int = 128
+    num_tokens: int = 4  # k drafts per step
+    draft_layers: int = 2
+    repeat_block: int = 32  # the repetitive prompts repeat a block of this many tokens
+    num_beams: int = 4
+    beam_batch: int = 8
+    seed: int = 0
+
+
+def prompts(kind: str, batch: int, spec: SpecBenchSpec, vocab: int, rng: np.random.Generator) -> list[list[int]]:
+    if kind == "repetitive":
+        blocks = [rng.integers(0, vocab, spec.repeat_block) for _ in range(batch)]
+        return [np.resize(b, spec.prompt_len).tolist() for b in blocks]
+    return [rng.integers(0, vocab, spec.prompt_len).tolist() for _ in range(batch)]
+
+
+def _pass(engine: Engine, ids: list[list[int]], params: SamplingParams) -> tuple[float, int, int]:
+    """(seconds, generated tokens, compiles) of submitting `ids` at once and stepping to the end."""
+    compiles = engine.runner.num_compiles
+    t0 = time.perf_counter()
+    for p in ids:
+        engine.add_request(p, sampling_params=params)
+    generated = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            generated += len(o.new_token_ids)
+    return time.perf_counter() - t0, generated, engine.runner.num_compiles - compiles
+
+
+def bench_speculation(engine: Engine, method: str, spec: SpecBenchSpec, rng: np.random.Generator) -> list[dict]:
+    rows = []
+    params = SamplingParams(max_tokens=spec.new_tokens, ignore_eos=True)
+    vocab = engine.model_cfg.vocab_size
+    for kind in ("repetitive", "random"):
+        for b in spec.batches:
+            _pass(engine, prompts(kind, b, spec, vocab, rng), params)  # untimed: compiles these shapes
+            before = engine.stats()
+            seconds, generated, compiles = _pass(engine, prompts(kind, b, spec, vocab, rng), params)
+            after = engine.stats()
+            drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+            accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+            rows.append({"method": method, "workload": kind, "batch": b, "seconds": seconds, "tokens": generated,
+                         "tok_s": generated / seconds, "drafted": drafted, "accepted": accepted,
+                         "acceptance": accepted / drafted if drafted else None,
+                         "steps": after["num_steps"] - before["num_steps"], "compiles_during_timing": compiles})
+    return rows
+
+
+def bench_beam(engine: Engine, spec: SpecBenchSpec, rng: np.random.Generator) -> dict:
+    params = SamplingParams(max_tokens=spec.new_tokens, ignore_eos=True, use_beam_search=True,
+                            best_of=spec.num_beams)
+    vocab = engine.model_cfg.vocab_size
+    _pass(engine, prompts("random", spec.beam_batch, spec, vocab, rng), params)
+    seconds, generated, compiles = _pass(engine, prompts("random", spec.beam_batch, spec, vocab, rng), params)
+    return {"batch": spec.beam_batch, "num_beams": spec.num_beams, "seconds": seconds, "tokens": generated,
+            "tok_s": generated / seconds, "compiles_during_timing": compiles}
+
+
+def run_spec_bench(cfg: Config, spec: SpecBenchSpec = SpecBenchSpec(), *, params: dict | None = None,
+                   hf_config: dict | None = None, hf_on_cpu: bool = False,
+                   methods: tuple[str, ...] = ("none", "ngram", "draft")) -> dict[str, Any]:
+    """Every measurement on engines over `cfg` (one per speculation method, the target holding `params` when
+    given, the draft random); returns the record."""
+    s, m = cfg.serve, cfg.model
+    max_len = spec.prompt_len + spec.new_tokens
+    seqs = max(s.max_num_seqs, *spec.batches, spec.beam_batch * spec.num_beams)
+    serve = dataclasses.replace(s, max_num_seqs=seqs, max_model_len=max_len, max_beam_width=spec.num_beams,
+                                max_num_batched_tokens=max(s.max_num_batched_tokens, seqs * (spec.num_tokens + 1)),
+                                num_pages=max(s.num_pages, 1 + seqs * -(-max_len // s.page_size)))
+    cfg = dataclasses.replace(cfg, serve=serve, model=dataclasses.replace(m, max_seq_len=max(m.max_seq_len, max_len)))
+    hf = {"skipped": "no Hugging Face config given"}
+    if hf_config is not None:  # first, before JAX takes the GPU's memory
+        hf = hf_peer(hf_config, BenchSpec(batches=(spec.beam_batch,), prompt_len=spec.prompt_len,
+                                          new_tokens=spec.new_tokens, seed=spec.seed),
+                     dtype=cfg.model.param_dtype, allow_cpu=hf_on_cpu, num_beams=spec.num_beams)
+    model = build_model(cfg, params)
+    rng = np.random.default_rng(spec.seed)
+    dev = jax.devices()[0]
+    record: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
+        "versions": package_versions(extra=("torch", "transformers")), "spec": dataclasses.asdict(spec),
+        "model": {"layers": m.text.n_layers, "dim": m.text.dim, "vocab": m.vocab_size, "random_weights": params is None,
+                  "draft_layers": spec.draft_layers},
+        "speculation": [], "beam": None, "hf_beam": hf}
+    for method in methods:
+        sc = SpeculativeConfig(method=method, num_tokens=spec.num_tokens)
+        draft = None
+        if method == "draft":
+            text = dataclasses.replace(cfg.model.text, n_layers=spec.draft_layers)
+            draft = build_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, text=text)))
+        engine = Engine(dataclasses.replace(cfg, serve=dataclasses.replace(serve, speculative=sc)), model,
+                        IdTokenizer(), draft_model=draft)
+        record["speculation"].extend(bench_speculation(engine, method, spec, rng))
+        if method == "none":
+            record["beam"] = bench_beam(engine, spec, rng)
+        del engine
+    return record
+
+
+def table(r: dict) -> str:
+    lines = ["| method | workload | batch | tok/s | acceptance | steps | compiles while timed |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for x in r["speculation"]:
+        acc = "" if x["acceptance"] is None else f"{x['acceptance']:.2f}"
+        lines.append(f"| {x['method']} | {x['workload']} | {x['batch']} | {x['tok_s']:.1f} | {acc} | {x['steps']} | "
+                     f"{x['compiles_during_timing']} |")
+    b = r["beam"]
+    if b:
+        hf = r["hf_beam"]
+        peer = "skipped: " + hf["skipped"] if "skipped" in hf else f"{hf['rows'][0]['e2e_tok_s']:.1f} tok/s"
+        lines += ["", f"Beam search, {b['batch']} requests x {b['num_beams']} beams: mmjax {b['tok_s']:.1f} tok/s "
+                      f"(best-beam tokens); Hugging Face generate(num_beams={b['num_beams']}): {peer}"]
+    return "\n".join(lines)
