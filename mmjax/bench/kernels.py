@@ -365,26 +365,32 @@ def _fmt(v) -> str:
     return "n/a" if v is None else f"{v:.0f}"
 
 
-def replace_readme_section(readme, title: str, body: str) -> None:
-    """Replace (or append) the section marked `<!-- {title} start/end -->` of a markdown file (e.g.
-    docs/perf/README.md) with `## {title}` and `body`, leaving other sections alone."""
-    from pathlib import Path
-    path = Path(readme)
-    text = path.read_text() if path.exists() else "# Performance\n\nMeasured numbers; raw JSON in `results/`.\n"
-    start, end = f"<!-- {title} start -->", f"<!-- {title} end -->"
-    body = f"{start}\n## {title}\n\n{body}\n{end}"
-    if start in text and end in text:
-        text = text[:text.index(start)] + body + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + "\n\n" + body + "\n"
-    path.write_text(text)
+HEADLINE_ATTENTION = "B4 S4096 H16 D128 bfloat16 causal"
+BASELINES = ("torch_sdpa", "cudnn_direct")  # peers timed beside mmjax's implementations, not mmjax's numbers
 
 
-def write_readme_section(readme, record: dict, command: str,
-                         title: str = "Kernels (`python -m mmjax.tools.bench_kernels`)"):
-    """Replace (or append) this benchmark's section of docs/perf/README.md, leaving other sections alone."""
-    replace_readme_section(readme, title, (
-        f"{record['device']}, {record['date']}, versions {record['versions']}.\n"
-        f"Ceilings: {PEAK_TFLOPS:.0f} TFLOP/s bf16 matmul, {PEAK_GBPS:.0f} GB/s copy "
-        f"(x + 1 measured in this run: {_fmt(record['ceilings'].get('copy_gbps_measured_now'))} GB/s).\n"
-        f"Command: `{command}`\n\n{table(record)}"))
+def latest_values(record: dict, source: str | None = None) -> dict:
+    """The record's headline numbers as `docs/perf/latest.json`'s `kernels` metrics: the fastest mmjax
+    implementation of causal attention at the headline shape, and the row kernels' fwd+bwd share of the copy
+    ceiling. Only what this run measured is returned (a run of some sections updates those metrics alone)."""
+    rows = [r for r in record["rows"] if r["impl"] not in BASELINES and r.get("ms") is not None]
+
+    def best(op: str, shape_prefix: str, field: str) -> dict | None:
+        found = [r for r in rows if r["op"] == op and r["shape"].startswith(shape_prefix) and r.get(field)]
+        return max(found, key=lambda r: r[field]) if found else None
+
+    values = {}
+    for key, op in (("attention_fwd_tflops", "attention_fwd"), ("attention_fwd_bwd_tflops", "attention_fwd_bwd")):
+        row = best(op, HEADLINE_ATTENTION, "tflops")
+        if row:
+            kind = "fwd" if op == "attention_fwd" else "fwd+bwd"
+            values[key] = {"value": round(row["tflops"], 1),
+                           "label": f"causal attention {kind}, B4 S4096 H16 D128 bf16 ({row['impl']})"}
+    for key, op, shape in (("rms_norm_fwd_bwd_of_copy", "rms_norm_fwd_bwd", "[32768,4096]"),
+                           ("bias_gelu_fwd_bwd_of_copy", "bias_gelu_fwd_bwd", "[32768,4096] bfloat16 dropout=0.0")):
+        row = best(op, shape, "fraction_of_ceiling")
+        if row:
+            values[key] = {"value": round(row["fraction_of_ceiling"], 3)}
+    if source:
+        values = {k: {**v, "source": source} for k, v in values.items()}
+    return values

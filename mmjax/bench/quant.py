@@ -30,7 +30,6 @@ from mmjax.serving.load import build_model
 
 log = logging.getLogger(__name__)
 
-README_TITLE = "Quantized serving (`python -m mmjax.tools.bench_serving --sweep-quant`)"
 KV_NAMES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 
 
@@ -115,3 +114,26 @@ def table(record: dict, quality: dict | None = None) -> str:
                 f"{bench._f(qual.get('max_logit_diff'), '.3f')} | {bench._f(qual.get('top1_agreement'), '.3f')} | "
                 f"{bench._f(qual.get('perplexity'), '.3f')} | {bench._f(qual.get('greedy_token_agreement'), '.3f')} |")
     return "\n".join(lines)
+
+
+def latest_values(record: dict, source: str | None = None) -> dict:
+    """Batch-1 decode of the sweep's variants as `docs/perf/latest.json`'s `quant` metrics: tok/s of bf16
+    (`none`), int8 (with the int8 head when swept, else plain) and fp8 weights at the default KV dtype, their
+    speed-ups over bf16, and int8's share of its own roofline. Variants not swept are left out."""
+    extra = {"source": source} if source else {}
+    at_bs1 = {}
+    for v in record["variants"]:
+        row = next((d for d in v["decode"] if d["batch"] == 1 and d["decode_tok_s"]), None)
+        if row is not None and v["kv_cache_dtype"] == "auto":
+            at_bs1[v["quantization"]] = row
+    int8 = at_bs1.get("int8+head") or at_bs1.get("int8")
+    values, bf16 = {}, at_bs1.get("none")
+    for name, row in (("bf16", bf16), ("int8", int8), ("fp8", at_bs1.get("fp8"))):
+        if row is None:
+            continue
+        values[f"{name}_tok_s_bs1"] = {"value": round(row["decode_tok_s"]), **extra}
+        if bf16 is not None and name != "bf16":
+            values[f"{name}_speedup_bs1"] = {"value": round(row["decode_tok_s"] / bf16["decode_tok_s"], 3), **extra}
+    if int8 is not None:
+        values["int8_fraction_of_roofline_bs1"] = {"value": round(int8["fraction_of_roofline"], 3), **extra}
+    return values

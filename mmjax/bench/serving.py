@@ -25,17 +25,16 @@ import datetime
 import logging
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
-from mmjax.bench.kernels import PEAK_GBPS, replace_readme_section
+from mmjax.bench.kernels import PEAK_GBPS
 from mmjax.bench.peer_process import run_peer_process
 from mmjax.checkpoint.orbax_state import package_versions
-from mmjax.config import Config
+from mmjax.config import Config, ServeConfig
 from mmjax.observe.profile import summarize_trace
 from mmjax.quant import weight_bytes as quant_weight_bytes
 from mmjax.serving.engine import Engine, RequestOutput
@@ -44,7 +43,6 @@ from mmjax.serving.request import SamplingParams
 
 log = logging.getLogger(__name__)
 
-README_TITLE = "Serving (`python -m mmjax.tools.bench_serving`)"
 HF_RESULT_PREFIX = "HF_PEER_RESULT "
 PROFILE_KERNELS = 80  # kernels a decode profile names (by time), for `tools.kernel_sources`
 
@@ -402,13 +400,15 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def write_readme(readme: str | Path, record: dict, command: str) -> None:
-    """Replace (or append) the serving section of docs/perf/README.md."""
-    m = record["model"]
-    body = (f"{record['device']}, {record['date']}, versions {record['versions']}.\n"
-            f"Model: {m['params'] / 1e9:.3f}B params ({m['param_dtype']} weights, {m['compute_dtype']} compute, "
-            f"random), {m['layers']} layers, {m['kv_heads']} KV heads x {m['head_dim']}; serve "
-            f"max_num_batched_tokens={record['serve']['max_num_batched_tokens']}, "
-            f"page_size={record['serve']['page_size']}.\nCommand: `{command}`\n\n{table(record)}")
-    replace_readme_section(readme, README_TITLE, body)
+def latest_values(record: dict, source: str | None = None) -> dict:
+    """The record's decode rows as `docs/perf/latest.json`'s `serving` metrics: under `default_decode` when the
+    engine ran with the default `serve.decode_steps`, else `tuned_decode`, one `bs<N>` group per batch."""
+    group = "default_decode" if record["serve"].get("decode_steps") == ServeConfig().decode_steps else "tuned_decode"
+    extra = {"source": source} if source else {}
+    rows = {f"bs{d['batch']}": {"tok_s": {"value": round(d["decode_tok_s"]), **extra},
+                                 "fraction_of_roofline": {"value": round(d["fraction_of_roofline"], 3), **extra}}
+            for d in record["decode"] if d["decode_tok_s"] is not None}
+    if not rows:
+        return {}
+    return {"hbm_gbps": {"value": record["spec"]["hbm_gbps"], **extra}, group: rows}
 

@@ -233,7 +233,7 @@ def train_configs() -> dict[str, dict[str, str]]:
     every_xla = dict(attention_impl="xla", norm_impl="xla", loss_impl="xla", swiglu_impl="xla")
     auto = dict(attention_impl="auto", norm_impl="auto", loss_impl="auto", swiglu_impl="auto")
     # "xla" everywhere materialises [B, H, S, S] scores and [B*S, V] logits: at B8 S2048 it does not fit in
-    # an H200's memory (docs/perf/README.md), so baselines with cuDNN attention are timed as well.
+    # an H200's memory (docs/perf/kernels.md), so baselines with cuDNN attention are timed as well.
     return {"auto": auto, "auto+cudnn_attention": dict(auto, attention_impl="cudnn"),
             "auto+pallas_attention": dict(auto, attention_impl="pallas"),
             "auto+mgpu_fwd_pallas_bwd": dict(auto, attention_impl="mgpu"),

@@ -22,7 +22,7 @@ TILES_PER_PROGRAM = 16
 @dataclasses.dataclass(frozen=True)
 class RowTiling:
     """Launch shape of one row-wise op's kernels. Each op module holds its own `TILING`; the defaults come
-    from `mmjax.tools.sweep_rows` on an H200 (docs/perf/README.md), and the sweep swaps them per candidate."""
+    from `mmjax.tools.sweep_rows` on an H200 (docs/perf/kernels.md), and the sweep swaps them per candidate."""
 
     tile_elems: int = TILE_ELEMS                # elements per forward tile (rows = tile_elems // width)
     tiles_per_program: int = TILES_PER_PROGRAM  # row tiles one backward program walks

@@ -1,9 +1,9 @@
 """Offline serving benchmark: decode tok/s against the HBM roofline, TTFT, a mixed workload, the HF `generate` peer.
 
-    python -m mmjax.tools.bench_serving --readme                 # H200: llama_1b decoder, bf16, random weights
+    python -m mmjax.tools.bench_serving --latest                 # H200: llama_1b decoder, bf16, random weights
     python -m mmjax.tools.bench_serving --batches 1 8 --num-requests 50 serve.max_num_batched_tokens=4096
     python -m mmjax.tools.bench_serving --mode speculative     # speculation on/off at batch 1 and 8, beam k=4
-    python -m mmjax.tools.bench_serving --sweep-quant none int8 fp8 int4 none:fp8 int8:fp8 --readme
+    python -m mmjax.tools.bench_serving --sweep-quant none int8 fp8 int4 none:fp8 int8:fp8 --latest
     python -m mmjax.tools.bench_serving --server http://127.0.0.1:8000 --rates 1 2 4 8   # a running server
 
 Server mode (`--server URL`) drives a running `python -m mmjax.serve` over HTTP instead: open-loop Poisson
@@ -11,8 +11,9 @@ arrivals at each `--rates` value, seeded ShareGPT-like lengths (optionally image
 end-to-end p50/p90/p99, throughput and goodput; writes the JSON and a latency-vs-rate plot (`--plot`).
 
 The model is `--config` with `model.text_only=true` and bf16 weights and compute; trailing `key=value` arguments
-override any config key. Prints the tables, writes docs/perf/results/serving/serving-<date>.json (or `--out`) and, with
-`--readme`, replaces the serving section of docs/perf/README.md. See docs/serving.md, "Benchmark".
+override any config key. Prints the tables, writes docs/perf/results/serving/serving-<date>.json (or `--out`)
+and, with `--latest`, updates its section of docs/perf/latest.json and the README generated from it. See
+docs/serving.md, "Benchmark".
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from mmjax.bench import loadgen
 from mmjax.bench import quant as bench_quant
 from mmjax.bench import serving as bench
 from mmjax.bench import spec as bench_spec
-from mmjax.bench.kernels import replace_readme_section
+from mmjax.bench.latest import DEFAULT_LATEST, update_latest
 from mmjax.checkpoint.convert import load_params
 from mmjax.checkpoint.convert.hf import text_config_to_hf
 from mmjax.config import load_config
@@ -60,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate peer")
     p.add_argument("--hf-on-cpu", action="store_true", help="run the HF peer on the CPU (tiny models only)")
     p.add_argument("--out", default="", help="JSON path (default docs/perf/results/serving/serving-<date>.json)")
-    p.add_argument("--readme", nargs="?", const="docs/perf/README.md", default=None,
-                   help="replace the serving section of this markdown file (default docs/perf/README.md)")
+    p.add_argument("--latest", "--readme", nargs="?", const=str(DEFAULT_LATEST), default=None, dest="latest",
+                   help="update this run's section of this latest.json (default docs/perf/latest.json) and the "
+                        "README generated from it (decode: serving; --sweep-quant: quant)")
     p.add_argument("--sweep-quant", nargs="+", default=None, metavar="SCHEME[:KV]",
                    help="decode only, per weight scheme and KV dtype (e.g. int8 fp8:fp8); see serving/bench_quant.py")
     p.add_argument("--quality", default="", help="eval_quant --out JSON to show beside the sweep")
@@ -112,10 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     record = bench.run_serving_bench(cfg, spec, params=params, hf_config=hf_config, hf_on_cpu=args.hf_on_cpu,
                                      save=save)
     save(record)
-    if args.readme:
-        bench.write_readme(args.readme, record, command)
     print(bench.table(record))
-    print(f"wrote {out}" + (f" and the serving section of {args.readme}" if args.readme else ""))
+    print(f"wrote {out}")
+    _update_latest(args, "serving", bench.latest_values(record, str(out)), record, command)
     return 0
 
 
@@ -154,13 +155,17 @@ def _sweep_quant(args, cfg, spec, params, command: str) -> int:
 
     record = bench_quant.run_sweep(cfg, spec, variants, params=params, save=save)
     save(record)
-    text = bench_quant.table(record, quality)
-    if args.readme:
-        replace_readme_section(args.readme, bench_quant.README_TITLE,
-                               f"{record['device']}, {record['date']}; command: `{command}`\n\n{text}")
-    print(text)
+    print(bench_quant.table(record, quality))
     print(f"wrote {out}")
+    _update_latest(args, "quant", bench_quant.latest_values(record, str(out)), record, command)
     return 0
+
+
+def _update_latest(args: argparse.Namespace, section: str, values: dict, record: dict, command: str) -> None:
+    """With --latest: merge `values` into `section` of latest.json (and regenerate docs/perf/README.md)."""
+    if args.latest and values:
+        update_latest(section, values, device=record["device"], command=command, path=args.latest)
+        print(f"updated the {section} section of {args.latest}")
 
 
 def server_main(args: argparse.Namespace, argv: list[str] | None) -> int:

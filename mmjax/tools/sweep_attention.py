@@ -4,7 +4,7 @@
 
 Each candidate is timed forward and forward+backward at B4 S4096 H16 D128 bf16 causal (the bench's shape),
 the Mosaic GPU ones also at D64 H32; a candidate that fails (e.g. exceeds shared memory) is listed with its
-error. The defaults in `FlashConfig` / `MgpuFlashConfig` come from runs of this sweep (docs/perf/README.md).
+error. The defaults in `FlashConfig` / `MgpuFlashConfig` come from runs of this sweep (docs/perf/kernels.md).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def sweep_mgpu(rows: list, b=4, s=4096):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=f"docs/perf/results/kernels/attention-sweep-{datetime.date.today().isoformat()}.json")
+    today = datetime.date.today().isoformat()
+    p.add_argument("--out", default=f"docs/perf/results/kernels/attention-sweep-{today}.json")
     p.add_argument("--skip", nargs="*", default=[], choices=["pallas", "mgpu"])
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

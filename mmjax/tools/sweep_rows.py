@@ -7,7 +7,7 @@ replaces the op module's `TILING` and is timed on the bench's [32768, 4096] bf16
 forward+backward, in GB/s and as a fraction of 3.75 TB/s. A failing candidate is listed with its error.
 The bias+GELU rows also time the tanh approximation: when it is much faster than the erf form at the same
 tiles, the kernel is limited by arithmetic, not by memory. The defaults in `mmjax/kernels/norms/pallas.py` and
-`mmjax/kernels/bias_gelu/pallas.py` come from runs of this sweep (docs/perf/README.md).
+`mmjax/kernels/bias_gelu/pallas.py` come from runs of this sweep (docs/perf/kernels.md).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from mmjax.kernels.norms import pallas as norms_pallas
 def norm_candidates() -> dict:
     d = norms_pallas.TILING
     r = lambda **kw: dataclasses.replace(d, **kw)
-    # Earlier sweeps (docs/perf/README.md) chose the default; candidates vary it one field at a time.
+    # Earlier sweeps (docs/perf/kernels.md) chose the default; candidates vary it one field at a time.
     return {
         "default": d,
         "no_prefetch": r(bwd_prefetch=False),
@@ -40,7 +40,7 @@ def norm_candidates() -> dict:
 def gelu_candidates() -> dict:
     d = bias_gelu_pallas.TILING
     r = lambda **kw: dataclasses.replace(d, **kw)
-    # The first sweep's results are in docs/perf/README.md.
+    # The first sweep's results are in docs/perf/kernels.md.
     return {
         "default": d,
         "bwd_s3": r(bwd_stages=3), "cols2k": r(max_cols=2048), "cols2k_bwd_s3": r(max_cols=2048, bwd_stages=3),

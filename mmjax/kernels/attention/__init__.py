@@ -7,7 +7,7 @@ masked rows.
 
 | impl        | where                    | notes                                                             |
 |-------------|--------------------------|-------------------------------------------------------------------|
-| `mgpu_bwd`  | GPU sm90 exactly, bf16/fp16, D 64/128 | Mosaic GPU (wgmma + TMA, warp-specialised) forward and the one-kernel Mosaic GPU backward of `flash_mgpu_bwd`, full mask semantic, GQA. `auto` takes it first (the fastest fwd+bwd on the H200: docs/perf/README.md) |
+| `mgpu_bwd`  | GPU sm90 exactly, bf16/fp16, D 64/128 | Mosaic GPU (wgmma + TMA, warp-specialised) forward and the one-kernel Mosaic GPU backward of `flash_mgpu_bwd`, full mask semantic, GQA. `auto` takes it first (the fastest fwd+bwd on the H200: docs/perf/latest.json) |
 | `mgpu`      | as `mgpu_bwd`            | the same Mosaic GPU forward with `pallas`'s backward kernels |
 | `pallas`    | GPU sm80+ (CPU: interpret, explicit only) | flash fwd+bwd, full mask semantic, GQA, any S/D  |
 | `cudnn`     | GPU sm80+, bf16/fp16, D<=128 | `jax.nn.dot_product_attention(implementation='cudnn')` when the batch is one right-padded sequence per row (checked at run time; otherwise the next implementation runs) |

@@ -2,7 +2,7 @@
 
 (`MgpuFlashConfig(bwd_impl="mgpu")` selects the Mosaic GPU backward of `flash_mgpu_bwd` instead.)
 
-Why: the Triton-lowered forward in `flash_pallas` tops out well below the H200's peak (docs/perf/README.md).
+Why: the Triton-lowered forward in `flash_pallas` tops out well below the H200's peak (docs/perf/kernels.md).
 Hopper's throughput needs wgmma + TMA + warp specialisation, which Triton-through-Pallas does not expose;
 Mosaic GPU does. This module is an FA3-style forward (in the spirit of jax's
 `pallas/ops/gpu/attention_mgpu.py`, written for our mask semantic) and reuses the existing Pallas-Triton
@@ -92,12 +92,12 @@ class MgpuFlashConfig:
     block_kv: int = 128                       # key rows per pipeline step
     max_concurrent_steps: int | None = None   # SMEM ring depth; None: 3 if it fits in SMEM, else 2
     skip_full_tile_mask: bool = True          # skip the element-wise mask on provably full key tiles
-    # (batch, head) pairs per launch-order group (`_mb.cta_coords`); 4 measured best (docs/perf/README.md)
+    # (batch, head) pairs per launch-order group (`_mb.cta_coords`); 4 measured best (docs/perf/kernels.md)
     cta_group: int = 4
     bwd: _fp.FlashConfig | None = None        # None: flash_pallas.default_config(head_dim)
     interpret: bool = False                   # Mosaic GPU interpreter (CPU tests; slow)
     # Backward: "pallas" = flash_pallas' Triton kernels (configured by `bwd`); "mgpu" = the Mosaic GPU
-    # kernel of `flash_mgpu_bwd` (tiles below), faster at D128 and D64 on the H200 (docs/perf/README.md).
+    # kernel of `flash_mgpu_bwd` (tiles below), faster at D128 and D64 on the H200 (docs/perf/kernels.md).
     # `kernels.attention`'s `auto` (impl "mgpu_bwd") sets "mgpu"; "pallas" stays this config's default,
     # which is what impl "mgpu" means.
     bwd_impl: str = "pallas"

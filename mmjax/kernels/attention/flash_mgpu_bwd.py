@@ -1,7 +1,7 @@
 """Flash-attention BACKWARD for Hopper (sm90a) with Pallas' Mosaic GPU backend (FA3-style, one kernel).
 
 Why: the Mosaic GPU forward (`flash_mgpu`) is much faster on an H200 than its Pallas-Triton backward
-(docs/perf/README.md), so fwd+bwd is bound by the backward. jax's own `attention_mgpu` backward is two kernels (dQ, dKV)
+(docs/perf/kernels.md): fwd+bwd is bound by the backward. jax's own `attention_mgpu` backward is two kernels (dQ, dKV)
 that recompute S and dP twice and is non-causal only; this is one kernel that computes dQ, dK and dV from a
 single S / dP recomputation, with our mask semantic.
 
@@ -22,12 +22,12 @@ Kernel layout (one CTA = 2 * block_kv key rows of one (batch, kv head)):
     `jax.Ref` (aliased in and out by `pl.kernel`), cast outside.
   * Schedule: paired wgmmas + late dQ + 240 registers measured fastest on the H200 against one wgmma group at
     a time, pairs without late dQ, 232 registers, a forward-style ping-pong of the two warpgroups and a
-    128B-swizzled f32 dQ staging buffer at 232 registers (table in docs/perf/README.md).
+    128B-swizzled f32 dQ staging buffer at 232 registers (table in docs/perf/log/2026-12-04.md).
   * Register pressure (ncu source-level stall sampling + ptxas): the reloads of hoisted K/V wgmma descriptors
     and the bank-conflicted dQ staging stores and fences were a large share of the compute warps' stall
     samples. Per-step K/V descriptors (`opaque_zero`), kv-side mask vectors loaded per masked step, (head,
     q tile) of the late dQ from the loops instead of a division, and a swizzled dQ staging buffer removed
-    most spills; each change's effect is in docs/perf/README.md.
+    most spills; each change's effect is in docs/perf/log/2026-12-04.md.
   * GQA: the q loop runs over the group's query heads inside the CTA, so dK/dV of a kv head are summed
     in registers (no per-q-head dK/dV and no extra pass).
   * Tile skipping: `flash_pallas._bounds(..., transpose=True)` for tiles (block_q, 2*block_kv) gives each
@@ -63,7 +63,7 @@ MASK = _fp.MASK
 SMEM_LIMIT = 227 * 1024  # H100/H200 max dynamic shared memory per block
 _SMEM_RESERVE = 4096     # barriers + Mosaic's reduction scratch
 # setmaxnreg per compute-warpgroup thread; the memory warpgroup gets the rest of the 64512 (24). 232 was
-# slower with the paired wgmmas (docs/perf/README.md). Even 240 spilled (ptxas via MOSAIC_GPU_DUMP_TO) until
+# slower with the paired wgmmas (docs/perf/kernels.md). Even 240 spilled (ptxas via MOSAIC_GPU_DUMP_TO) until
 # the fixes under "Register pressure" in the module docstring: check the ptxas report after changing the
 # compute loop.
 REGISTERS = 240
@@ -91,7 +91,7 @@ def cta_coords(pid, n_tiles: int, n_pairs: int, group: int, descending: bool):
     Why: the GPU hands CTAs to free SMs in index order. Causal tiles differ up to Sq/tile-fold in work, so
     the order sets the tail (list scheduling: heaviest first nearly removes it), and which CTAs run together
     sets L2 reuse of the K/V (forward) or Q/dO (backward) they all stream: a small group keeps that set small.
-    Groups of 4 and 8 (batch, head) pairs measured best on the H200 (docs/perf/README.md).
+    Groups of 4 and 8 (batch, head) pairs measured best on the H200 (docs/perf/kernels.md).
     """
     group = max(1, min(group, n_pairs))
     span = group * n_tiles
@@ -174,7 +174,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
     split = t_.split_dq(d)
     dcols = d // 2 if split else d
     # two dsT buffers: a third (dQ lagging two steps) kept the gradients exact but measured slower on the H200
-    # (docs/perf/README.md)
+    # (docs/perf/kernels.md)
     nbuf = 2 if split else 1
     c = bs.scale * LOG2E
     scale = bs.scale
@@ -269,7 +269,7 @@ def _kernel(bs: BwdStatic, q, k, v, do, lse, delta, qmeta, kmeta, bnd):
             def grads(dk, dv, t, slot, buf, masked, z):
                 """dK, dV += this step's terms; dsT to SMEM. sT and dpT are issued together and pT is computed
                 while dpT runs; dV and dK are issued together with dsT's SMEM store under them (two wgmma
-                waits per step; one group at a time was slower: docs/perf/README.md)."""
+                waits per step; one group at a time was slower: docs/perf/log/2026-12-04.md)."""
                 q_s, do_s = q_smem.at[slot], do_smem.at[slot]
                 k_w, v_w = k_smem.at[wg + z], v_smem.at[wg + z]
                 plgpu.barrier_wait(q_bars.at[slot])

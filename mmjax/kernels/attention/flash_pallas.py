@@ -44,7 +44,7 @@ _BIG = 2 ** 30
 class FlashConfig:
     """Tile sizes and Triton launch parameters (all block sizes powers of two, >= 16)."""
 
-    # Defaults from the sweeps on an H200 (`mmjax.tools.sweep_attention`, numbers in docs/perf/README.md):
+    # Defaults from the sweeps on an H200 (`mmjax.tools.sweep_attention`, numbers in docs/perf/kernels.md):
     # forward 128x128/8 warps/3 stages (4 stages exceed shared memory); backward 64x64/4 warps/2 stages
     # (more stages and 128-row tiles were slower), whereas Triton's tutorial tiles (dKV 32x128, dQ 128x32)
     # spill the 128x128 fp32 accumulators.
@@ -370,7 +370,7 @@ def once(*outputs):
     Why: under a layer scan, o and lse are both consumed (out-projection) and stacked as residuals by a
     dynamic-update-slice. XLA's GPU dynamic-slice fusion then clones the kernel call into a fusion that
     writes straight into the stacked buffer, and keeps the original for the other consumer: the attention
-    forward ran twice per layer in the 1.2B train step (docs/perf/README.md).
+    forward ran twice per layer in the 1.2B train step (docs/perf/kernels.md).
     """
     return lax.optimization_barrier(outputs)
 

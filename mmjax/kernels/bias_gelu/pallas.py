@@ -13,7 +13,7 @@ from mmjax.kernels._dispatch import interpret
 from mmjax.kernels.bias_gelu.reference import gelu_and_grad, keep_mask
 
 # Shared by this module and the jax-triton kernels (`triton_kernels.py`): same tiles, same dropout indices.
-# From `mmjax.tools.sweep_rows` on an H200 (numbers in docs/perf/README.md): 4 x 1024 tiles with 4 warps are
+# From `mmjax.tools.sweep_rows` on an H200 (numbers in docs/perf/kernels.md): 4 x 1024 tiles with 4 warps are
 # fastest; 8 x 1024, larger tiles or fewer warps are slower.
 TILING = _rows.RowTiling(tile_elems=4096, fwd_warps=4, bwd_warps=4, bwd_stages=2, max_cols=1024)
 

@@ -100,7 +100,7 @@ def _fused(st, x, w, labels, weights):
 
 def _fused_fwd(st, x, w, labels, weights):
     # W in the compute dtype once, outside the chunk loop: XLA does not hoist the cast, and converting the
-    # f32 table in every chunk was a visible share of the 1.2B step (docs/perf/README.md).
+    # f32 table in every chunk was a visible share of the 1.2B step (docs/perf/kernels.md).
     wc = w.astype(x.dtype)
     def body(dw, xs):
         ce, dx, dw_c = _chunk_step(st, wc, *xs, with_grads=True)

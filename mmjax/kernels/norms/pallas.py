@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from mmjax.kernels import _rows
 from mmjax.kernels._dispatch import interpret as _interpret
 
-# From `mmjax.tools.sweep_rows` on an H200 (numbers in docs/perf/README.md): 8k-element tiles with the
+# From `mmjax.tools.sweep_rows` on an H200 (numbers in docs/perf/kernels.md): 8k-element tiles with the
 # backward's hand prefetch and 16 warps are fastest; without the prefetch 16k tiles were best, and the
 # prefetch at 16k tiles is slower.
 TILING = _rows.RowTiling(tile_elems=8192, bwd_warps=16, bwd_prefetch=True)

@@ -205,7 +205,7 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
 
     `kv_splits` > 1 cuts each block's keys into that many parts walked by separate programs (more programs
     for few, long sequences), whose partial softmax results are merged afterwards. Left as None, the tiling
-    is the decode sweep's best (docs/perf/README.md, "Serving"): a decode step of at most `SPLIT_TOKENS` tokens
+    is the decode sweep's best (docs/perf/log/2026-12-05.md, "Serving"): a decode step of at most `SPLIT_TOKENS` tokens
     splits the keys in 4 and walks 64 at a time; other decode steps walk 128 keys unpipelined (one stage);
     prefill keeps 128 keys and two stages.
 

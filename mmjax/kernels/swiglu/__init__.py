@@ -44,7 +44,7 @@ def _xla_fwd(h):
 def _xla_bwd(h, g):
     # A select on the gate/up index in h's [..., 2, M] layout (both halves broadcast). XLA runs it as two
     # passes (g * up, then the select), still faster on the H200 than stacking d_gate and d_up (a float32
-    # sigmoid pass and a concatenate); one pass at copy speed would be about half (docs/perf/README.md).
+    # sigmoid pass and a concatenate); one pass at copy speed would be about half (docs/perf/kernels.md).
     dg, du = swiglu_grad(h[..., 0, :], h[..., 1, :], g)
     is_gate = jax.lax.broadcasted_iota(jnp.int32, h.shape, h.ndim - 2) == 0
     return (jnp.where(is_gate, dg[..., None, :], du[..., None, :]).astype(h.dtype),)

@@ -159,3 +159,24 @@ def test_latest_json_has_the_sections_and_keys_the_perf_page_promises():
                 assert re.fullmatch(r"\d{4}-\d\d-\d\d", metric["date"]), f"{section}.{key}: date measured"
             if L.unit_of(key, metric) == "fraction" and metric["value"] is not None:
                 assert 0 <= metric["value"] <= 1, f"{section}.{key}: fractions are 0..1"
+
+
+@pytest.mark.parametrize("section, module, result", [
+    ("kernels", "mmjax.bench.kernels", "kernels/kernels-2026-12-04b.json"),
+    ("serving", "mmjax.bench.serving", "serving/serving-h100-2026-12-05.json"),
+    ("quant", "mmjax.bench.quant", "quant/serving-quant-final-h100-2026-12-06.json"),
+])
+def test_benchmark_values_fit_latest_json(tmp_path, section, module, result):
+    """Each benchmark's `latest_values`, taken from one of its real result files, merges into a copy of the
+    committed latest.json onto metrics that exist there (a renamed key would add a stray row instead)."""
+    import importlib
+
+    record = json.loads((ROOT / "docs" / "perf" / "results" / result).read_text())
+    values = importlib.import_module(module).latest_values(record, source=result)
+    assert values
+    path = tmp_path / "latest.json"
+    path.write_text(LATEST.read_text())
+    before = dict(L.metrics(json.loads(LATEST.read_text())[section]))
+    after = L.update_latest(section, values, device="dev", command="cmd", path=path, readme=None)
+    changed = {k: m for k, m in L.metrics(after[section]) if m.get("source") == result}
+    assert changed and set(changed) <= set(before), sorted(set(changed) - set(before))
