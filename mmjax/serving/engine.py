@@ -23,8 +23,7 @@ from mmjax.data.image import decode_image, preprocess
 from mmjax.errors import DataError
 from mmjax.serving.detokenize import IncrementalDetokenizer
 from mmjax.serving.kv_manager import KVCacheManager
-from mmjax.serving.request import (ExtraKey, Request, RequestError, RequestStatus, SamplingParams,
-                                   StepRequestError)
+from mmjax.serving.request import ExtraKey, Request, RequestError, RequestStatus, SamplingParams, StepRequestError
 from mmjax.serving.runner import ImageInput, ModelRunner, PendingStep, SampledToken, image_hash
 from mmjax.serving.scheduler import Scheduler, SchedulerOutput
 from mmjax.serving.speculative.proposers import make_proposer
@@ -197,23 +196,29 @@ class Engine:
         return ids
 
     def _image(self, rid: str, index: int, image: Any) -> np.ndarray:
-        """bytes (PNG/JPEG...), uint8 [H, W, C] pixels, or an already normalised float [size, size, C]."""
         if self.model_cfg.text_only:
             raise RequestError(f"request {rid!r}: the model is text-only (model.text_only=true) but the request "
                                "has images")
+        return self.prepare_image(image, f"request {rid!r}: image {index}")
+
+    def prepare_image(self, image: Any, where: str = "image") -> np.ndarray:
+        """bytes (PNG/JPEG...), uint8 [H, W, C] pixels, or an already normalised float [size, size, C] -> the
+        float32 [size, size, C] the image encoder takes; raises RequestError naming `where`. Reads no engine
+        state, so a server runs it on worker threads and hands the engine finished arrays (decoding a large
+        image on the engine thread would stall every request's steps)."""
         v = self.model_cfg.vision
         try:
             if isinstance(image, (bytes, bytearray)):
-                image = decode_image(bytes(image), f"{rid} image {index}")
+                image = decode_image(bytes(image), where)
             image = np.asarray(image)
             if image.dtype == np.uint8:
-                return preprocess(image, v.image_size, v.mean, v.std, f"{rid} image {index}")
+                return preprocess(image, v.image_size, v.mean, v.std, where)
         except DataError as e:
-            raise RequestError(f"request {rid!r}: image {index}: {e}") from None
+            raise RequestError(f"{where}: {e}") from None
         if image.shape != (v.image_size, v.image_size, v.channels) or not np.issubdtype(image.dtype, np.floating):
-            raise RequestError(f"request {rid!r}: image {index} has shape {image.shape} dtype {image.dtype}; give "
-                               f"encoded bytes, uint8 [H, W, {v.channels}] pixels or a normalised float "
-                               f"[{v.image_size}, {v.image_size}, {v.channels}] array")
+            raise RequestError(f"{where} has shape {image.shape} dtype {image.dtype}; give encoded bytes, uint8 "
+                               f"[H, W, {v.channels}] pixels or a normalised float [{v.image_size}, {v.image_size}, "
+                               f"{v.channels}] array")
         return np.asarray(image, np.float32)
 
     def _image_ranges(self, rid: str, ids: Sequence[int], num_images: int) -> list[tuple[int, int]]:

@@ -109,8 +109,10 @@ def cli_server(run_dir):
 def server(run_dir, cli_server):
     root, run = run_dir.parent, run_dir
     port = free_port()
+    (root / "media").mkdir()
     cfg, model, tok = load_for_serving(run / "checkpoints", overrides=[*SERVE, f"serve.port={port}",
-                                                                        f"serve.request_log={root / 'requests.jsonl'}"])
+                                                                        f"serve.request_log={root / 'requests.jsonl'}",
+                                                                        f"serve.allowed_local_media_path={root / 'media'}"])
     engine = Engine(cfg, model, tok)
     # the engine's offline greedy answer to compare HTTP with, computed before the server owns the engine
     prompt = [1, 4, 7, 8, 9, 10, 5]  # <|bos|> <|user|> w7 w8 w9 w10 <|assistant|>
@@ -195,8 +197,8 @@ def test_chat_with_image_streaming_usage(server):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert whole.usage.prompt_tokens == 1 + 2 + 1 + 4 + 2 + 1  # bos, user w20 (the system turn), user, 4 image tokens,
     # w9 w11, assistant
-    # a local file:// image reads the same bytes
-    path = server["run"].parent / "im.png"
+    # a local file:// image under serve.allowed_local_media_path reads the same bytes
+    path = server["run"].parent / "media" / "im.png"
     path.write_bytes(base64.b64decode(png_data_url().split(",", 1)[1]))
     messages[1]["content"][0]["image_url"]["url"] = f"file://{path}"
     again = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
