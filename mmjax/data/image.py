@@ -33,7 +33,7 @@ def decode_image(data: bytes, record_id: str = "?", *, formats: Sequence[str] | 
                 img = img.convert("RGB")
             array = np.asarray(img, dtype=np.uint8)
     except UnidentifiedImageError:  # its message holds the stream object's repr
-        raise DataError(f"record {record_id}: image bytes are not in a recognised image format"
+        raise DataError(f"record {record_id}: image bytes cannot be decoded: not a recognised image format"
                         + (f" ({', '.join(formats)})" if formats is not None else "")
                         + "; fix or drop this record") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:

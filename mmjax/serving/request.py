@@ -104,7 +104,7 @@ class SamplingParams:
         if not _is_num(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a number >= 0 (0 is greedy)")
         if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
-            raise bad("top_k", f"must be an int in [0, {INT32_MAX}] (0 disables top-k)")
+            raise bad("top_k", f"must be an int >= 0 and <= {INT32_MAX} (0 disables top-k)")
         if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
         if self.seed is not None and not _is_int(self.seed):

@@ -99,7 +99,12 @@ def build_app(service: EngineService, tokenizer: Any, model_name: str, request_l
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         errors = e.errors()
-        if any(err.get("type") in ("json_invalid", "model_attributes_type") for err in errors):
+        bad_json = next((err for err in errors if err.get("type") == "json_invalid"), None)
+        if bad_json is not None:
+            why, where = (bad_json.get("ctx") or {}).get("error", "malformed"), bad_json.get("loc", ("", "?"))[-1]
+            return JSONResponse(P.error_body(f"invalid JSON body: {why} at character {where}",
+                                             "invalid_request_error"), status_code=400)
+        if any(err.get("type") == "model_attributes_type" for err in errors):
             return JSONResponse(P.error_body("invalid JSON body: the request body must be one JSON object",
                                              "invalid_request_error"), status_code=400)
         # a union field reports one error per branch: the range error says more than "not a string"
