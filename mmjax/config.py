@@ -484,6 +484,14 @@ class ServeConfig:
     default_sla_class: Literal["interactive", "batch"] = "interactive"
     request_log: str = ""  # JSON-lines file of per-request timings; "" = off
     drain_timeout_s: float = 60.0  # SIGTERM: longest wait for running requests before exiting
+    # security (docs/serving.md, "Security"): keys, open routes, local media, input limits
+    api_key: str = ""  # `Authorization: Bearer <key>` required off public_paths; comma-separated keys; "" = none
+    # (the MMJAX_API_KEY environment variable adds keys the same way, and keeps them out of config files)
+    public_paths: tuple[str, ...] = ("/health", "/ready", "/metrics")  # routes that need no key
+    enable_docs: bool = False  # serve /docs and /openapi.json
+    allowed_local_media_path: str = ""  # folder file:// image URLs may read under; "" = file:// refused
+    max_request_bytes: int = 16 * 1024 * 1024  # request body (and file:// image) size limit; larger: 413
+    max_image_pixels: int = 4096 * 4096  # width x height, read from the image's header before decoding
 
     page_size: int = 16  # tokens per KV page (a power of two for the Pallas kernel)
     num_pages: int = 512  # KV pages in the pool, page 0 (the null page) included
@@ -540,6 +548,10 @@ class ServeConfig:
                      "max_images_per_request"):
             need(getattr(self, name) >= 0, f"serve.{name} must be >= 0, got {getattr(self, name)}")
         need(self.max_queue_len >= 1, f"serve.max_queue_len={self.max_queue_len} must be >= 1 (the queue is bounded)")
+        need(self.max_request_bytes >= 1024, f"serve.max_request_bytes={self.max_request_bytes} must be >= 1024")
+        need(self.max_image_pixels >= 1, f"serve.max_image_pixels={self.max_image_pixels} must be >= 1")
+        need(all(p.startswith("/") for p in self.public_paths),
+             f"serve.public_paths={list(self.public_paths)}: every entry must be a path starting with /")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -791,4 +803,3 @@ def validate_buckets(cfg: Config) -> None:
         raise ConfigError(f"data.bucket_max_wait={d.bucket_max_wait} must be >= 1 (batches)")
     if cfg.model.text_only and d.image_buckets:
         raise ConfigError("data.image_buckets needs a vision tower; model.text_only=true takes no images")
-

@@ -6,19 +6,36 @@ import io
 from collections.abc import Sequence
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from mmjax.errors import DataError
 
 
-def decode_image(data: bytes, record_id: str = "?") -> np.ndarray:
-    """Decode PNG/JPEG/... bytes into a uint8 [H, W, 3] RGB array; errors name `record_id`."""
+class ImageTooLargeError(DataError):
+    """An image whose header declares more pixels than allowed (refused before any pixel is decoded)."""
+
+
+def decode_image(data: bytes, record_id: str = "?", *, formats: Sequence[str] | None = None,
+                 max_pixels: int | None = None) -> np.ndarray:
+    """Decode PNG/JPEG/... bytes into a uint8 [H, W, 3] RGB array; errors name `record_id`.
+
+    `formats` limits the decoders tried (Pillow names: "PNG", "JPEG", ...; None = every one Pillow has);
+    `max_pixels` refuses an image whose header declares more than that many pixels (`ImageTooLargeError`)
+    before decoding it, so a small file cannot make the caller decode a huge image."""
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(io.BytesIO(data), formats=None if formats is None else list(formats)) as img:
+            width, height = img.size
+            if max_pixels is not None and width * height > max_pixels:
+                raise ImageTooLargeError(f"record {record_id}: image is {width} x {height} = {width * height} "
+                                         f"pixels, more than the limit of {max_pixels}")
             img.load()
             if img.mode != "RGB":
                 img = img.convert("RGB")
             array = np.asarray(img, dtype=np.uint8)
+    except UnidentifiedImageError:  # its message holds the stream object's repr
+        raise DataError(f"record {record_id}: image bytes cannot be decoded: not a recognised image format"
+                        + (f" ({', '.join(formats)})" if formats is not None else "")
+                        + "; fix or drop this record") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise DataError(f"record {record_id}: image bytes cannot be decoded ({type(e).__name__}: {e}); "
                         "fix or drop this record") from e

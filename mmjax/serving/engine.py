@@ -2,7 +2,9 @@
 
 `Engine.add_request` validates and tokenizes a request (prompt text or ids, images, sampling parameters);
 `step()` schedules, runs the model once and returns each request's new tokens and text; `LLM.generate` runs
-the loop to completion for offline use. A bad request raises `RequestError` for that request only.
+the loop to completion for offline use. A bad request raises `RequestError` for that request only, and a step
+that fails because of one request's values (`StepRequestError`) fails that request alone (its final output
+carries `error`) while the step's other requests are recomputed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from mmjax.errors import DataError
 from mmjax.serving.detokenize import IncrementalDetokenizer
 from mmjax.serving.kv_manager import KVCacheManager
 from mmjax.serving.load import load_for_serving
-from mmjax.serving.request import ExtraKey, Request, RequestError, RequestStatus, SamplingParams
+from mmjax.serving.request import ExtraKey, Request, RequestError, RequestStatus, SamplingParams, StepRequestError
 from mmjax.serving.runner import ImageInput, ModelRunner, PendingStep, SampledToken, image_hash
 from mmjax.serving.scheduler import Scheduler, SchedulerOutput
 from mmjax.serving.speculative.proposers import make_proposer
@@ -59,11 +61,12 @@ class RequestOutput:
     token_ids: list[int]  # every output token so far
     text: str  # output text released so far
     finished: bool
-    finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", "abort"
+    finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", "abort", "error"
     stop_reason: int | str | None  # the stop token id or stop string
     logprobs: list[SampledToken]  # of new_token_ids (top lists hold `sampling_params.logprobs` entries)
     metrics: RequestMetrics
     beams: list[tuple[list[int], float]] = dataclasses.field(default_factory=list)  # beam search: n best, scored
+    error: str | None = None  # finish_reason "error": why a step could not serve this request
 
 
 @dataclasses.dataclass
@@ -194,23 +197,29 @@ class Engine:
         return ids
 
     def _image(self, rid: str, index: int, image: Any) -> np.ndarray:
-        """bytes (PNG/JPEG...), uint8 [H, W, C] pixels, or an already normalised float [size, size, C]."""
         if self.model_cfg.text_only:
             raise RequestError(f"request {rid!r}: the model is text-only (model.text_only=true) but the request "
                                "has images")
+        return self.prepare_image(image, f"request {rid!r}: image {index}")
+
+    def prepare_image(self, image: Any, where: str = "image") -> np.ndarray:
+        """bytes (PNG/JPEG...), uint8 [H, W, C] pixels, or an already normalised float [size, size, C] -> the
+        float32 [size, size, C] the image encoder takes; raises RequestError naming `where`. Reads no engine
+        state, so a server runs it on worker threads and hands the engine finished arrays (decoding a large
+        image on the engine thread would stall every request's steps)."""
         v = self.model_cfg.vision
         try:
             if isinstance(image, (bytes, bytearray)):
-                image = decode_image(bytes(image), f"{rid} image {index}")
+                image = decode_image(bytes(image), where)
             image = np.asarray(image)
             if image.dtype == np.uint8:
-                return preprocess(image, v.image_size, v.mean, v.std, f"{rid} image {index}")
+                return preprocess(image, v.image_size, v.mean, v.std, where)
         except DataError as e:
-            raise RequestError(f"request {rid!r}: image {index}: {e}") from None
+            raise RequestError(f"{where}: {e}") from None
         if image.shape != (v.image_size, v.image_size, v.channels) or not np.issubdtype(image.dtype, np.floating):
-            raise RequestError(f"request {rid!r}: image {index} has shape {image.shape} dtype {image.dtype}; give "
-                               f"encoded bytes, uint8 [H, W, {v.channels}] pixels or a normalised float "
-                               f"[{v.image_size}, {v.image_size}, {v.channels}] array")
+            raise RequestError(f"{where} has shape {image.shape} dtype {image.dtype}; give encoded bytes, uint8 "
+                               f"[H, W, {v.channels}] pixels or a normalised float [{v.image_size}, {v.image_size}, "
+                               f"{v.channels}] array")
         return np.asarray(image, np.float32)
 
     def _image_ranges(self, rid: str, ids: Sequence[int], num_images: int) -> list[tuple[int, int]]:
@@ -259,18 +268,49 @@ class Engine:
     # -- one step -----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and report every request that produced tokens or finished."""
+        """Schedule, run the model once, and report every request that produced tokens or finished.
+
+        A `StepRequestError` (one request's values broke the step's host inputs; nothing ran on the device)
+        fails that request, whose final output names the cause in `error`, and puts the step's other requests
+        back in the queue to recompute (minus the prefix cache); any other exception is the engine's own and
+        propagates: the engine cannot be trusted to go on."""
         outputs = [self._output(self._live.pop(rid), [], []) for rid in self._aborted]
         self._aborted = []
+        touched: list[SchedulerOutput] = []  # this step's scheduler outputs, undone if a request breaks the step
+        try:
+            self._run_step(outputs, touched)
+        except StepRequestError as e:
+            if e.request_id not in self._live:
+                raise
+            outputs.append(self._fail_request(e.request_id, e.cause, touched))
+        return outputs
+
+    def _fail_request(self, rid: str, cause: str, touched: Sequence[SchedulerOutput]) -> RequestOutput:
+        """Undo a step that `rid`'s values broke: abort `rid` (its output carries `cause`), requeue the step's
+        other requests to recompute (their KV of this step was never written), drop a call launched ahead."""
+        self._ahead = None
+        culprit = self._live.pop(rid)
+        self.scheduler.abort_request(rid)
+        for out in touched:
+            for entry in out.scheduled:
+                self.scheduler.requeue(entry.owner or entry.request_id)
+        output = self._output(culprit, [], [])
+        output.finish_reason, output.error = "error", cause
+        return output
+
+    def _run_step(self, outputs: list[RequestOutput], touched: list[SchedulerOutput]) -> None:
         if self._ahead is not None:  # launched by the previous step, while its own call ran
             (out, pending), self._ahead = self._ahead, None
+            touched.append(out)
         else:
             draft_probs = self.proposer.propose(self.scheduler.running) if self.proposer is not None else None
             out = self.scheduler.schedule()
+            touched.append(out)
             pending = self.runner.dispatch(out, draft_probs)
         if self.serve.overlap_decode and pending.on_device:  # a multi-step call is running: queue the next
             ahead = self.scheduler.schedule_chained(out)
             if ahead is not None:
+                touched.append(ahead)
                 self._ahead = (ahead, self.runner.dispatch(ahead, chain=pending))
         sampled = self.runner.collect(pending)
         before = {rid: len(self._live[rid].request.output_token_ids) for rid in sampled if rid in self._live}
@@ -320,7 +360,6 @@ class Engine:
                 del self._live[rid]
         if self._ahead is not None and not any(e.request_id in self._live for e in self._ahead[0].scheduled):
             self._ahead = None  # every request of the call launched ahead has finished: nothing to read
-        return outputs
 
     def _beam_output(self, live: _Live) -> RequestOutput:
         """The final output of a beam search: the best sequence as text, the n best with their scores."""

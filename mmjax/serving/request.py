@@ -20,6 +20,17 @@ class RequestError(MmjaxError):
     """A request cannot be served as given (empty prompt, too long, bad sampling parameters, duplicate id)."""
 
 
+class StepRequestError(RequestError):
+    """A model step failed because of one request's values (e.g. a parameter the step's arrays cannot hold).
+    Raised while the step's host inputs are built, before anything runs on the device: the engine fails
+    `request_id` alone, with this message as the cause, and recomputes the step's other requests."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id!r}: {message}")
+        self.request_id = request_id
+        self.cause = message
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no KV pages
     RUNNING = "running"  # holds KV pages; scheduled every step while the token budget allows
@@ -35,6 +46,7 @@ class RequestStatus(enum.Enum):
 
 
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for besides the chosen token's
+INT32_MAX = 2**31 - 1  # the sampler's per-slot integer arrays are int32
 
 
 def _is_int(x: Any) -> bool:
@@ -91,8 +103,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if not _is_num(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a number >= 0 (0 is greedy)")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise bad("top_k", "must be an int >= 0 (0 disables top-k)")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            raise bad("top_k", f"must be an int >= 0 and <= {INT32_MAX} (0 disables top-k)")
         if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
         if self.seed is not None and not _is_int(self.seed):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmjax.serving.request import Request, RequestError
+from mmjax.serving.request import Request, RequestError, StepRequestError
 
 PAD_ID = -1  # padding in the token-history arrays
 
@@ -68,26 +68,30 @@ class SamplingTensors:
         for i, req in enumerate(requests):
             if req is None:
                 continue
-            sp = req.sampling_params
-            temperature[i], top_k[i], top_p[i], min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
-            repetition[i], presence[i], frequency[i] = (sp.repetition_penalty, sp.presence_penalty,
-                                                        sp.frequency_penalty)
-            step[i] = len(req.output_token_ids)
-            if sp.seed is not None:
-                seed[i] = sp.seed & 0xFFFFFFFF
-            elif not sp.greedy:
-                if seeds is None or req.request_id not in seeds:
-                    raise RequestError(f"request {req.request_id!r} has no sampling seed; pass the seed the "
-                                       "engine drew for it in seeds={request_id: seed}")
-                seed[i] = seeds[req.request_id] & 0xFFFFFFFF
-            if sp.uses_penalties:
-                n_prompt, n_out = len(req.prompt_token_ids), len(req.output_token_ids)
-                if max(n_prompt, n_out) > max_len:
-                    raise RequestError(f"request {req.request_id!r}: {n_prompt} prompt / {n_out} output tokens "
-                                       f"exceed the sampler's history max_len={max_len}; size it with "
-                                       "history_len(requests)")
-                prompt_ids[i, :n_prompt] = req.prompt_token_ids
-                output_ids[i, :n_out] = req.output_token_ids
+            try:
+                sp = req.sampling_params
+                temperature[i], top_k[i], top_p[i], min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+                repetition[i], presence[i], frequency[i] = (sp.repetition_penalty, sp.presence_penalty,
+                                                            sp.frequency_penalty)
+                step[i] = len(req.output_token_ids)
+                if sp.seed is not None:
+                    seed[i] = sp.seed & 0xFFFFFFFF
+                elif not sp.greedy:
+                    if seeds is None or req.request_id not in seeds:
+                        raise RequestError(f"request {req.request_id!r} has no sampling seed; pass the seed the "
+                                           "engine drew for it in seeds={request_id: seed}")
+                    seed[i] = seeds[req.request_id] & 0xFFFFFFFF
+                if sp.uses_penalties:
+                    n_prompt, n_out = len(req.prompt_token_ids), len(req.output_token_ids)
+                    if max(n_prompt, n_out) > max_len:
+                        raise RequestError(f"request {req.request_id!r}: {n_prompt} prompt / {n_out} output tokens "
+                                           f"exceed the sampler's history max_len={max_len}; size it with "
+                                           "history_len(requests)")
+                    prompt_ids[i, :n_prompt] = req.prompt_token_ids
+                    output_ids[i, :n_out] = req.output_token_ids
+            except (OverflowError, ValueError, TypeError) as e:  # a value the int32/f32 arrays cannot hold
+                raise StepRequestError(req.request_id, f"its sampling parameters do not fit the sampler's "
+                                       f"arrays: {e}") from e
         sort = max_len > 0 or any(r is not None and r.sampling_params.needs_sort for r in requests)
         return cls(temperature, top_k, top_p, min_p, repetition, presence, frequency, seed, step,
                    prompt_ids, output_ids, sort)

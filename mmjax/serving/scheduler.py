@@ -180,6 +180,15 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return True
 
+    def requeue(self, request_id: str) -> bool:
+        """Put a running request back in the queue to recompute, as a preemption does (its pages are freed): the
+        engine undoes a step that never ran this way. False when it is not running."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            return False
+        self._preempt(request)
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

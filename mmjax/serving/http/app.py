@@ -1,32 +1,46 @@
 """The FastAPI app: OpenAI routes, health/readiness, /metrics, and the error JSON of every failure.
 
-`build_app(service, tokenizer, model_name)` wires handlers to an `EngineService`. A request is parsed and
-checked on the event loop (prompt ids, images, sampling parameters), then admitted and added on the engine
-thread in one command (so the queue state admission reads is current), and its outputs are read from its
-stream: whole for a plain response, as server-sent events for `stream=true`. A handler that goes away
-(client disconnect, cancelled stream) aborts its requests, which frees their KV pages.
+`build_app(service, tokenizer, model_name)` wires handlers to an `EngineService`, behind the `Guard`
+middleware (API keys, body limits). A request is parsed and checked on the event loop (prompt ids, sampling
+parameters against the model's vocabulary and context), its images fetched and decoded on the media worker
+pool, then admitted and added on the engine thread in one command (so the queue state admission reads is
+current), and its outputs are read from its stream: whole for a plain response, as server-sent events for
+`stream=true`. A handler whose client goes away (a closed stream, or a closed connection while a plain
+response is being made: a watcher task sees it at once) aborts its requests, which frees their KV pages.
+Every error, the framework's own included (unknown route, wrong method, unparsable body), is OpenAI's JSON.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmjax.serving.http import protocol as P
 from mmjax.serving.http.chat import parse_messages, render_chat
+from mmjax.serving.http.guard import Guard, api_keys
+from mmjax.serving.http.media import ImageRef, load_image
 from mmjax.serving.http.metrics import CONTENT_TYPE, ServerMetrics
 from mmjax.serving.http.protocol import ApiError
 from mmjax.serving.http.request_log import RequestLog
-from mmjax.serving.http.service import QUEUE_TIMEOUT, EngineService
+from mmjax.serving.http.service import QUEUE_TIMEOUT, EngineFailed, EngineService
 from mmjax.serving.request import RequestError
+
+log = logging.getLogger(__name__)
+
+MAX_LOGGED_FIELD_NAMES = 256  # distinct unknown request fields logged; a client inventing names cannot flood the log
+MEDIA_WORKERS = 4  # threads that fetch and decode images
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}  # pydantic's union branch names
 
 
 class ServerState:
@@ -38,18 +52,45 @@ class ServerState:
         self.model_name = model_name
         self.serve = service.serve
         self.engine = service.engine
+        self.health = service.health
         self.metrics = ServerMetrics(lambda: service.snapshot)
         self.request_log = request_log
-        self.draining = False
         self.active = 0  # HTTP generation requests in flight (streams included until their last byte)
         self.created = int(time.time())
+        self.media_pool = concurrent.futures.ThreadPoolExecutor(MEDIA_WORKERS, thread_name_prefix="mmjax-media")
+        self.unknown_fields_logged: set[str] = set()
+
+    @property
+    def draining(self) -> bool:
+        return self.health.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.health.draining = value
+
+    def note_unknown_fields(self, names: list[str]) -> None:
+        """Log each request field this server ignores, once per name (clients send fields newer than ours)."""
+        for name in names:
+            if name in self.unknown_fields_logged or len(self.unknown_fields_logged) > MAX_LOGGED_FIELD_NAMES:
+                continue
+            self.unknown_fields_logged.add(name)
+            if len(self.unknown_fields_logged) > MAX_LOGGED_FIELD_NAMES:
+                log.warning("more than %d distinct unknown request fields: no more are logged", MAX_LOGGED_FIELD_NAMES)
+            else:
+                log.warning("request field %r is not used by this server: accepted and ignored (logged once per "
+                            "field name)", name[:64])
 
 
 def build_app(service: EngineService, tokenizer: Any, model_name: str, request_log: RequestLog | None = None
               ) -> FastAPI:
-    app = FastAPI(title="mmjax", docs_url=None, redoc_url=None)
+    serve = service.serve
+    docs = serve.enable_docs
+    app = FastAPI(title="mmjax", docs_url="/docs" if docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
     state = ServerState(service, tokenizer, model_name, request_log or RequestLog(None))
     app.state.mmjax = state
+    app.add_middleware(Guard, keys=api_keys(serve.api_key), public_paths=serve.public_paths,
+                       max_request_bytes=serve.max_request_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -58,25 +99,53 @@ def build_app(service: EngineService, tokenizer: Any, model_name: str, request_l
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         errors = e.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid" or any(err.get("type") == "model_attributes_type" for err in errors):
-            return JSONResponse(P.error_body(f"invalid JSON body: {first.get('msg', 'malformed')}",
+        bad_json = next((err for err in errors if err.get("type") == "json_invalid"), None)
+        if bad_json is not None:
+            why, where = (bad_json.get("ctx") or {}).get("error", "malformed"), bad_json.get("loc", ("", "?"))[-1]
+            return JSONResponse(P.error_body(f"invalid JSON body: {why} at character {where}",
                                              "invalid_request_error"), status_code=400)
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        if any(err.get("type") == "model_attributes_type" for err in errors):
+            return JSONResponse(P.error_body("invalid JSON body: the request body must be one JSON object",
+                                             "invalid_request_error"), status_code=400)
+        # a union field reports one error per branch: the range error says more than "not a string"
+        first = next((err for err in errors if not str(err.get("type", "")).endswith("_type")),
+                     errors[0] if errors else {})
+        loc = ".".join(_field_path(first.get("loc", ())))
         return JSONResponse(P.error_body(f"{loc}: {first.get('msg', 'invalid value')}", "invalid_request_error",
                                          param=loc or None), status_code=422)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def framework_error(raw: Request, e: StarletteHTTPException) -> JSONResponse:
+        """The framework's own refusals (unknown route, wrong method, a body it cannot parse) in OpenAI's shape."""
+        path = raw.url.path[:100]
+        if e.status_code == 404:
+            message = f"Invalid URL ({raw.method} {path})"
+        elif e.status_code == 405:
+            message = f"method {raw.method} is not allowed on {path}"
+        elif e.status_code == 400:  # undecodable UTF-8, JSON nested too deeply, ...
+            message = "invalid JSON body: it could not be parsed (malformed, not UTF-8, or nested too deeply)"
+        else:
+            message = e.detail if isinstance(e.detail, str) else f"HTTP {e.status_code}"
+        return JSONResponse(P.error_body(message, "invalid_request_error"), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        log.error("unhandled error in a request handler", exc_info=e)
+        return JSONResponse(P.error_body("internal server error", "server_error"), status_code=500)
+
     @app.get("/health")
     async def health() -> Response:
+        if not state.health.live:
+            return JSONResponse(P.error_body(state.health.unavailable_reason() or "", "service_unavailable"),
+                                status_code=503)
         return Response(status_code=200)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        if service.failed is not None:
-            return JSONResponse(P.error_body(f"engine failed: {service.failed}", "server_error"), status_code=503)
-        if state.draining or not service.ready.is_set():
-            what = "draining" if state.draining else "warming up (compiling every bucket)"
-            return JSONResponse(P.error_body(f"not ready: {what}", "service_unavailable"), status_code=503)
+        reason = state.health.unavailable_reason()
+        if reason is not None:
+            return JSONResponse(P.error_body(f"not ready: {reason}", "service_unavailable"), status_code=503)
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
@@ -104,31 +173,66 @@ def build_app(service: EngineService, tokenizer: Any, model_name: str, request_l
 # -- one generation request ---------------------------------------------------------------------------------------
 
 
+def _field_path(loc: Any) -> list[str]:
+    """A validation error's location as the client wrote it: no `body` prefix, no pydantic union-branch tags."""
+    out = []
+    for part in loc:
+        text = str(part)
+        if text == "body":
+            continue
+        if "[" in text or text in _TYPE_TAGS or text.startswith("function"):
+            break
+        out.append(text)
+    return out
+
+
 def _check_available(state: ServerState, sla_class: str) -> None:
-    if state.draining:
+    reason = state.health.unavailable_reason()
+    if reason is None:
+        return
+    if state.health.draining and not state.health.failed:
         state.metrics.rejected.labels("draining", sla_class).inc()
-        raise ApiError(503, "server is draining (shutting down); retry on another replica",
-                       type="service_unavailable", headers={"Retry-After": "5"})
-    if state.service.failed is not None or not state.service.ready.is_set():
-        raise ApiError(503, "server not ready (warming up); poll GET /ready", type="service_unavailable",
-                       headers={"Retry-After": "5"})
+    raise ApiError(503, reason, type="service_unavailable", headers={"Retry-After": "5"})
 
 
-def _prompt(state: ServerState, body: Any, chat: bool) -> tuple[list[int], list[bytes]]:
+def _prompt(state: ServerState, body: Any, chat: bool) -> tuple[list[int], list[ImageRef]]:
     cfg = state.engine.model_cfg
     if chat:
         marker = getattr(state.tokenizer, "image_marker", "<image>")
-        turns, images = parse_messages(body.messages, marker, state.serve.max_images_per_request)
+        turns, images = parse_messages(body.messages, marker, state.serve.max_images_per_request,
+                                       state.serve.allowed_local_media_path)
         if images and cfg.text_only:
             raise ApiError(400, "this model is text-only: it takes no images", param="messages")
         return render_chat(state.tokenizer, turns, 0 if cfg.text_only else cfg.image_tokens), images
     if isinstance(body.prompt, str):
         return list(state.tokenizer.encode(body.prompt)), []
+    vocab = cfg.vocab_size
+    for i, t in enumerate(body.prompt):
+        if not 0 <= t < vocab:
+            raise ApiError(422, f"prompt[{i}]={t} is not a token id of this model's vocabulary [0, {vocab})",
+                           param="prompt")
     return list(body.prompt), []
+
+
+async def _images(state: ServerState, refs: list[ImageRef]) -> list[Any]:
+    """Fetch and decode a request's images on the media pool (never the event loop or the engine thread)."""
+    if not refs:
+        return []
+    loop = asyncio.get_running_loop()
+    jobs = [loop.run_in_executor(state.media_pool, load_image, ref, state.serve, state.engine) for ref in refs]
+    results = await asyncio.gather(*jobs, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return list(results)
 
 
 def _sampling(state: ServerState, body: Any, n_prompt: int) -> Any:
     max_len = state.engine.max_model_len
+    vocab = state.engine.model_cfg.vocab_size
+    if body.top_k > vocab:
+        raise ApiError(422, f"top_k={body.top_k} exceeds this model's vocabulary of {vocab} tokens; use at most "
+                            f"{vocab} (0 or -1: no top-k cut)", param="top_k")
     if n_prompt >= max_len:
         raise ApiError(400, f"This model's maximum context length is {max_len} tokens; the prompt has {n_prompt}",
                        param="messages" if hasattr(body, "messages") else "prompt", code="context_length_exceeded")
@@ -160,8 +264,10 @@ async def _generate(state: ServerState, body: Any, raw: Request, chat: bool) -> 
     if body.model != state.model_name:
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{state.model_name}`",
                        param="model", code="model_not_found")
-    ids, images = _prompt(state, body, chat)
+    state.note_unknown_fields(body.unknown_fields())
+    ids, refs = _prompt(state, body, chat)
     params = _sampling(state, body, len(ids))
+    images = await _images(state, refs)
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     # n choices: n engine requests, or one beam search returning its n best beams
     copies = 1 if body.use_beam_search else body.n
@@ -193,27 +299,49 @@ async def _generate(state: ServerState, body: Any, raw: Request, chat: bool) -> 
 
     state.active += 1
     handed_off = False
+    watcher = None
     try:
         try:
             decision = await service.call(admit_and_add)
         except RequestError as e:
             raise ApiError(400, str(e)) from None
+        except EngineFailed as e:
+            raise ApiError(503, str(e), type="service_unavailable") from None
         if not decision.ok:
             state.metrics.rejected.labels(decision.reason, sla).inc()
             raise ApiError(429, decision.message, type="rate_limit_exceeded", code=decision.reason,
                            headers={"Retry-After": decision.retry_after})
+        # until a stream is handed to the response (which watches its connection itself), abort on disconnect
+        watcher = asyncio.create_task(_watch_disconnect(raw, q, lambda: [service.close_stream(s) for s in sub_ids]))
         gen = _Generation(state, body, rid, sub_ids, ids, q, chat, sla, arrival)
-        first = await gen.next_output(raw)
         if body.stream:
+            first = await gen.next_output()
+            watcher.cancel()
             handed_off = True
             return StreamingResponse(gen.sse(first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return JSONResponse(await gen.whole(first, raw))
+        return JSONResponse(await gen.whole())
     finally:
+        if watcher is not None:
+            watcher.cancel()
         if not handed_off:
             for sub in sub_ids:
                 service.close_stream(sub)
             state.active -= 1
+
+
+_DISCONNECTED = object()  # put in a request's queue when its client closed the connection
+
+
+async def _watch_disconnect(raw: Request, q: asyncio.Queue, abort: Callable[[], Any]) -> None:
+    """Wait for the client to close its connection; then abort the request's choices at once (freeing their
+    pages) and wake its handler. The body was read already, so the next ASGI message is the disconnect."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            abort()
+            q.put_nowait(_DISCONNECTED)
+            return
 
 
 class _Generation:
@@ -237,19 +365,21 @@ class _Generation:
         self.arrival = arrival  # the HTTP request's, before parsing: end-to-end latency counts from here
         self.streams: list[Any] = [None] * n
 
-    async def next_output(self, raw: Request) -> Any:
+    async def next_output(self) -> Any:
         """The next engine output of any choice; raises ApiError when the request failed, None on disconnect."""
-        while True:
-            try:
-                out = await asyncio.wait_for(self.q.get(), timeout=0.5)
-                break
-            except TimeoutError:
-                if await raw.is_disconnected():
-                    return None
-        if isinstance(out, Exception):
-            raise ApiError(500, str(out), type="server_error")
-        out, stream = out
+        item = await self.q.get()
+        if item is _DISCONNECTED:
+            return None
+        if isinstance(item, EngineFailed):
+            raise ApiError(500, str(item), type="server_error", code="engine_failed")
+        if isinstance(item, Exception):
+            log.error("a request's stream ended with an error", exc_info=item)
+            raise ApiError(500, "internal server error", type="server_error")
+        out, stream = item
         self.streams[self.index[out.request_id]] = stream
+        if out.finished and out.finish_reason == "error":  # a step failed because of this request's values
+            raise ApiError(500, f"the engine could not serve this request: {out.error}", type="server_error",
+                           code="engine_error")
         stream_error = stream.error if out.finished else None
         if stream_error == QUEUE_TIMEOUT:
             self.state.metrics.rejected.labels(QUEUE_TIMEOUT, self.sla).inc()
@@ -307,6 +437,12 @@ class _Generation:
     def _finish_reason(self, i: int) -> str:
         return self.finish[i] if self.finish[i] in ("stop", "length") else "stop"
 
+    def _record_undone(self, status: int) -> None:
+        for i, d in enumerate(self.done):
+            if not d:
+                self._record(i, status=status)
+                self.done[i] = True
+
     def _record(self, i: int, status: int = 200) -> None:
         """Metrics and the request-log line of choice i (once, when it finished or was abandoned)."""
         m = self.metrics[i]
@@ -325,20 +461,21 @@ class _Generation:
 
     # -- whole response -------------------------------------------------------------------------------------------
 
-    async def whole(self, first: Any, raw: Request) -> dict[str, Any]:
-        out = first
+    async def whole(self) -> dict[str, Any]:
         while True:
-            if out is None:  # client went away: the caller's cleanup aborts the rest
-                for i, d in enumerate(self.done):
-                    if not d:
-                        self._record(i, status=499)
+            try:
+                out = await self.next_output()
+            except ApiError as e:
+                self._record_undone(e.status)
+                raise
+            if out is None:  # client went away: its choices were aborted already
+                self._record_undone(499)
                 return {}
             i = self._absorb(out)
             if self.done[i]:
                 self._record(i)
             if all(self.done):
                 break
-            out = await self.next_output(raw)
         choices = []
         for i in range(len(self.text)):
             if self.chat:
@@ -360,59 +497,57 @@ class _Generation:
         make = lambda choices, usage=None: _sse(P.chunk(self.rid, state.model_name, self.created, self.chat, choices,
                                                           usage, with_usage_key=include_usage))
         try:
-            if self.chat:
-                for i in range(len(self.text)):
-                    yield make([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}])
-            out = first
-            while out is not None and self.body.use_beam_search:  # its beams arrive whole, at the end
-                i = self._absorb(out)
-                if not self.done[i]:
-                    out = await self._next_streaming()
-                    continue
-                for j, text in enumerate(self.text):
-                    fin = self._finish_reason(j)
-                    yield make([{"index": j, "delta": {"content": text}, "logprobs": None, "finish_reason": fin}
-                                if self.chat else {"index": j, "text": text, "logprobs": None, "finish_reason": fin}])
-                self._record(i)
-                out = None
-            while out is not None:
-                before = len(self.logprobs[self.index[out.request_id]])
-                i = self._absorb(out)
-                t0 = time.perf_counter()
-                new_lps = self.logprobs[i][before:]
-                if out.new_text or new_lps or self.done[i]:
-                    lp = self._choice_logprobs(new_lps, len(self.text[i]) - len(out.new_text))
-                    fin = self._finish_reason(i) if self.done[i] else None
-                    if self.chat:
-                        yield make([{"index": i, "delta": {"content": out.new_text} if out.new_text else {},
-                                     "logprobs": lp, "finish_reason": fin}])
-                    else:
-                        yield make([{"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": fin}])
-                self.post_s[i] += time.perf_counter() - t0
-                if self.done[i]:
-                    self._record(i)
-                if all(self.done):
-                    break
-                out = await self._next_streaming()
-            if include_usage:
-                yield make([], self._usage())
+            async for chunk in self._chunks(first, make, include_usage):
+                yield chunk
+        except ApiError as e:  # the engine failed, or a step could not serve this request: say so, then end
+            self._record_undone(e.status)
+            yield _sse(e.body())
             yield b"data: [DONE]\n\n"
         finally:
             for sub in self.index:
                 state.service.close_stream(sub)
-            for i, d in enumerate(self.done):
-                if not d:
-                    self._record(i, status=499)  # client closed the connection
+            self._record_undone(499)  # client closed the connection
             state.active -= 1
 
-    async def _next_streaming(self) -> Any:
-        item = await self.q.get()
-        if isinstance(item, Exception):
-            raise item
-        out, stream = item
-        self.streams[self.index[out.request_id]] = stream
-        return out
+    async def _chunks(self, first: Any, make: Callable[..., bytes], include_usage: bool) -> AsyncIterator[bytes]:
+        if self.chat:
+            for i in range(len(self.text)):
+                yield make([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
+        out = first
+        while out is not None and self.body.use_beam_search:  # its beams arrive whole, at the end
+            i = self._absorb(out)
+            if not self.done[i]:
+                out = await self.next_output()
+                continue
+            for j, text in enumerate(self.text):
+                fin = self._finish_reason(j)
+                yield make([{"index": j, "delta": {"content": text}, "logprobs": None, "finish_reason": fin}
+                            if self.chat else {"index": j, "text": text, "logprobs": None, "finish_reason": fin}])
+            self._record(i)
+            out = None
+        while out is not None:
+            before = len(self.logprobs[self.index[out.request_id]])
+            i = self._absorb(out)
+            t0 = time.perf_counter()
+            new_lps = self.logprobs[i][before:]
+            if out.new_text or new_lps or self.done[i]:
+                lp = self._choice_logprobs(new_lps, len(self.text[i]) - len(out.new_text))
+                fin = self._finish_reason(i) if self.done[i] else None
+                if self.chat:
+                    yield make([{"index": i, "delta": {"content": out.new_text} if out.new_text else {},
+                                 "logprobs": lp, "finish_reason": fin}])
+                else:
+                    yield make([{"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": fin}])
+            self.post_s[i] += time.perf_counter() - t0
+            if self.done[i]:
+                self._record(i)
+            if all(self.done):
+                break
+            out = await self.next_output()
+        if include_usage:
+            yield make([], self._usage())
+        yield b"data: [DONE]\n\n"
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

@@ -1,21 +1,19 @@
-"""OpenAI chat messages -> prompt token ids and image bytes, through the model's chat template.
+"""OpenAI chat messages -> prompt token ids and image references, through the model's chat template.
 
 `render_chat` is the one place the server applies a chat template, so another template implementation plugs
 in here alone. Images come as `image_url` parts: `data:image/...;base64,` URLs or local `file://` paths
-(the server fetches nothing from the network).
+(only under `serve.allowed_local_media_path`; the server fetches nothing from the network); they are fetched
+and decoded later, off the event loop (`media.py`).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import urllib.parse
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from mmjax.data.tokenizer import render_chat as tokenizer_render_chat
 from mmjax.errors import DataError
+from mmjax.serving.http.media import ImageRef, check_image_url
 from mmjax.serving.http.protocol import ApiError
 
 ROLES = ("system", "user", "assistant")
@@ -31,24 +29,26 @@ def render_chat(tokenizer: Any, turns: Sequence[dict[str, str]], image_tokens: i
         raise ApiError(400, f"messages: {e}", param="messages") from None
 
 
-def parse_messages(messages: Sequence[dict[str, Any]], marker: str, max_images: int
-                   ) -> tuple[list[dict[str, str]], list[bytes]]:
+def parse_messages(messages: Sequence[dict[str, Any]], marker: str, max_images: int,
+                   allowed_local_media_path: str = "") -> tuple[list[dict[str, str]], list[ImageRef]]:
     """Turns for `render_chat` (system, user and assistant messages as given: the template decides what a
-    system message becomes) and the images' encoded bytes in order. Raises ApiError 400 on malformed content."""
+    system message becomes) and the images' references in order. Raises ApiError 400 on malformed content."""
     turns: list[dict[str, str]] = []
-    images: list[bytes] = []
+    images: list[ImageRef] = []
     for i, msg in enumerate(messages):
         role = msg.get("role")
         if role not in ROLES:
-            raise ApiError(400, f"messages[{i}].role={role!r}: expected one of {', '.join(ROLES)}",
+            raise ApiError(400, f"messages[{i}].role={_short(role)}: expected one of {', '.join(ROLES)}",
                            param=f"messages[{i}].role")
-        turns.append({"role": role, "content": _content(msg.get("content"), i, marker, images, max_images)})
+        turns.append({"role": role, "content": _content(msg.get("content"), i, marker, images, max_images,
+                                                        allowed_local_media_path)})
     if not turns or turns[-1]["role"] != "user":
         raise ApiError(400, "messages: the last message must be a user message", param="messages")
     return turns, images
 
 
-def _content(content: Any, i: int, marker: str, images: list[bytes], max_images: int) -> str:
+def _content(content: Any, i: int, marker: str, images: list[ImageRef], max_images: int,
+             allowed_local_media_path: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -65,32 +65,15 @@ def _content(content: Any, i: int, marker: str, images: list[bytes], max_images:
                                     "request)", param="messages", code="too_many_images")
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
-            images.append(image_bytes(url, f"messages[{i}].content[{j}]"))
+            images.append(check_image_url(url, f"messages[{i}].content[{j}]", allowed_local_media_path))
             out.append(marker)
         else:
-            raise ApiError(400, f"messages[{i}].content[{j}].type={kind!r}: expected 'text' or 'image_url'",
+            raise ApiError(400, f"messages[{i}].content[{j}].type={_short(kind)}: expected 'text' or 'image_url'",
                            param=f"messages[{i}].content[{j}].type")
     return "".join(out)
 
 
-def image_bytes(url: Any, where: str) -> bytes:
-    """The encoded image behind a data: URL or file:// path."""
-    if not isinstance(url, str):
-        raise ApiError(400, f"{where}: image_url.url must be a string", param=where)
-    if url.startswith("data:"):
-        head, sep, data = url.partition(",")
-        if not sep or not head.endswith(";base64"):
-            raise ApiError(400, f"{where}: a data URL must be data:image/...;base64,<data>", param=where)
-        try:
-            return base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError):
-            raise ApiError(400, f"{where}: the image's base64 data does not decode", param=where,
-                           code="invalid_base64") from None
-    if url.startswith("file://"):
-        path = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path))
-        try:
-            return path.read_bytes()
-        except OSError as e:
-            raise ApiError(400, f"{where}: cannot read {path}: {e.strerror}", param=where) from None
-    raise ApiError(400, f"{where}: image URLs must be data:image/...;base64 or file://; got {url[:40]!r}",
-                   param=where)
+def _short(value: Any) -> str:
+    """A client's value quoted in an error message, cut to 40 characters."""
+    text = repr(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."

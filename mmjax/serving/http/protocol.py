@@ -1,21 +1,26 @@
 """OpenAI request bodies (pydantic) and response shapes, and the error JSON every failure returns.
 
-Requests are validated here (field types, ranges: FastAPI answers 422) before they reach the engine;
-`sampling_params` maps a body onto `SamplingParams`. Responses are plain dicts in OpenAI's shapes so the
-official client parses them unchanged.
+Requests are validated here (field types, and ranges within what the engine's arrays hold: int32 integers,
+finite float32 numbers; FastAPI answers 422 naming the field) before they reach the engine; the bounds that
+depend on the served model (vocabulary, context) are checked by the app. `base_params` maps a body onto
+`SamplingParams`. Fields a body carries that no model here declares are accepted (OpenAI clients send new
+ones) and listed by `unknown_fields`, for the app to log once per name. Responses are plain dicts in OpenAI's
+shapes so the official client parses them unchanged.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from mmjax.errors import MmjaxError
-from mmjax.serving.request import MAX_LOGPROBS, SamplingParams
+from mmjax.serving.request import INT32_MAX, MAX_LOGPROBS, SamplingParams
 
 SlaClass = Literal["interactive", "batch"]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's `seed` is an int64
+MAX_STOP_STRINGS = 16
 
 
 class ApiError(MmjaxError):
@@ -45,28 +50,32 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we do not use (e.g. `metadata`)
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # vLLM extra; 0 = off (vLLM's -1 is accepted too)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=-1, le=INT32_MAX)  # vLLM extra; 0 or -1 = off; at most the vocabulary (app)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, ge=1e-6, le=1e6, allow_inf_nan=False)  # a float32 divisor: never 0
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # choice i draws with seed + i
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # written to the request log
+    user: str | None = Field(None, max_length=256)  # written to the request log
     ignore_eos: bool = False
     priority: int = Field(0, ge=-1000, le=1000)  # lower = more urgent, within the SLA class
     sla_class: SlaClass | None = None  # default: serve.default_sla_class
     # vLLM extras for beam search (Hugging Face semantics): the n best of best_of beams, one engine request
     use_beam_search: bool = False
     best_of: int | None = Field(None, ge=1, le=16)
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0, allow_inf_nan=False)  # an exponent of the length
     early_stopping: bool | Literal["never"] = False
+
+    def unknown_fields(self) -> list[str]:
+        """Names of the body's fields this server does not use (accepted, not acted on)."""
+        return sorted(self.model_extra or ())
 
     def base_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -90,7 +99,7 @@ class _Common(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 

@@ -2,6 +2,8 @@
 
 SIGTERM: stop admitting (503 on new requests, /ready 503), let running requests finish (at most
 `serve.drain_timeout_s`), then shut uvicorn down and return 0. A second SIGTERM or SIGINT exits at once.
+An engine failure (`Health.fail`) shuts the server down at once: in-flight requests have their error by then,
+uvicorn gets `FAILED_EXIT_GRACE_S` to send it, and `run` returns 1 so a supervisor restarts the process.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from mmjax.serving.http.request_log import RequestLog
 from mmjax.serving.http.service import EngineService
 
 log = logging.getLogger(__name__)
+
+FAILED_EXIT_GRACE_S = 2.0  # after an engine failure: time to send the in-flight requests' errors before exiting
 
 
 class DrainingServer(uvicorn.Server):
@@ -43,11 +47,19 @@ class DrainingServer(uvicorn.Server):
 
         def wait() -> None:
             deadline = time.monotonic() + state.serve.drain_timeout_s
-            while time.monotonic() < deadline and (state.active > 0 or state.engine.has_unfinished()):
+            while (time.monotonic() < deadline and not state.health.failed
+                   and (state.active > 0 or state.engine.has_unfinished())):
                 time.sleep(0.05)
             self.should_exit = True
 
         threading.Thread(target=wait, name="mmjax-drain", daemon=True).start()
+
+    def shut_down_failed(self, _reason: str) -> None:
+        """Health's failure callback: stop now, and stop waiting for connections after a short grace."""
+        self.should_exit = True
+        timer = threading.Timer(FAILED_EXIT_GRACE_S, lambda: setattr(self, "force_exit", True))
+        timer.daemon = True
+        timer.start()
 
 
 def make_server(engine: Any, tokenizer: Any, serve: Any, model_name: str, *, warmup: bool = True,
@@ -57,16 +69,19 @@ def make_server(engine: Any, tokenizer: Any, serve: Any, model_name: str, *, war
     app = build_app(service, tokenizer, model_name, RequestLog(serve.request_log or None))
     config = uvicorn.Config(app, host=serve.host, port=serve.port, log_level=log_level,
                             timeout_graceful_shutdown=max(1, int(serve.drain_timeout_s)))
+    server = DrainingServer(config, app.state.mmjax)
+    service.health.on_fail(server.shut_down_failed)
     service.start()
-    return DrainingServer(config, app.state.mmjax), service
+    return server, service
 
 
 def run(engine: Any, tokenizer: Any, serve: Any, model_name: str) -> int:
-    """Serve until shut down (SIGTERM drains first); 0 on a clean exit."""
+    """Serve until shut down (SIGTERM drains first); 0 on a clean exit, 1 once the engine failed."""
     server, service = make_server(engine, tokenizer, serve, model_name)
     try:
         server.run()
     finally:
         service.stop()
         server.app_state.request_log.close()
-    return 0 if service.failed is None else 1
+        server.app_state.media_pool.shutdown(wait=False, cancel_futures=True)
+    return service.health.exit_code

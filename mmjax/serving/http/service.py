@@ -4,7 +4,9 @@ The engine is not thread-safe, so every call into it (add, abort, step, stats) r
 `call(fn)` and await the result. Each step's outputs go to the request's asyncio queue on the server's event
 loop. The thread warms up first (compiling every bucket) and only then reports ready; it also aborts
 requests that waited past `serve.max_queue_wait_s` without being scheduled, and keeps the snapshot the
-/metrics collector reads.
+/metrics collector reads. A step failure that no single request caused (the engine's own containment fails
+only the request whose values broke a step) ends the thread and fails the server's `Health`: every open
+stream and queued command gets `EngineFailed`, and the server shuts down with a non-zero exit status.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from mmjax.observe.memory import is_device_oom
 from mmjax.serving.http.admission import CLASS_PRIORITY_OFFSET, CLASSES, Admission
+from mmjax.serving.http.health import FAILED_MESSAGE, Health
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,13 @@ class Stream:
     error: str | None = None  # why the engine thread ended it (queue timeout, device OOM)
 
 
+class EngineFailed(RuntimeError):
+    """Delivered to every open stream (and raised by `call`) once the engine cannot go on."""
+
+    def __init__(self) -> None:
+        super().__init__(FAILED_MESSAGE)
+
+
 class EngineService:
     """Owns the engine thread. `start()`; `ready` is set after warm-up; `stop()` ends the thread."""
 
@@ -52,14 +62,21 @@ class EngineService:
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, Stream] = {}
         self._stop = threading.Event()
-        self.ready = threading.Event()
-        self.failed: BaseException | None = None
+        self._command_lock = threading.Lock()  # a command is queued before a failure drains the queue, or refused
+        self.health = Health()
+        self.ready = self.health.ready
+        self.health.on_fail(self._end_everything)
         self._compiles_at_ready = 0
         self.oom_events = 0
         self.snapshot: dict[str, Any] = {"ready": 0}
         self._thread = threading.Thread(target=self._run, name="mmjax-engine", daemon=True)
 
     # -- called from the event loop ---------------------------------------------------------------------------
+
+    @property
+    def failed(self) -> str | None:
+        """Why the engine cannot go on (None while it can)."""
+        return self.health.failure
 
     def start(self) -> None:
         self._thread.start()
@@ -71,12 +88,18 @@ class EngineService:
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn()` on the engine thread and await its result (or exception)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, future))
+        with self._command_lock:
+            if self.health.failed:
+                raise EngineFailed()
+            self._commands.put((fn, future))
         return await asyncio.wrap_future(future)
 
     def post(self, fn: Callable[[], Any]) -> None:
-        """Run `fn()` on the engine thread without waiting (safe from a cancelled task's cleanup)."""
-        self._commands.put((fn, concurrent.futures.Future()))
+        """Run `fn()` on the engine thread without waiting (safe from a cancelled task's cleanup); dropped once
+        the engine failed."""
+        with self._command_lock:
+            if not self.health.failed:
+                self._commands.put((fn, concurrent.futures.Future()))
 
     def open_stream(self, request_id: str, sla_class: str, q: asyncio.Queue) -> Stream:
         """Register where a request's outputs go (`q`, on the running event loop); call before adding it."""
@@ -123,11 +146,22 @@ class EngineService:
                 if self.engine.has_unfinished():
                     self._step()
                 self._refresh()
-        except BaseException as e:  # noqa: BLE001 - reported through /ready and every open stream
+        except BaseException as e:  # noqa: BLE001 - reported through Health: /health, every open stream, exit 1
             log.exception("engine thread failed")
-            self.failed = e
-            for s in list(self._streams.values()):
-                _deliver(s, RuntimeError(f"engine failed: {e}"))
+            self.health.fail(f"engine thread: {type(e).__name__}: {e}")
+
+    def _end_everything(self, _reason: str) -> None:
+        """Health's failure callback: refuse every queued command and end every open stream with EngineFailed."""
+        with self._command_lock:
+            while True:
+                try:
+                    _, future = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(EngineFailed())
+        for s in list(self._streams.values()):
+            _deliver(s, EngineFailed())
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -135,6 +135,33 @@ def test_seeded_sampling_alone_equals_in_batch_and_abort(setup):
     assert engine.kv.num_free_pages == engine.kv.num_usable_pages
 
 
+def test_a_request_that_breaks_the_step_fails_alone(setup):
+    """A value that got past validation and breaks the step's host inputs (top_k beyond int32) fails its
+    request alone, naming the cause; the step's other requests are recomputed and still get exactly their
+    greedy tokens, every page returns, and the engine serves the next request."""
+    engine, ref = setup["engine"], setup["ref"]
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(4, 64, n).tolist() for n in (7, 11, 5)]
+    bad = SamplingParams(max_tokens=6, temperature=1.0, top_k=5, seed=1)
+    object.__setattr__(bad, "top_k", 2**31)  # as if a caller bypassed SamplingParams' own range check
+    plain = SamplingParams(max_tokens=6, ignore_eos=True)
+    ids = [engine.add_request(prompts[0], None, plain), engine.add_request(prompts[1], None, bad),
+           engine.add_request(prompts[2], None, plain)]
+    finished = {}
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    failed = finished[ids[1]]
+    assert failed.finish_reason == "error" and failed.token_ids == []
+    assert "sampling parameters" in failed.error and "int32" in failed.error, failed.error
+    for rid, prompt in ((ids[0], prompts[0]), (ids[2], prompts[2])):
+        assert finished[rid].error is None and finished[rid].token_ids == ref.greedy(prompt, 6, stop=())
+    assert engine.kv.num_free_pages == engine.kv.num_usable_pages
+    llm = LLM.__new__(LLM)
+    llm.engine = engine
+    [again] = llm.generate([prompts[1]], plain)
+    assert again.token_ids == ref.greedy(prompts[1], 6, stop=())
+
+
 def test_text_prompt_images_as_bytes_and_stop_string(setup):
     engine, ref = setup["engine"], setup["ref"]
     pixels = np.random.default_rng(2).integers(0, 255, (8, 8, 3)).astype(np.uint8)

@@ -7,6 +7,7 @@ import base64
 import dataclasses
 import io
 import json
+import logging
 import os
 import signal
 import socket
@@ -109,8 +110,10 @@ def cli_server(run_dir):
 def server(run_dir, cli_server):
     root, run = run_dir.parent, run_dir
     port = free_port()
-    cfg, model, tok = load_for_serving(run / "checkpoints", overrides=[*SERVE, f"serve.port={port}",
-                                                                        f"serve.request_log={root / 'requests.jsonl'}"])
+    (root / "media").mkdir()
+    overrides = [*SERVE, f"serve.port={port}", f"serve.request_log={root / 'requests.jsonl'}",
+                 f"serve.allowed_local_media_path={root / 'media'}"]
+    cfg, model, tok = load_for_serving(run / "checkpoints", overrides=overrides)
     engine = Engine(cfg, model, tok)
     # the engine's offline greedy answer to compare HTTP with, computed before the server owns the engine
     prompt = [1, 4, 7, 8, 9, 10, 5]  # <|bos|> <|user|> w7 w8 w9 w10 <|assistant|>
@@ -195,8 +198,8 @@ def test_chat_with_image_streaming_usage(server):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert whole.usage.prompt_tokens == 1 + 2 + 1 + 4 + 2 + 1  # bos, user w20 (the system turn), user, 4 image tokens,
     # w9 w11, assistant
-    # a local file:// image reads the same bytes
-    path = server["run"].parent / "im.png"
+    # a local file:// image under serve.allowed_local_media_path reads the same bytes
+    path = server["run"].parent / "media" / "im.png"
     path.write_bytes(base64.b64decode(png_data_url().split(",", 1)[1]))
     messages[1]["content"][0]["image_url"]["url"] = f"file://{path}"
     again = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
@@ -423,3 +426,257 @@ def test_cli_errors(tmp_path, capsys):
     assert "no checkpoint at" in capsys.readouterr().err
     assert serve.main(["serve.token_budget=-1"]) == 2
     assert "serve.token_budget must be >= 0" in capsys.readouterr().err
+
+
+# -- a server no client can break (bounded inputs, local media, keys, one error format, failures) ----------------
+
+
+def host_port(base: str) -> tuple[str, int]:
+    host, port = base.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def raw_request(base: str, head: bytes, body: bytes = b"") -> socket.socket:
+    """A connection that has sent `head` (request line and headers, without the blank line) and `body`."""
+    sock = socket.create_connection(host_port(base), timeout=30)
+    sock.sendall(head + b"\r\n\r\n" + body)
+    return sock
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict]:
+    """Status and JSON body of the response on `sock` (Content-Length framed)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    fields = dict(line.lower().split(b":", 1) for line in head.split(b"\r\n")[1:])
+    length = int(fields[b"content-length"])
+    while len(rest) < length:
+        rest += sock.recv(65536)
+    return int(head.split(b" ")[1]), json.loads(rest[:length])
+
+
+def assert_openai_error(r: httpx.Response, status: int, words: str = "") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and words in err["message"], err
+    assert " object at 0x" not in err["message"]
+    return err
+
+
+def test_out_of_range_values_422_naming_the_field_then_a_good_request(server):
+    base, c = server["base"], server["client"]
+    good = dict(model=MODEL, messages=user("w7"), max_tokens=2)
+    vocab = server["engine"].model_cfg.vocab_size
+    cases = [(dict(good, top_k=2**31), "top_k"), (dict(good, top_k=vocab + 1), "top_k"),
+             (dict(good, max_tokens=2**31), "max_tokens"),
+             (dict(good, max_completion_tokens=2**40), "max_completion_tokens"),
+             (dict(good, seed=2**63), "seed"), (dict(good, repetition_penalty=1e-30), "repetition_penalty"),
+             (dict(good, use_beam_search=True, length_penalty=1e6), "length_penalty"),
+             (dict(good, stop=["w9"] * 17), "stop"), (dict(good, n=17), "n")]
+    for body, field in cases:
+        err = assert_openai_error(httpx.post(base + "/v1/chat/completions", json=body), 422, field)
+        assert err["param"] == field, err
+    for prompt in ([1, 4, vocab], [1, 2**40]):
+        err = assert_openai_error(httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": prompt}), 422)
+        assert err["param"] == "prompt" and "vocabulary" in err["message"], err
+    nan = b'{"model": "tiny", "messages": [{"role": "user", "content": "w7"}], "temperature": NaN}'
+    err = assert_openai_error(httpx.post(base + "/v1/chat/completions", content=nan,
+                                         headers={"content-type": "application/json"}), 422, "temperature")
+    assert c.chat.completions.create(**good).choices[0].finish_reason in ("stop", "length")
+    assert httpx.get(base + "/health").status_code == 200
+
+
+def test_framework_errors_are_openai_json(server):
+    base = server["base"]
+    post = lambda content, ctype="application/json": httpx.post(base + "/v1/chat/completions", content=content,
+                                                                headers={"content-type": ctype})
+    assert_openai_error(post(b'{"model": "\xff\xfe"}'), 400, "invalid JSON")  # not UTF-8
+    assert_openai_error(post(b"[" * 100_000 + b"]" * 100_000), 400, "invalid JSON")
+    assert_openai_error(httpx.get(base + "/v1/nope"), 404, "/v1/nope")
+    assert_openai_error(httpx.get(base + "/v1/chat/completions"), 405, "GET")
+    assert_openai_error(post(b"model=tiny", "application/x-www-form-urlencoded"), 415, "application/json")
+    for path in ("/docs", "/openapi.json"):  # off unless serve.enable_docs
+        assert_openai_error(httpx.get(base + path), 404)
+    # a body declared larger than serve.max_request_bytes: 413 at once, the rest never read (nor sent)
+    limit = server["cfg"].serve.max_request_bytes
+    sock = raw_request(base, b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d" % (limit + 1), b'{"model": ')
+    with sock:
+        status, body = read_response(sock)
+    assert status == 413 and "serve.max_request_bytes" in body["error"]["message"], body
+
+
+def test_abandoned_plain_request_stops_at_once_and_frees_its_pages(server):
+    """A plain (not streamed) n=8 request of 55 tokens a choice on 4 sequence slots, whose client closes the
+    connection while the first 4 choices decode (their outputs keep the handler busy): every choice is aborted
+    then, the 4 waiting ones never start, the pages return and the log records 8 abandoned choices."""
+    base, service, log = server["base"], server["service"], server["log"]
+    logged = len(log.read_text().splitlines())
+    body = json.dumps({"model": MODEL, "messages": user("w7 w9"), "max_tokens": 55, "n": 8,
+                       "ignore_eos": True}).encode()
+    sock = raw_request(base, b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d" % len(body), body)
+    running = "mmjax:num_requests_running{sla_class=interactive}"
+    waiting = "mmjax:num_requests_waiting{sla_class=interactive}"
+    deadline = time.monotonic() + 30
+    while metrics(base)[running] < 4:  # every sequence slot holds one of its choices
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    steps = service.engine.runner.num_steps
+    sock.close()
+    while (m := metrics(base))["mmjax:kv_cache_usage_perc"] > 0 or m[running] > 0 or m[waiting] > 0:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.005)
+    records = [json.loads(x) for x in log.read_text().splitlines()[logged:]]
+    assert len(records) == 8 and all(r["status"] == 499 for r in records), records
+    tokens = sorted(r.get("generated_tokens", 0) for r in records)
+    assert tokens[:4] == [0] * 4 and max(tokens) < 55, tokens  # the waiting half never ran, none ran to the end
+    assert service.engine.runner.num_steps - steps < 55
+
+
+def png_bytes(size=(12, 12), mode="RGB") -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, size).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_local_media_only_regular_files_under_the_folder(server):
+    base = server["base"]
+    root = server["run"].parent
+    media = root / "media"
+    (root / "outside.png").write_bytes(png_bytes())
+    (media / "ok.png").write_bytes(png_bytes())
+    (media / "link.png").symlink_to(root / "outside.png")
+    (media / "dir.png").mkdir()
+    (media / "notes.png").write_text("not an image")
+    os.mkfifo(media / "pipe.png")
+    chat = lambda url: httpx.post(base + "/v1/chat/completions", timeout=30, json=dict(
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "w7"}]}]))
+    assert chat(f"file://{media / 'ok.png'}").status_code == 200
+    refused = [f"file://{media / name}" for name in ("missing.png", "link.png", "dir.png", "notes.png", "pipe.png")]
+    refused += [f"file://{media}/../outside.png", f"file://{root / 'outside.png'}", "file:///dev/zero",
+                "file:///etc/passwd", f"file://{media}"]
+    messages = set()
+    for url in refused:
+        err = assert_openai_error(chat(url), 400)
+        messages.add((err["message"], err["code"]))
+        assert httpx.get(base + "/health").status_code == 200
+    assert len(messages) == 1, messages  # one message: nothing about what exists on the server
+    message, code = messages.pop()
+    assert code == "invalid_local_media" and str(root) not in message
+
+
+def test_image_too_large_is_refused_from_its_header(server):
+    """A PNG of 5000 x 5000 pixels (a few KB compressed) is refused by serve.max_image_pixels before decoding."""
+    data = png_bytes((5000, 5000), "L")
+    assert len(data) < 100_000
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "w7"}]
+    r = httpx.post(server["base"] + "/v1/chat/completions",
+                   json=dict(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": content}]))
+    err = assert_openai_error(r, 400, "5000 x 5000")
+    assert err["code"] == "image_too_large" and "serve.max_image_pixels" in err["message"]
+
+
+def test_unknown_fields_accepted_and_logged_once(server, caplog):
+    caplog.set_level(logging.WARNING, logger="mmjax.serving.http.app")
+    c = server["client"]
+    for _ in range(2):
+        r = c.chat.completions.create(model=MODEL, messages=user("w7"), max_tokens=2,
+                                      extra_body={"some_future_field": {"x": 1}})
+        assert r.choices[0].finish_reason in ("stop", "length")
+    assert sum("some_future_field" in rec.getMessage() for rec in caplog.records) == 1
+
+
+@pytest.fixture(scope="module")
+def spare(run_dir):
+    """A second engine for servers of their own configuration (API keys; an engine that fails)."""
+    cfg, model, tok = load_for_serving(run_dir / "checkpoints", overrides=SERVE)
+    return Engine(cfg, model, tok), tok, cfg
+
+
+def test_api_keys(spare, monkeypatch):
+    engine, tok, cfg = spare
+    monkeypatch.setenv("MMJAX_API_KEY", "key-from-env")
+    port = free_port()
+    srv, service = make_server(engine, tok, dataclasses.replace(cfg.serve, port=port, api_key="key-a, key-b"), MODEL,
+                               log_level="warning")
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, lambda: "")  # /ready, /health and /metrics need no key
+        assert httpx.get(base + "/health").status_code == 200 and httpx.get(base + "/metrics").status_code == 200
+        body = dict(model=MODEL, messages=user("w7"), max_tokens=2)
+        err = assert_openai_error(httpx.post(base + "/v1/chat/completions", json=body), 401, "API key")
+        assert err["code"] == "invalid_api_key"
+        assert_openai_error(httpx.get(base + "/v1/models", headers={"Authorization": "Bearer key-c"}), 401)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).chat.completions.create(**body)
+        for key in ("key-b", "key-from-env"):
+            client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+            assert client.chat.completions.create(**body).choices[0].finish_reason in ("stop", "length")
+        # local media are off by default: file:// is refused, saying how to enable it
+        r = httpx.post(base + "/v1/chat/completions", headers={"Authorization": "Bearer key-a"}, json=dict(
+            body, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]))
+        assert assert_openai_error(r, 400, "serve.allowed_local_media_path")["code"] == "local_media_disabled"
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        service.stop()
+
+
+def test_engine_failure_fails_in_flight_requests_and_exits_1(spare, monkeypatch):
+    """A step failure no request caused (here: injected into the device step) ends the in-flight requests with
+    a 500 / an SSE error event, /health turns 503 and `server.run` returns 1 without waiting for a drain."""
+    from fastapi.testclient import TestClient
+
+    from mmjax.serving.http import server as server_module
+
+    engine, tok, cfg = spare
+    broken = threading.Event()
+    dispatch = engine.runner.dispatch
+
+    def failing_dispatch(*args, **kwargs):
+        if broken.is_set():
+            raise RuntimeError("injected: the device step failed")
+        return dispatch(*args, **kwargs)
+    monkeypatch.setattr(engine.runner, "dispatch", failing_dispatch)
+    made = {}
+    make = server_module.make_server
+    monkeypatch.setattr(server_module, "make_server", lambda *a, **k: made.setdefault("server", make(*a, **k)))
+    port = free_port()
+    serve = dataclasses.replace(cfg.serve, port=port, drain_timeout_s=600)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(code=server_module.run(engine, tok, serve, MODEL)),
+                              daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base, lambda: "" if thread.is_alive() else "server exited")
+    srv, service = made["server"]
+    body = {"model": MODEL, "messages": user("w7 w8"), "max_tokens": 55, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool, httpx.stream("POST", base + "/v1/chat/completions", timeout=60,
+                                                     json={**body, "stream": True}) as stream:
+        lines = stream.iter_lines()
+        assert any('"content":"' in line and '"content":""' not in line for line in lines)
+        plain = pool.submit(httpx.post, base + "/v1/chat/completions", json=body, timeout=60)
+        running = "mmjax:num_requests_running{sla_class=interactive}"
+        deadline = time.monotonic() + 30
+        while metrics(base)[running] < 2:
+            assert time.monotonic() < deadline and not plain.done()
+            time.sleep(0.005)
+        thaw = hold(service)
+        broken.set()
+        thaw.set()
+        rest = [line for line in lines if line.startswith("data: ")]
+        plain = plain.result()
+    err = assert_openai_error(plain, 500, "engine failed")
+    assert err["type"] == "server_error"
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["error"]["code"] == "engine_failed", rest[-3:]
+    thread.join(30)
+    assert not thread.is_alive() and result["code"] == 1
+    app = TestClient(srv.config.app)
+    assert_openai_error(app.get("/health"), 503, "engine failed")
+    assert_openai_error(app.post("/v1/completions", json={"model": MODEL, "prompt": "w7"}), 503, "engine failed")
