@@ -68,9 +68,14 @@ def _png(rng: np.random.Generator, size: int = 64) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def model_card(base: str) -> dict[str, Any]:
+def auth_headers(api_key: str) -> dict[str, str]:
+    """The `Authorization` header for a server started with `serve.api_key` (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def model_card(base: str, api_key: str = "") -> dict[str, Any]:
     """The server's first model: id, max_model_len, vocab_size."""
-    r = httpx.get(base.rstrip("/") + "/v1/models", timeout=30)
+    r = httpx.get(base.rstrip("/") + "/v1/models", timeout=30, headers=auth_headers(api_key))
     r.raise_for_status()
     return r.json()["data"][0]
 
@@ -142,11 +147,12 @@ def _pct(values: list[float]) -> dict[str, float | None]:
 
 
 async def run_rate(base: str, rate: float, requests: list[tuple[str, dict]], spec: LoadSpec,
-                   rng: np.random.Generator) -> dict[str, Any]:
+                   rng: np.random.Generator, api_key: str = "") -> dict[str, Any]:
     """Send `requests` at Poisson arrivals of `rate`/s; the summary of what came back."""
     gaps = rng.exponential(1.0 / rate, len(requests))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=base.rstrip("/"), timeout=spec.timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=base.rstrip("/"), timeout=spec.timeout_s, limits=limits,
+                                 headers=auth_headers(api_key)) as client:
         t0 = time.perf_counter()
         tasks = []
         at = 0.0
@@ -196,14 +202,14 @@ def crossing(rows: list[dict[str, Any]], key: str = "ttft_s", q: str = "p90", li
     return None
 
 
-def run_sweep(base: str, spec: LoadSpec) -> dict[str, Any]:
-    """Every rate of `spec` in turn (fresh requests, same seed per rate); the record to save."""
-    card = model_card(base)
+def run_sweep(base: str, spec: LoadSpec, api_key: str = "") -> dict[str, Any]:
+    """Every rate of `spec` in turn (fresh requests, same seed per rate); the record to save (without the key)."""
+    card = model_card(base, api_key)
     rows = []
     for k, rate in enumerate(spec.rates):
         rng = np.random.default_rng([spec.seed, k])
         requests = make_requests(spec, card, rng)
-        rows.append(asyncio.run(run_rate(base, rate, requests, spec, rng)))
+        rows.append(asyncio.run(run_rate(base, rate, requests, spec, rng, api_key)))
     return {"server": base, "model": card["id"], "spec": dataclasses.asdict(spec), "rates": rows,
             "ttft_p90_crossing": crossing(rows, limit=spec.slo_ttft_s)}
 

@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     server = p.add_argument_group("server mode")
     server.add_argument("--server", default="", help="base URL of a running mmjax server (selects server mode)")
     server.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0], help="arrivals per second")
+    server.add_argument("--api-key", default=os.environ.get("MMJAX_API_KEY", ""),
+                        help="bearer key of a server started with serve.api_key (default: $MMJAX_API_KEY)")
     server.add_argument("--image-every", type=int, default=0, help="every k-th request carries an image")
     server.add_argument("--slo-ttft", type=float, default=0.2, help="goodput: TTFT target (s)")
     server.add_argument("--slo-itl", type=float, default=0.05, help="goodput: mean inter-token latency target (s)")
@@ -179,7 +182,7 @@ def server_main(args: argparse.Namespace, argv: list[str] | None) -> int:
     spec = loadgen.LoadSpec(rates=tuple(args.rates), num_requests=args.num_requests, lengths=lengths,
                             image_every=args.image_every, slo_ttft_s=args.slo_ttft, slo_itl_s=args.slo_itl,
                             sla_class=args.sla_class, seed=args.seed)
-    record = loadgen.run_sweep(args.server, spec)
+    record = loadgen.run_sweep(args.server, spec, api_key=args.api_key)
     record["command"] = "python -m mmjax.tools.bench_serving " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     out = Path(args.out or f"docs/perf/results/serving/serving-server-{datetime.date.today().isoformat()}.json")

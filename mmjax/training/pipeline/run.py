@@ -1,7 +1,7 @@
 """The MLLM's train loss through a pipeline: placement of the model around the pipeline executor.
 
 Vision tower, projector and token embeddings run before the pipeline as plain GSPMD; the decoder stack is
-cut into stages (`parallel.pipeline.balance`); final norm, LM head and loss (`model.loss_impl`'s fused
+cut into stages (`training.pipeline.balance`); final norm, LM head and loss (`model.loss_impl`'s fused
 cross-entropy unless it is `xla`) run in the last stage per microbatch and return token-loss sums, so the
 train step's normalisation, loss scaling, ZeRO and optimizer are the same as without a pipeline. The train
 state holds the layers in the [rank, chunk, slot] order the executor runs (`engine.stage_storage`;
