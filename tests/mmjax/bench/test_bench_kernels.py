@@ -1,11 +1,11 @@
-"""kernels.bench's bookkeeping on CPU: rows from real (tiny) timings, a failing candidate, the README section."""
+"""kernels.bench's bookkeeping on CPU: rows from real (tiny) timings, a failing candidate, the latest.json values."""
 
 import jax.numpy as jnp
 
 from mmjax.bench import kernels as bench
 
 
-def test_rows_table_and_readme_section(tmp_path):
+def test_rows_table_and_latest_values():
     rows = []
     bench.bench_norms(rows, n=64, e=128, dtype=jnp.float32, impls=("xla",))
     assert [r.op for r in rows] == ["rms_norm_fwd", "rms_norm_fwd_bwd", "add_rms_norm_fwd", "add_rms_norm_fwd_bwd",
@@ -20,11 +20,14 @@ def test_rows_table_and_readme_section(tmp_path):
     assert len(table) == 2 + len(rows)  # the multi-line error stays in one row
     assert table[-1].endswith("failed: RuntimeError: line one line / two |") and table[-1].count("|") == 10
 
-    readme = tmp_path / "README.md"
-    readme.write_text("# Performance\n\nintro\n\n## Other section\n\nkept\n")
-    bench.write_readme_section(readme, record, "cmd one")
-    bench.write_readme_section(readme, record, "cmd two")  # replaces its own section, leaves the rest
-    text = readme.read_text()
-    assert text.count("## Kernels (`python -m mmjax.tools.bench_kernels`)") == 1
-    assert "cmd two" in text and "cmd one" not in text
-    assert text.startswith("# Performance\n\nintro\n\n## Other section\n\nkept\n")
+    # latest.json's kernels rows: the fastest non-peer implementation at the headline shape, the row kernels' share
+    shape = bench.HEADLINE_ATTENTION
+    fake = [{"op": "attention_fwd", "impl": impl, "shape": shape, "ms": 1.0, "tflops": t, "fraction_of_ceiling": None}
+            for impl, t in (("pallas", 300.0), ("mgpu", 500.0), ("torch_sdpa", 900.0))]
+    fake.append({"op": "rms_norm_fwd_bwd", "impl": "pallas", "shape": "[32768,4096] bfloat16", "ms": 1.0,
+                 "tflops": None, "fraction_of_ceiling": 0.9371})
+    values = bench.latest_values({"rows": fake}, source="k.json")
+    assert values == {"attention_fwd_tflops": {"value": 500.0, "source": "k.json", "label":
+                                               "causal attention fwd, B4 S4096 H16 D128 bf16 (mgpu)"},
+                      "rms_norm_fwd_bwd_of_copy": {"value": 0.937, "source": "k.json"}}
+    assert bench.latest_values(record) == {}  # a run without those sections updates nothing

@@ -87,13 +87,14 @@ def test_record(record, tmp_path):
     out = tmp_path / "serving.json"
     out.write_text(json.dumps(record))
     assert json.loads(out.read_text())["decode"][0]["batch"] == 1
-    readme = tmp_path / "README.md"
-    readme.write_text("# Performance\n\n<!-- other start -->\nkeep\n<!-- other end -->\n")
-    for _ in range(2):  # the second write replaces the section
-        bench.write_readme(readme, record, "python -m mmjax.tools.bench_serving")
-    text = readme.read_text()
-    assert text.count(f"<!-- {bench.README_TITLE} start -->") == 1 and "keep" in text
+    text = bench.table(record)
     assert "| 4 |" in text and "HF peer skipped" in text and "Mixed: 10 requests" in text
+    values = bench.latest_values(record, source="serving.json")  # latest.json's serving rows
+    group = "default_decode" if record["serve"]["decode_steps"] == 1 else "tuned_decode"
+    assert set(values) == {"hbm_gbps", group}
+    assert sorted(values[group]) == sorted(f"bs{d['batch']}" for d in record["decode"])
+    first = round(record["decode"][0]["decode_tok_s"])
+    assert values[group]["bs1"]["tok_s"] == {"value": first, "source": "serving.json"}
 
 
 def test_hf_peer_in_its_own_process():
