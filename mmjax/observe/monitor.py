@@ -11,8 +11,8 @@
         if log step: monitor.log(step)           # one device_get; derived metrics; every sink
     monitor.close()
 
-Step metrics stay on device until `log`. The derived metrics (tokens/s, MFU, step-time percentiles,
-memory, compile times) are documented in docs/metrics.md.
+Step metrics stay on device until `log`, merged there step by step into one `clu.metrics` collection. The
+derived metrics (tokens/s, MFU, step-time percentiles, memory, compile times) are documented in docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from mmjax.config import Config
 from mmjax.observe.flops import peak_flops_per_device, training_flops
 from mmjax.observe.health import NonFiniteError, Watchdog, is_unhealthy
-from mmjax.observe.metrics import MetricBuffer, memory_metrics
+from mmjax.observe.metrics import MetricAccumulator, memory_metrics
 from mmjax.observe.profile import Profiler
 from mmjax.observe.sinks import MetricWriter, build_sinks
 from mmjax.observe.timing import CompileTimes, StepTimer
@@ -51,7 +51,7 @@ class TrainMonitor:
                                  dump_dir=Path(cfg.train.output_dir).expanduser())
         self.compile_times = CompileTimes()
         self.flops = training_flops(cfg.model)
-        self.buffer = MetricBuffer()
+        self.buffer = MetricAccumulator()  # on device until log (clu.metrics, observe/metrics.py)
         self.writer: MetricWriter | None = None
         self.timer: StepTimer | None = None
         self.profiler: Profiler | None = None
