@@ -163,8 +163,9 @@ class Trainer:
                         last_eval["time/eval"] = time.perf_counter() - eval_start
                     monitor.write(step, last_eval)
                     if jax.process_index() == 0:
-                        write_predictions(Path(cfg.train.output_dir) / "eval" / f"step_{step:07d}.jsonl",
-                                          self.evaluator.eval_set, predictions)
+                        answers = Path(cfg.train.output_dir) / "eval" / f"step_{step:07d}.jsonl"
+                        write_predictions(answers, self.evaluator.eval_set, predictions)
+                        monitor.artifact(step, answers)  # to MLflow / Neptune
         finally:
             restore_signals()
             if self.checkpointer is not None:
