@@ -62,12 +62,12 @@ class WeightedAverage(clu_metrics.Average):
         return cls(total=jnp.asarray(values, jnp.float32) * weights, count=weights)
 
 
-def _metric_class(key: str) -> type[clu_metrics.Metric]:
+def _metric_class(key: str, keys: list[str]) -> type[clu_metrics.Metric]:
     if key in SUMMED:
         return Sum.from_output(key)
     if key in LAST:
         return clu_metrics.LastValue.from_output(key)
-    if key in WEIGHTED:
+    if key in WEIGHTED and WEIGHTED[key] in keys:  # a custom step without the weight: a plain mean
         weight = WEIGHTED[key]
         return WeightedAverage.from_fun(lambda **out: {"values": out[key], "weights": out[weight]})
     return clu_metrics.Average.from_output(key)
@@ -95,9 +95,16 @@ class MetricAccumulator:
         self._keys = {_field_name(k): k for k in keys}
         if len(self._keys) != len(keys):
             raise ValueError(f"step metric names collide as collection fields: {sorted(keys)}")
-        collection = clu_metrics.Collection.create(**{f: _metric_class(k) for f, k in self._keys.items()})
-        self._first = jax.jit(lambda m: collection.single_from_model_output(**m))
-        self._merge = jax.jit(lambda acc, m: acc.merge(collection.single_from_model_output(**m)))
+        collection = clu_metrics.Collection.create(**{f: _metric_class(k, keys) for f, k in self._keys.items()})
+
+        def step_metrics_first(metrics: dict[str, jax.Array]) -> Any:  # names in time/compile/<function>
+            return collection.single_from_model_output(**metrics)
+
+        def step_metrics_merge(acc: Any, metrics: dict[str, jax.Array]) -> Any:
+            return acc.merge(collection.single_from_model_output(**metrics))
+
+        self._first = jax.jit(step_metrics_first)
+        self._merge = jax.jit(step_metrics_merge)
 
     def add(self, metrics: dict[str, jax.Array]) -> None:
         if self._first is None:
