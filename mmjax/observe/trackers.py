@@ -140,6 +140,7 @@ class MlflowSink(_Resumable):
         require("mlflow", "mlflow")
         self._tracking = require("mlflow.tracking", "mlflow")
         self._entities = require("mlflow.entities", "mlflow")
+        self._exceptions = require("mlflow.exceptions", "mlflow")
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "") or (output_dir / "mlruns").resolve().as_uri()
         if uri.startswith("file:") or "://" not in uri:
             # MLflow 3 refuses its file store unless opted in; a file store is what this config asked for
@@ -154,9 +155,22 @@ class MlflowSink(_Resumable):
         client = self._tracking.MlflowClient(tracking_uri=self.uri)
         existing: dict[str, str] = {}
         if self.run_id is not None:
-            client.update_run(self.run_id, status="RUNNING")
-            existing = client.get_run(self.run_id).data.params
-        else:
+            try:
+                earlier = client.get_run(self.run_id)
+                gone = earlier.info.lifecycle_stage != "active"  # deleted in the UI (or on its way out)
+            except self._exceptions.MlflowException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                gone = True
+            if gone:
+                log.warning("mlflow run %s (from %s) is deleted or missing at %s; starting a new run", self.run_id,
+                            self.record.path, self.uri)
+                self.run_id, self.logged_through = None, -1
+                self.record.data["last_step"] = -1
+            else:
+                existing = earlier.data.params
+                client.update_run(self.run_id, status="RUNNING")
+        if self.run_id is None:
             exp = client.get_experiment_by_name(self.experiment)
             exp_id = exp.experiment_id if exp is not None else client.create_experiment(self.experiment)
             run = client.create_run(exp_id, run_name=self.run_name, tags={"mmjax.output_dir": str(self.output_dir)})
@@ -224,7 +238,10 @@ class NeptuneSink(_Resumable):
             raise ConfigError(f"observe.sinks includes 'neptune' (observe.neptune_mode={mode}): {e}") from None
         self.run_id, self.mode, self.log_directory = run_id, mode, output_dir / "neptune"
         self.record.save(run_id=run_id)
-        self._run.log_configs({"config": config}, flatten=True, cast_unsupported=True)
+        try:
+            self._run.log_configs({"config": config}, flatten=True, cast_unsupported=True)
+        except Exception as e:  # a tracker never stops training, not even at start-up
+            self.failures.report("logging the config", e)
         log.info("neptune run %s in %s (%s)", run_id, project, mode)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:

@@ -354,3 +354,32 @@ def test_neptune_without_a_project_is_a_config_error(tmp_path, monkeypatch):
     cfg = load_config(None, ["observe.sinks=[neptune]"])
     with pytest.raises(ConfigError, match="observe.neptune_project"):
         build_sinks(cfg, tmp_path, total_steps=10)
+
+
+def test_mlflow_resume_of_a_deleted_run_starts_a_new_one(tmp_path, caplog):
+    import logging
+
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from mmjax.observe.trackers import MlflowSink
+
+    def sink(start_step):
+        return MlflowSink(tmp_path, "", "mmjax-test", {"optim": {"lr": 0.1}}, "optim: {lr: 0.1}\n", "t", start_step)
+
+    first = sink(0)
+    first.write(1, {"train/loss": 2.0})
+    first.close()
+    gone = first.run_id
+    MlflowClient(first.uri).delete_run(gone)
+    record = json.loads((tmp_path / "mlflow_run.json").read_text())
+    assert record["run_id"] == gone and record["last_step"] == 1
+    again = sink(5)  # a resume: this run id is looked up first
+    with caplog.at_level(logging.WARNING, logger="mmjax.observe"):
+        again.write(6, {"train/loss": 1.0})
+        again.close()
+    record = json.loads((tmp_path / "mlflow_run.json").read_text())
+    assert record["run_id"] == again.run_id != gone and record["last_step"] == 6
+    history = MlflowClient(first.uri).get_metric_history(again.run_id, "train/loss")
+    assert [(m.step, m.value) for m in history] == [(6, 1.0)]
+    assert sum("deleted or missing" in r.getMessage() for r in caplog.records) == 1
