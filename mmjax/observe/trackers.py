@@ -121,9 +121,10 @@ class _Resumable:
             self.record.save(last_step=int(step))
 
 
-def mlflow_key(key: str, record: dict[str, float]) -> str:
-    """`eval/exact_match` -> `eval/exact_match/all` when the record also holds `eval/exact_match/<type>`:
-    MLflow's file store keeps a metric as a file at its name's path, so a name cannot also be a folder."""
+def tracker_key(key: str, record: dict[str, float]) -> str:
+    """`eval/exact_match` -> `eval/exact_match/all` when the record also holds `eval/exact_match/<type>`: both
+    trackers treat `/` as folders (MLflow's file store keeps a metric as a file at its name's path), so a
+    metric's name cannot also be the folder of others."""
     prefix = key + "/"
     return key + "/all" if any(k.startswith(prefix) for k in record) else key
 
@@ -194,7 +195,7 @@ class MlflowSink(_Resumable):
         if self.already_logged(step) or not metrics:
             return
         now = int(time.time() * 1000)
-        batch = [self._entities.Metric(mlflow_key(k, metrics), float(v), now, int(step)) for k, v in metrics.items()]
+        batch = [self._entities.Metric(tracker_key(k, metrics), float(v), now, int(step)) for k, v in metrics.items()]
         for i in range(0, len(batch), 1000):  # log_batch takes at most 1000 metrics
             self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
         self.logged(step)
@@ -247,7 +248,7 @@ class NeptuneSink(_Resumable):
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if self.already_logged(step) or not metrics:
             return
-        self._run.log_metrics({k: float(v) for k, v in metrics.items()}, step=int(step))
+        self._run.log_metrics({tracker_key(k, metrics): float(v) for k, v in metrics.items()}, step=int(step))
         self.logged(step)
 
     def artifact(self, step: int, path: Path, kind: str) -> None:

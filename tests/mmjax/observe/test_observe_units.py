@@ -335,10 +335,10 @@ def test_threaded_sink_runs_calls_in_order_off_the_caller_and_survives_failures(
 
 
 def test_tracker_names_and_config_checks():
-    from mmjax.observe.trackers import flat_params, mlflow_key
+    from mmjax.observe.trackers import flat_params, tracker_key
 
     record = {"eval/exact_match": 0.5, "eval/exact_match/color": 1.0, "time/step": 0.1, "time/step_p50": 0.1}
-    assert [mlflow_key(k, record) for k in record] == ["eval/exact_match/all", "eval/exact_match/color",
+    assert [tracker_key(k, record) for k in record] == ["eval/exact_match/all", "eval/exact_match/color",
                                                        "time/step", "time/step_p50"]
     assert flat_params({"a": {"b": 1, "c": [1, 2], "d": {}}, "e": "x"}, ".") == {"a.b": 1, "a.c": "[1, 2]",
                                                                                   "a.d": "{}", "e": "x"}

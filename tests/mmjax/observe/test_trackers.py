@@ -161,6 +161,8 @@ def test_neptune_offline_runs_hold_config_loss_lr_and_files_under_one_run_id(tra
         for step in (2, 4):
             assert before["metrics"][key][step] == pytest.approx(first["jsonl"][step][key], rel=1e-6)
         assert after["metrics"][key][6] == pytest.approx(jsonl[6][key], rel=1e-6)
+    exact = "eval/exact_match/all"  # beside eval/exact_match/<type>
+    assert list(before["metrics"][exact]) == [4] and list(after["metrics"][exact]) == [6]
     assert before["configs"]["config/optim/warmup_steps"] == 2 and before["configs"]["config/model/text/dim"] == 32
     assert before["configs"]["config/train/steps"] == 4 and after["configs"]["config/train/steps"] == 6
     eval_files = [(step, path) for r in runs for key, step, path in r["files"] if key == "eval/answers"]
