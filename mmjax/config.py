@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -22,7 +23,7 @@ from mmjax.errors import ConfigError
 ParamDtype = Literal["float32", "bfloat16", "float16"]
 ComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto = bfloat16 on GPU/TPU, float32 on CPU
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "save_attention_out"]  # mmjax.model.layers maps them
-Sink = Literal["jsonl", "progress", "tensorboard", "wandb", "prometheus"]
+Sink = Literal["jsonl", "progress", "tensorboard", "wandb", "prometheus", "mlflow", "neptune"]
 
 # Keys that existed once: setting one fails with what to do instead (not a bare "unknown key").
 REMOVED_KEYS = {
@@ -429,6 +430,11 @@ class ObserveConfig:
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # offline: no network; `wandb sync` later
     prometheus_port: int = 9400  # /metrics on this port + process index (0 = any free port, logged)
     prometheus_addr: str = "0.0.0.0"
+    # MLflow: "" = $MLFLOW_TRACKING_URI, else a file store in <train.output_dir>/mlruns; http://host:5000, sqlite:///x.db
+    mlflow_tracking_uri: str = ""
+    mlflow_experiment: str = "mmjax"
+    neptune_project: str = ""  # workspace/project; "" = $NEPTUNE_PROJECT
+    neptune_mode: Literal["offline", "async", "disabled"] = "offline"  # offline: no network; `neptune sync` later
     peak_flops_per_device: float = 0.0  # for train/mfu; 0 = look up the device kind (none on CPU)
     step_time_window: int = 100  # steps behind time/step_p50 and time/step_p90
     # non-finite loss/grads: skip the update | halt (checkpoint, stop) | warn (apply it)
@@ -441,6 +447,10 @@ class ObserveConfig:
         need_positive([("observe.log_every", self.log_every)])
         need(0 <= self.prometheus_port < 65536, f"observe.prometheus_port={self.prometheus_port} is not a TCP port")
         need(self.step_time_window > 0, "observe.step_time_window must be positive")
+        need("mlflow" not in self.sinks or bool(self.mlflow_experiment.strip()),
+             "observe.mlflow_experiment must name an MLflow experiment (default: mmjax)")
+        need(not self.neptune_project or re.fullmatch(r"[^/\s]+/[^/\s]+", self.neptune_project) is not None,
+             f"observe.neptune_project={self.neptune_project!r} must be 'workspace/project'")
         need(self.watchdog_timeout_s >= 0 and self.startup_timeout_s >= 0,
              "observe.watchdog_timeout_s and observe.startup_timeout_s must be >= 0 (0 = off)")
         for r in self.profile_steps:

@@ -2,8 +2,8 @@
 
 Console (stderr): warnings and errors from any library (except Orbax's notices about a checkpoint opened
 read-only), and mmjax's own progress lines, except the kernel dispatcher's per-shape implementation
-choices. Log file (`<train.output_dir>/train.log`, one per process when there are several): every INFO
-record, including Orbax's and JAX's start-up details.
+choices and the per-array parameter table. Log file (`<train.output_dir>/train.log`, one per process when
+there are several): every INFO record, including Orbax's and JAX's start-up details.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-QUIET_ON_CONSOLE = ("mmjax.kernels",)  # INFO lines of these loggers go to the log file only
+# INFO lines of these loggers go to the log file only (kernel choices per shape, the per-array parameter table)
+QUIET_ON_CONSOLE = ("mmjax.kernels", "mmjax.observe.params.arrays")
 # Orbax warns about what mmjax does on purpose when it opens a checkpoint to read it: log file only
 ORBAX_NOTICES = ("Given directory is read only", "CheckpointManagerOptions.read_only=True",
                  "Metadata file does not exist")

@@ -11,8 +11,8 @@
         if log step: monitor.log(step)           # one device_get; derived metrics; every sink
     monitor.close()
 
-Step metrics stay on device until `log`. The derived metrics (tokens/s, MFU, step-time percentiles,
-memory, compile times) are documented in docs/metrics.md.
+Step metrics stay on device until `log`, merged there step by step into one `clu.metrics` collection. The
+derived metrics (tokens/s, MFU, step-time percentiles, memory, compile times) are documented in docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from jax.sharding import Mesh
 from mmjax.config import Config
 from mmjax.observe.flops import peak_flops_per_device, training_flops
 from mmjax.observe.health import NonFiniteError, Watchdog, is_unhealthy
-from mmjax.observe.metrics import MetricBuffer, memory_metrics
+from mmjax.observe.metrics import MetricAccumulator, memory_metrics
+from mmjax.observe.plots import plot_runs
 from mmjax.observe.profile import Profiler
 from mmjax.observe.sinks import MetricWriter, build_sinks
 from mmjax.observe.timing import CompileTimes, StepTimer
@@ -51,12 +52,14 @@ class TrainMonitor:
                                  dump_dir=Path(cfg.train.output_dir).expanduser())
         self.compile_times = CompileTimes()
         self.flops = training_flops(cfg.model)
-        self.buffer = MetricBuffer()
+        self.buffer = MetricAccumulator()  # on device until log (clu.metrics, observe/metrics.py)
         self.writer: MetricWriter | None = None
         self.timer: StepTimer | None = None
         self.profiler: Profiler | None = None
         self.save_fn: SaveFn | None = None
         self._pending_check: tuple[int, dict[str, jax.Array]] | None = None
+        self.output_dir = Path(cfg.train.output_dir).expanduser()
+        self._last_step = 0
 
     # -- start-up ---------------------------------------------------------------------------------
 
@@ -77,6 +80,8 @@ class TrainMonitor:
              dynamic_loss_scale: bool = False, save_fn: SaveFn | None = None) -> None:
         o = self.cfg.observe
         self.watchdog.dump_dir = output_dir
+        self.output_dir = output_dir
+        self._last_step = start_step
         self.writer = MetricWriter(build_sinks(self.cfg, output_dir, total_steps, start_step,
                                                is_main_process=jax.process_index() == 0))
         self.timer = StepTimer(o.step_time_window, on_step_done=lambda _: self.watchdog.beat())
@@ -183,6 +188,28 @@ class TrainMonitor:
         values = {**values, **self.compile_times.drain()}
         if values:
             self.writer.write(step, values)
+            self._last_step = max(self._last_step, step)
+
+    def artifact(self, step: int, path: Path, kind: str = "eval") -> None:
+        """A file for the trackers that take files (MLflow, Neptune): eval answers, plots."""
+        self.writer.artifact(step, path, kind)
+
+    def _upload_plots(self) -> None:
+        """At the end, the run's plots (`mmjax.observe.plots`, from metrics.jsonl) to the trackers that take files."""
+        if self.writer is None or not self.writer.takes_artifacts or jax.process_index() != 0:
+            return
+        if not (self.output_dir / "metrics.jsonl").is_file():  # the jsonl sink is off
+            return
+        try:
+            written = plot_runs([self.output_dir], self.output_dir / "plots")
+        except ImportError as e:
+            log.info("no plots for the trackers: %s (pip install 'mmjax[track]' brings matplotlib)", e)
+            return
+        except Exception as e:  # a plot is not worth failing the end of a run for
+            log.warning("plotting %s/metrics.jsonl for the trackers failed: %s", self.output_dir, e)
+            return
+        for path in written:
+            self.writer.artifact(self._last_step, path, "plots")
 
     @contextlib.contextmanager
     def excluded(self, label: str) -> Iterator[None]:
@@ -201,6 +228,7 @@ class TrainMonitor:
         self._fills = 0
 
     def close(self) -> None:
+        self._upload_plots()
         for part in (self.profiler, self.timer, self.writer):
             if part is not None:
                 part.close()

@@ -1,12 +1,14 @@
-"""Where `(step, metrics)` goes: JSONL (the stable record), a rich progress bar, TensorBoard, W&B, Prometheus.
+"""Where `(step, metrics)` goes: JSONL (the stable record), a rich progress bar, TensorBoard, W&B, Prometheus,
+MLflow and Neptune (`mmjax.observe.trackers`).
 
 `observe.sinks` picks them; `build_sinks` makes them. The optional ones import their package only when
-chosen, and a missing package is a `ConfigError` that names the extra to install (`mmjax[track]`).
+chosen, and a missing package is a `ConfigError` that names the extra to install (`mmjax[track]`,
+`mmjax[mlflow]`, `mmjax[neptune]`). `MetricWriter` fans records and files out to them; a sink that raises
+logs one warning and training goes on.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import math
@@ -18,13 +20,15 @@ import jax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from mmjax.config import Config, to_dict
-from mmjax.errors import ConfigError
+from mmjax.config import Config, to_dict, to_yaml
+from mmjax.observe.trackers import FailureLog, MlflowSink, NeptuneSink, ThreadedSink, require
 
 log = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
+    """What every sink has; trackers also take files: `artifact(step, path, kind)` (kind: eval, plots)."""
+
     def write(self, step: int, metrics: dict[str, float]) -> None: ...
 
     def close(self) -> None: ...
@@ -40,6 +44,8 @@ class JsonlSink:
 
     A run that starts at `start_step` (a resume) first drops the records of later steps an earlier run
     wrote after its last checkpoint: those steps are trained again and logged once more, not twice."""
+
+    name = "jsonl"
 
     def __init__(self, path: str | Path, start_step: int | None = None):
         self.path = Path(path)
@@ -77,6 +83,8 @@ class JsonlSink:
 class ProgressSink:
     """A live progress bar for local runs; log intervals and evals print a line above it."""
 
+    name = "progress"
+
     KEYS = ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "train/mfu", "time/step")
 
     def __init__(self, total_steps: int, start_step: int = 0, console: Console | None = None):
@@ -101,33 +109,45 @@ class ProgressSink:
 
 
 class MetricWriter:
-    """Fans `(step, metrics)` out to every configured sink."""
+    """Fans `(step, metrics)` and files out to every configured sink. A sink that raises logs one warning
+    (later failures at debug level) and is called again next time: a metrics sink never stops training."""
 
     def __init__(self, sinks: list[Sink]):
         self.sinks = sinks
+        self._failures = {id(s): FailureLog(getattr(s, "name", type(s).__name__)) for s in sinks}
+
+    def _call(self, sink: Sink, method: str, *args: Any) -> None:
+        try:
+            getattr(sink, method)(*args)
+        except Exception as e:
+            self._failures[id(sink)].report(method if not args else f"{method} at step {args[0]}", e)
+
+    @property
+    def takes_artifacts(self) -> bool:
+        return any(hasattr(s, "artifact") for s in self.sinks)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         for sink in self.sinks:
-            sink.write(step, metrics)
+            self._call(sink, "write", step, metrics)
+
+    def artifact(self, step: int, path: Path, kind: str) -> None:
+        """A file for the trackers (eval answers, plots); sinks without files ignore it."""
+        for sink in self.sinks:
+            if hasattr(sink, "artifact"):
+                self._call(sink, "artifact", step, Path(path), kind)
 
     def close(self) -> None:
         for sink in self.sinks:
-            sink.close()
-
-
-def _require(module: str, sink: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ConfigError(f"observe.sinks includes {sink!r}, which needs the {module.split('.')[0]!r} package "
-                          f"({e}); install it with: pip install 'mmjax[track]'") from None
+            self._call(sink, "close")
 
 
 class TensorBoardSink:
     """Scalars as TensorBoard event files (tensorboardX writer; read them with `tensorboard --logdir`)."""
 
+    name = "tensorboard"
+
     def __init__(self, logdir: str | Path):
-        tbx = _require("tensorboardX", "tensorboard")
+        tbx = require("tensorboardX", "tensorboard")
         self.logdir = Path(logdir)
         self._writer = tbx.SummaryWriter(str(self.logdir))
 
@@ -143,9 +163,11 @@ class TensorBoardSink:
 class WandbSink:
     """Weights & Biases run; `observe.wandb_mode=offline` needs no network (upload later with `wandb sync`)."""
 
+    name = "wandb"
+
     def __init__(self, directory: str | Path, project: str, mode: str, config: dict[str, Any] | None = None,
                  name: str | None = None):
-        wandb = _require("wandb", "wandb")
+        wandb = require("wandb", "wandb")
         Path(directory).mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(project=project, dir=str(directory), mode=mode, config=config, name=name,
                                reinit="finish_previous")
@@ -166,8 +188,10 @@ def prometheus_name(key: str) -> str:
 class PrometheusSink:
     """Serves the latest value of every metric at http://<addr>:<port>/metrics (`mmjax_step` = last logged step)."""
 
+    name = "prometheus"
+
     def __init__(self, port: int, addr: str = "0.0.0.0"):
-        self._prom = _require("prometheus_client", "prometheus")
+        self._prom = require("prometheus_client", "prometheus")
         self.registry = self._prom.CollectorRegistry()
         self._gauges: dict[str, Any] = {}
         self._step = self._prom.Gauge("mmjax_step", "last train step whose metrics were logged",
@@ -192,7 +216,8 @@ class PrometheusSink:
 
 def build_sinks(cfg: Config, output_dir: Path, total_steps: int, start_step: int = 0,
                 is_main_process: bool = True) -> list[Sink]:
-    """The sinks `observe.sinks` names. Files and W&B only on process 0; each process serves its own Prometheus."""
+    """The sinks `observe.sinks` names. Files and trackers only on process 0; each process serves its own
+    Prometheus. `start_step` > 0 (a resume) continues the JSONL and the trackers' earlier runs."""
     o = cfg.observe
     sinks: list[Sink] = []
     for name in dict.fromkeys(o.sinks):  # keep order, drop repeats
@@ -209,4 +234,10 @@ def build_sinks(cfg: Config, output_dir: Path, total_steps: int, start_step: int
             sinks.append(TensorBoardSink(o.tensorboard_dir or output_dir / "tensorboard"))
         elif name == "wandb":
             sinks.append(WandbSink(output_dir, o.wandb_project, o.wandb_mode, to_dict(cfg), name=output_dir.name))
+        elif name == "mlflow":  # its client blocks on HTTP: a thread of its own
+            sinks.append(ThreadedSink(MlflowSink(output_dir, o.mlflow_tracking_uri, o.mlflow_experiment, to_dict(cfg),
+                                                 to_yaml(cfg), output_dir.name, start_step)))
+        elif name == "neptune":
+            sinks.append(NeptuneSink(output_dir, o.neptune_project, o.neptune_mode, to_dict(cfg), output_dir.name,
+                                     start_step))
     return sinks

@@ -63,7 +63,10 @@ def normalize_answer(text: str) -> str:
 
 
 def exact_match_scores(predictions: list[str], answers: list[str], qtypes: list[str]) -> dict[str, float]:
-    """`eval/exact_match` overall and `eval/exact_match/<qtype>` (whitespace- and case-insensitive)."""
+    """`eval/exact_match` overall and `eval/exact_match/<qtype>` (whitespace- and case-insensitive).
+
+    Plain Python, not a `clu.metrics` collection: the hits come from comparing strings on the host, once per
+    evaluation, so a device-side accumulator would only add transfers."""
     hits = [normalize_answer(p) == normalize_answer(a) for p, a in zip(predictions, answers, strict=True)]
     out = {"eval/exact_match": float(np.mean(hits)) if hits else 0.0}
     by_type: dict[str, list[bool]] = collections.defaultdict(list)

@@ -22,6 +22,7 @@ from mmjax.config import Config, to_yaml
 from mmjax.data.pipeline import load_eval_examples, make_train_dataset, open_dataset
 from mmjax.observe.memory import device_memory_limit, is_device_oom, oom_error
 from mmjax.observe.monitor import TrainMonitor
+from mmjax.observe.params import log_parameter_overview
 from mmjax.parallel.mesh import make_mesh, resolve_mesh_shape
 from mmjax.parallel.sharding import context_from_config
 from mmjax.training.checks import check_runnable
@@ -88,6 +89,9 @@ class Trainer:
                                       self.sharding)
             self.evaluator = Evaluator(eval_set, self.tokenizer, engine, cfg.eval.batch_size, cfg.eval.max_new_tokens)
         n_params = self.setup.num_params
+        if jax.process_index() == 0:  # as the state holds them: with pipeline stage storage, padding rows too
+            log_parameter_overview(self.state.params, "as stored, pipeline padding rows included"
+                                   if self.setup.storage is not None else "")
         log.info("model: %.2fM parameters; mesh %s (%d processes, ZeRO-%d%s)", n_params / 1e6, self.mesh_sizes,
                  jax.process_count(), cfg.parallel.zero_stage,
                  ", sequence-parallel" if cfg.parallel.sequence_parallel else "")
@@ -159,8 +163,9 @@ class Trainer:
                         last_eval["time/eval"] = time.perf_counter() - eval_start
                     monitor.write(step, last_eval)
                     if jax.process_index() == 0:
-                        write_predictions(Path(cfg.train.output_dir) / "eval" / f"step_{step:07d}.jsonl",
-                                          self.evaluator.eval_set, predictions)
+                        answers = Path(cfg.train.output_dir) / "eval" / f"step_{step:07d}.jsonl"
+                        write_predictions(answers, self.evaluator.eval_set, predictions)
+                        monitor.artifact(step, answers)  # to MLflow / Neptune
         finally:
             restore_signals()
             if self.checkpointer is not None:

@@ -90,6 +90,18 @@ def test_installed_package_runs_from_another_directory(venv_python, tmp_path):
     assert not list(tmp_path.glob("runs")), "wrote to the default output_dir despite the override"
 
 
+def test_install_brings_clu_without_tensorflow(venv_python, tmp_path):
+    """`pip install .` requires clu, and the parts mmjax uses import without TensorFlow."""
+    code = ("import importlib.metadata as md, json, sys\n"
+            "import clu.metrics, clu.parameter_overview, mmjax.observe.monitor, mmjax.observe.params\n"
+            "print(json.dumps({'requires': md.requires('mmjax'),\n"
+            "                  'tensorflow': [m for m in sys.modules if m.split('.')[0] == 'tensorflow']}))\n")
+    found = json.loads(_run([str(venv_python), "-c", code], tmp_path).stdout)
+    core = [r.replace(" ", "") for r in found["requires"] if "extra==" not in r.replace(" ", "")]
+    assert any(r.startswith("clu>=") for r in core), found["requires"]
+    assert found["tensorflow"] == []
+
+
 def test_transformers_and_mmjax_models_in_one_process(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("torch")

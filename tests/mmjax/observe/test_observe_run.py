@@ -18,18 +18,6 @@ from mmjax.config import load_config
 from mmjax.observe.health import NonFiniteError
 from mmjax.training.trainer import Trainer
 
-TINY = [
-    "model.text.dim=32", "model.text.mlp_dim=64", "model.text.n_layers=1", "model.text.n_heads=4",
-    "model.text.n_kv_heads=2", "model.vision.dim=32", "model.vision.mlp_dim=64", "model.vision.n_layers=1",
-    "data.num_train=256", "data.num_eval=16", "data.num_shards=2", "eval.num_examples=16", "eval.batch_size=16",
-    "eval.max_new_tokens=2", "train.global_batch_size=16", "optim.warmup_steps=2", "observe.sinks=[jsonl]",
-]
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
-
 
 def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -63,10 +51,11 @@ def finite_params(state) -> bool:
     return all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(jax.device_get(state.params)))
 
 
-def test_30_step_run_writes_every_field_serves_prometheus_and_survives_nan_and_stall(tmp_path, cache_dir, monkeypatch):
+def test_30_step_run_writes_every_field_serves_prometheus_and_survives_nan_and_stall(tmp_path, tiny, cache_dir,
+                                                                                    monkeypatch):
     out = tmp_path / "run"
     port = free_port()
-    cfg = load_config(None, TINY + [
+    cfg = load_config(None, tiny + [
         f"data.cache_dir={cache_dir}", f"train.output_dir={out}", "train.steps=30", "observe.log_every=1",
         "eval.every_steps=0", "observe.peak_flops_per_device=1e12", "observe.profile_steps=[[3,4]]",
         "observe.sinks=[jsonl,tensorboard,prometheus]", f"observe.prometheus_port={port}",
@@ -141,10 +130,10 @@ def test_30_step_run_writes_every_field_serves_prometheus_and_survives_nan_and_s
     assert summary["first_step"] == 3 and summary["trace_file"].endswith(".trace.json.gz")
 
 
-def test_nan_halt_saves_a_checkpoint_and_stops(tmp_path, cache_dir, monkeypatch):
+def test_nan_halt_saves_a_checkpoint_and_stops(tmp_path, tiny, cache_dir, monkeypatch):
     """The NaN step is skipped, the run stops one step later, and save_fn gets that (healthy) state."""
     out = tmp_path / "halt"
-    cfg = load_config(None, TINY + [f"data.cache_dir={cache_dir}", f"train.output_dir={out}", "train.steps=12",
+    cfg = load_config(None, tiny + [f"data.cache_dir={cache_dir}", f"train.output_dir={out}", "train.steps=12",
                                     "observe.log_every=5", "observe.nan_policy=halt"])
     inject(monkeypatch, nan_at=(3,))
     trainer = Trainer(cfg)
@@ -159,9 +148,9 @@ def test_nan_halt_saves_a_checkpoint_and_stops(tmp_path, cache_dir, monkeypatch)
     assert last["train/skipped_steps"] == 1
 
 
-def test_nan_warn_applies_the_update_and_logs(tmp_path, cache_dir, monkeypatch, caplog):
+def test_nan_warn_applies_the_update_and_logs(tmp_path, tiny, cache_dir, monkeypatch, caplog):
     out = tmp_path / "warn"
-    cfg = load_config(None, TINY + [f"data.cache_dir={cache_dir}", f"train.output_dir={out}", "train.steps=4",
+    cfg = load_config(None, tiny + [f"data.cache_dir={cache_dir}", f"train.output_dir={out}", "train.steps=4",
                                     "observe.log_every=2", "observe.nan_policy=warn"])
     inject(monkeypatch, nan_at=(3,))
     trainer = Trainer(cfg)

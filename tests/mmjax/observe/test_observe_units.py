@@ -221,3 +221,165 @@ def test_console_shows_what_a_person_needs():
     assert not shown("absl", logging.WARNING, "Given directory is read only=/x")  # a checkpoint opened to read
     assert shown("absl", logging.WARNING, "something else went wrong")
     assert shown("jax._src.xla_bridge", logging.ERROR, "backend failed")
+
+
+def test_console_keeps_the_per_array_parameter_table_in_the_log_file():
+    import logging
+
+    from mmjax.observe.console import ConsoleFilter
+
+    def shown(name):
+        return ConsoleFilter().filter(logging.LogRecord(name, logging.INFO, __file__, 1, "table", None, None))
+
+    assert shown("mmjax.observe.params") and not shown("mmjax.observe.params.arrays")
+
+
+def test_metric_accumulator_matches_a_float64_reduction_of_the_steps():
+    from mmjax.observe.metrics import MetricAccumulator
+
+    rng = np.random.default_rng(0)
+    steps = [{"train/loss": np.float32(rng.uniform(1, 5)), "train/loss_tokens": np.float32(rng.integers(100, 900)),
+              "train/tokens": np.int32(rng.integers(900, 1000)), "train/grad_norm": np.float32(rng.uniform()),
+              "train/lr": np.float32(1e-3 * (i + 1)), "train/skipped_steps": np.int32(i // 3),
+              "health/nan_count": np.float32(i % 2)} for i in range(7)]
+    acc = MetricAccumulator()
+    for m in steps:
+        acc.add({k: jnp.asarray(v) for k, v in m.items()})
+    assert len(acc) == 7
+    got = acc.flush()
+    col = lambda k: np.asarray([m[k] for m in steps], np.float64)  # noqa: E731
+    assert got["train/loss"] == pytest.approx((col("train/loss") * col("train/loss_tokens")).sum()
+                                              / col("train/loss_tokens").sum(), rel=1e-6)
+    assert got["train/tokens"] == col("train/tokens").sum() and got["health/nan_count"] == 3
+    assert got["train/lr"] == pytest.approx(7e-3) and got["train/skipped_steps"] == 2
+    assert got["train/grad_norm"] == pytest.approx(col("train/grad_norm").mean(), rel=1e-6)
+    assert len(acc) == 0 and acc.flush() == {}
+    acc.add({k: jnp.asarray(v) for k, v in steps[0].items()})  # a new interval starts from nothing
+    assert acc.flush()["train/tokens"] == steps[0]["train/tokens"]
+    nan = dict(steps[0], **{"train/loss": np.float32(np.nan)})  # a non-finite step shows in its interval
+    acc.add({k: jnp.asarray(v) for k, v in nan.items()})
+    acc.add({k: jnp.asarray(v) for k, v in steps[1].items()})
+    assert np.isnan(acc.flush()["train/loss"])
+
+
+def test_parameter_tables_show_shapes_dtypes_sharding_and_module_totals():
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from mmjax.observe.params import array_table, module_rows
+
+    mesh = Mesh(np.asarray(jax.devices()[:2]), ("fsdp",))
+    put = lambda shape, spec: jax.device_put(np.zeros(shape, np.float32), NamedSharding(mesh, spec))  # noqa: E731
+    params = {"decoder": {"embedding": put((16, 8), P("fsdp", None)), "layers": {"qkv": put((2, 8, 4), P()),
+                                                                                 "out": put((2, 4, 8), P())}},
+              "vision": {"patch_embed": jnp.zeros((6, 8), jnp.bfloat16)}}
+    table = array_table(params)
+    assert "decoder/layers/qkv" in table and "(2, 8, 4)" in table and "bfloat16" in table
+    assert "('fsdp', None)" in table  # the sharding column
+    assert table.splitlines()[-1].startswith("Total: 304")
+    rows = {r.module: r for r in module_rows(params)}
+    assert rows["decoder/layers"].parameters == 128 and rows["decoder/layers"].bytes == 512
+    assert rows["vision/patch_embed"].bytes == 96 and sum(r.parameters for r in rows.values()) == 304
+
+
+def test_a_failing_sink_logs_one_warning_and_the_others_still_write(tmp_path, caplog):
+    import logging
+
+    from mmjax.observe.sinks import JsonlSink, MetricWriter
+
+    broken = JsonlSink(tmp_path / "broken.jsonl")
+    broken.close()  # writing now raises (I/O on a closed file), as a full disk or a dead mount would
+    good = JsonlSink(tmp_path / "good.jsonl")
+    writer = MetricWriter([broken, good])
+    with caplog.at_level(logging.DEBUG, logger="mmjax.observe"):
+        for step in (1, 2, 3):
+            writer.write(step, {"train/loss": 1.0})
+        writer.close()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "'jsonl'" in warnings[0].getMessage(), [r.getMessage() for r in warnings]
+    assert sum("failed again" in r.getMessage() for r in caplog.records) >= 2  # later ones at debug level
+    assert [json.loads(line)["step"] for line in (tmp_path / "good.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_threaded_sink_runs_calls_in_order_off_the_caller_and_survives_failures(caplog):
+    import logging
+
+    from mmjax.observe.trackers import ThreadedSink
+
+    class Slow:
+        name = "slow"
+
+        def __init__(self):
+            self.seen, self.release, self.closed = [], threading.Event(), False
+
+        def write(self, step, metrics):
+            self.release.wait(10)
+            if step == 2:
+                raise ConnectionError("tracking server unreachable")
+            self.seen.append((step, threading.current_thread().name))
+
+        def close(self):
+            self.closed = True
+
+    inner = Slow()
+    sink = ThreadedSink(inner, close_timeout_s=10)
+    with caplog.at_level(logging.WARNING, logger="mmjax.observe"):
+        for step in (1, 2, 3):
+            sink.write(step, {"train/loss": 1.0})  # returns at once although the inner sink is blocked
+        assert inner.seen == []
+        inner.release.set()
+        sink.close()
+    assert [s for s, _ in inner.seen] == [1, 3] and inner.seen[0][1] == "mmjax-sink-slow" and inner.closed
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "unreachable" in warnings[0]
+
+
+def test_tracker_names_and_config_checks():
+    from mmjax.observe.trackers import flat_params, tracker_key
+
+    record = {"eval/exact_match": 0.5, "eval/exact_match/color": 1.0, "time/step": 0.1, "time/step_p50": 0.1}
+    assert [tracker_key(k, record) for k in record] == ["eval/exact_match/all", "eval/exact_match/color",
+                                                       "time/step", "time/step_p50"]
+    assert flat_params({"a": {"b": 1, "c": [1, 2], "d": {}}, "e": "x"}, ".") == {"a.b": 1, "a.c": "[1, 2]",
+                                                                                  "a.d": "{}", "e": "x"}
+    with pytest.raises(ConfigError, match="observe.neptune_project"):
+        load_config(None, ["observe.neptune_project=no-workspace"])
+    with pytest.raises(ConfigError, match="observe.mlflow_experiment"):
+        load_config(None, ["observe.sinks=[mlflow]", "observe.mlflow_experiment= "])
+
+
+def test_neptune_without_a_project_is_a_config_error(tmp_path, monkeypatch):
+    pytest.importorskip("neptune_scale")
+    monkeypatch.delenv("NEPTUNE_PROJECT", raising=False)
+    cfg = load_config(None, ["observe.sinks=[neptune]"])
+    with pytest.raises(ConfigError, match="observe.neptune_project"):
+        build_sinks(cfg, tmp_path, total_steps=10)
+
+
+def test_mlflow_resume_of_a_deleted_run_starts_a_new_one(tmp_path, caplog):
+    import logging
+
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from mmjax.observe.trackers import MlflowSink
+
+    def sink(start_step):
+        return MlflowSink(tmp_path, "", "mmjax-test", {"optim": {"lr": 0.1}}, "optim: {lr: 0.1}\n", "t", start_step)
+
+    first = sink(0)
+    first.write(1, {"train/loss": 2.0})
+    first.close()
+    gone = first.run_id
+    MlflowClient(first.uri).delete_run(gone)
+    record = json.loads((tmp_path / "mlflow_run.json").read_text())
+    assert record["run_id"] == gone and record["last_step"] == 1
+    again = sink(5)  # a resume: this run id is looked up first
+    with caplog.at_level(logging.WARNING, logger="mmjax.observe"):
+        again.write(6, {"train/loss": 1.0})
+        again.close()
+    record = json.loads((tmp_path / "mlflow_run.json").read_text())
+    assert record["run_id"] == again.run_id != gone and record["last_step"] == 6
+    history = MlflowClient(first.uri).get_metric_history(again.run_id, "train/loss")
+    assert [(m.step, m.value) for m in history] == [(6, 1.0)]
+    assert sum("deleted or missing" in r.getMessage() for r in caplog.records) == 1
