@@ -366,6 +366,9 @@ class ServeConfig:
     # call (tokens fed back on device; the host's per-step work is paid once per call; outputs come k at a time)
     overlap_decode: bool = True  # with decode_steps > 1: launch the next multi-step call before reading the current
     # one's tokens (the host's work between calls overlaps the device's; see Scheduler.schedule_chained)
+    # with decode_steps = 1: launch step N+1 before step N's tokens reach the host, its inputs fed from N's samples
+    # on the device; the host reconciles stops one step behind (docs/serving.md, "Overlapped scheduling")
+    async_scheduling: bool = True
     # run the layers unrolled over per-layer weights (a scanned checkpoint is converted once at start-up); a scan
     # over stacked weights copies each layer's weights every step (mmjax.serving.unroll; docs/serving.md)
     unroll_layers: bool = True

@@ -26,7 +26,7 @@ from mmjax.parallel.sharding import in_sharding_context
 from mmjax.quant import quantize_state
 from mmjax.quant.kv import kv_cache_dtype
 from mmjax.serving.kv_manager import NULL_PAGE
-from mmjax.serving.request import Request
+from mmjax.serving.request import PLACEHOLDER_TOKEN, Request
 from mmjax.serving.sampling import SamplingTensors, full_sampler_history, sample
 from mmjax.serving.scheduler import SchedulerOutput
 from mmjax.serving.speculative.verify import verify
@@ -113,18 +113,16 @@ class ImageCache:
 
 @dataclasses.dataclass
 class PendingStep:
-    """A dispatched scheduler step: its sampled tokens (`result`, a step run to completion), or the handle of
-    a multi-step call still on the device and its slots' last samples (device; slot i is `out.scheduled[i]`)."""
+    """A dispatched scheduler step: its sampled tokens (`result`, when there was nothing to run), or the handle
+    of the call on the device (read by `ModelRunner.collect`) and its slots' last samples, kept on the device
+    (`last`, [max_num_seqs]; slot i is `out.scheduled[i]`) for a later step's inputs. `multi`: a multi-step
+    decode call."""
 
     out: SchedulerOutput
     result: dict[str, SampledToken] | None = None
     handle: Any = None
     last: Any = None
-
-    @property
-    def on_device(self) -> bool:
-        """A multi-step call still running: its tokens are read by `ModelRunner.collect`."""
-        return self.result is None
+    multi: bool = False
 
 
 @dataclasses.dataclass
@@ -150,10 +148,6 @@ class ModelRunner:
     `update_weights` swaps in new parameters of the same shapes without recompiling. A scanned model's layers are
     served unrolled over per-layer weights unless `serve.unroll_layers` is off (`serving/unroll.py`).
     """
-
-    # whether `_step_fn` returns a third value kept on the device (replicated over a mesh), e.g. DraftRunner's
-    # probabilities
-    step_keeps_output = False
 
     def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int,
                  mesh: jax.sharding.Mesh | None = None, sharding: MeshSharding | None = None) -> None:
@@ -202,9 +196,10 @@ class ModelRunner:
         rep = self._replicated
         out = None if mesh is None else (rep, pool_sharding)  # (sampled outputs, pools)
         wrap = lambda fn: in_sharding_context(fn, sharding)  # noqa: E731
-        # small host inputs in two buffers and the outputs in one (see transfer.py)
+        # small host inputs in two buffers and the outputs in one (see transfer.py); `_step_fn`'s third output
+        # stays on the device (the sampled tokens, for the next step's inputs; DraftRunner's probabilities)
         self._step = PackedStep(self._step_fn, wrap=wrap, put=self._put,
-                                out_shardings=(*out, rep) if out and self.step_keeps_output else out)
+                                out_shardings=None if out is None else (*out, rep))
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), out_shardings=pool_sharding)
         # multi-step decode; not with speculative decoding (its steps verify drafts) nor in its draft runner
         self.decode_steps = serve.decode_steps if serve.speculative.method == "none" else 1
@@ -253,13 +248,27 @@ class ModelRunner:
     # -- traced functions ---------------------------------------------------------------------------------
 
     def _step_fn(self, state, pools, batch, sampling):
+        """One step; returns (tokens, logprobs, top-k[, speculative results]), the pools, and the sampled tokens
+        [max_num_seqs] kept on the device. Input token j with chain_src[j] >= 0 is `prev_tokens[chain_src[j]]`,
+        the previous step's sample of that slot, still on the device (overlapped scheduling)."""
         self.num_compiles += 1  # runs only while tracing
         model = nnx.merge(self.graphdef, state)
         meta = PagedMeta(batch["slot_mapping"], batch["page_table"], batch["query_start"], batch["query_len"],
                          batch["context_len"], batch["logits_indices"], kv_block_ids=batch.get("kv_block_ids"))
         rows, mask, blocks = batch.get("image_rows"), batch.get("image_mask"), batch.get("q_block_ids")
+        src, prev = batch["chain_src"], batch["prev_tokens"]
+        tokens = jnp.where(src >= 0, prev[jnp.clip(src, 0, prev.shape[0] - 1)], batch["tokens"])
+        history = sampling.output_ids.shape[1]
+        if history:  # a chained slot's input is its last output: the penalties' history gets it from the device
+            slots = jnp.arange(batch["query_len"].shape[0])
+            last = jnp.clip(batch["query_start"] + batch["query_len"] - 1, 0, tokens.shape[0] - 1)
+            at = jnp.clip(sampling.step - 1, 0, history - 1)
+            chained = (batch["query_len"] > 0) & (src[last] >= 0)
+            ids = sampling.output_ids
+            sampling = sampling.replace(output_ids=ids.at[slots, at].set(jnp.where(chained, tokens[last],
+                                                                                   ids[slots, at])))
         logits, pools = model.forward_paged(
-            batch["tokens"][None], batch["positions"][None], pools, meta,
+            tokens[None], batch["positions"][None], pools, meta,
             None if rows is None else rows[None], None if mask is None else mask[None],
             None if blocks is None else blocks[None])
         spec = ()
@@ -270,7 +279,8 @@ class ModelRunner:
             spec = verify(logits, sampling, batch["drafts"], batch["num_draft"], q)
             logits = logits[jnp.arange(s), batch["num_draft"]]
         r = sample(logits, sampling, self.num_logprobs)
-        return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs, *spec), pools
+        kept = jnp.zeros(self.max_slots, jnp.int32).at[:r.tokens.shape[0]].set(r.tokens)
+        return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs, *spec), pools, kept
 
     def _multi_step_fn(self, state, pools, batch, sampling, prev_last):
         """`decode_steps` decode steps in one call: slot i's token at position start[i] + j goes through the
@@ -346,7 +356,7 @@ class ModelRunner:
                                                   self._no_last if chain is None else chain.last)
         self.num_steps += 1
         self.num_chained += chain is not None
-        return PendingStep(out, handle=handle[:2], last=handle[2])
+        return PendingStep(out, handle=handle[:2], last=handle[2], multi=True)
 
     def _collect_multi(self, pending: PendingStep) -> dict[str, SampledToken]:
         # one host conversion per output (Python lists, [K, S] and [K, S, top]); top lists only for rows that use them
@@ -420,7 +430,8 @@ class ModelRunner:
         batch = dict(tokens=np.zeros(t, i32), positions=np.zeros(t, i32),
                      slot_mapping=(NULL_PAGE * self.page_size + np.arange(t, dtype=i32) % self.page_size),
                      page_table=np.full((s, self.max_pages), NULL_PAGE, i32), query_start=np.zeros(s, i32),
-                     query_len=np.zeros(s, i32), context_len=np.zeros(s, i32), logits_indices=np.zeros(s, i32))
+                     query_len=np.zeros(s, i32), context_len=np.zeros(s, i32), logits_indices=np.zeros(s, i32),
+                     chain_src=np.full(t, -1, i32), prev_tokens=self._no_last)
         if self.spec_k:
             batch.update(logits_indices=np.zeros(s * (self.spec_k + 1), i32), drafts=np.zeros((s, self.spec_k), i32),
                          num_draft=np.zeros(s, i32))
@@ -459,9 +470,9 @@ class ModelRunner:
         return self.collect(self.dispatch(out, draft_probs))
 
     def dispatch(self, out: SchedulerOutput, draft_probs: Any = None, chain: PendingStep | None = None) -> PendingStep:
-        """Start one scheduler step. A multi-step decode is only launched (the device runs it while the host
-        goes on); other steps run to completion here. `chain`: the pending call whose last samples feed `out`'s
-        chained entries (`Scheduler.schedule_chained`)."""
+        """Launch one scheduler step (the device runs it while the host goes on; `collect` reads its tokens).
+        `chain`: the step launched before it, whose samples (still on the device) feed `out`'s chained
+        multi-step entries (`Scheduler.schedule_chained`) or its placeholder tokens (`Scheduler.advance`)."""
         for rid in out.finished_request_ids:
             self._requests.pop(rid, None)
             self.seeds.pop(rid, None)
@@ -471,17 +482,20 @@ class ModelRunner:
             self.copy_pages(out.page_copies)
         if out.scheduled and any(e.num_steps > 1 or e.chained for e in out.scheduled):
             return self._dispatch_multi(out, chain)
-        return PendingStep(out, result=self._execute_one(out, draft_probs))
+        if not out.scheduled:
+            return PendingStep(out, result={})
+        return self._dispatch_one(out, draft_probs, chain)
 
     def collect(self, pending: PendingStep) -> dict[str, SampledToken]:
-        """The sampled tokens of a dispatched step (waits for a multi-step call to finish)."""
-        return self._collect_multi(pending) if pending.on_device else pending.result
+        """The sampled tokens of a dispatched step (waits for the device)."""
+        if pending.result is not None:
+            return pending.result
+        return self._collect_multi(pending) if pending.multi else self._collect_one(pending)
 
-    def _execute_one(self, out: SchedulerOutput, draft_probs: Any) -> dict[str, SampledToken]:
-        if not out.scheduled:
-            return {}
+    def _dispatch_one(self, out: SchedulerOutput, draft_probs: Any, chain: PendingStep | None) -> PendingStep:
         t, s = self.step_shape(out.num_scheduled_tokens, len(out.scheduled))
         batch = self._empty_batch(t, s)
+        prev_slot: dict[str, int] | None = None  # request -> its slot in `chain` (a placeholder's token)
         if self.spec_draft_probs and draft_probs is not None:
             batch["draft_bank"] = draft_probs.bank
         rows = None
@@ -493,7 +507,17 @@ class ModelRunner:
             end = start + n
             pages = entry.page_ids
             if n == 1:  # a decode token: plain Python, no small numpy arrays (host time per step and sequence)
-                batch["tokens"][off], batch["positions"][off] = entry.token_ids[0], start
+                token = entry.token_ids[0]
+                if token == PLACEHOLDER_TOKEN:  # sampled by `chain`, still on the device: fed from there
+                    if prev_slot is None:
+                        if chain is None or chain.last is None:
+                            raise ValueError(f"request {entry.request_id!r}: a placeholder token but no step "
+                                             "launched before this one to take it from")
+                        prev_slot = {e.request_id: j for j, e in enumerate(chain.out.scheduled)}
+                    batch["chain_src"][off] = prev_slot[entry.request_id]
+                else:
+                    batch["tokens"][off] = token
+                batch["positions"][off] = start
                 batch["slot_mapping"][off] = pages[start // ps] * ps + start % ps
             else:
                 pos = np.arange(start, end, dtype=np.int32)
@@ -529,13 +553,21 @@ class ModelRunner:
         if not self.text_only:
             # a device array either way, so the step's input layout does not depend on whether images are in it
             batch["image_rows"] = self._zeros(t) if rows is None else jnp.asarray(rows, self.embed_dtype)
+        if prev_slot is not None:
+            batch["prev_tokens"] = chain.last
         slot_requests = [self._requests[e.owner or e.request_id].request for e in out.scheduled]
         sampling = self._sampling(slot_requests, s)
-        tokens, logprobs, top_ids, top_lp, *spec = (x.tolist() for x in self._run(batch, sampling))
+        handle, self.pools = self._step.dispatch(self.state, self.pools, batch, sampling)
+        self.num_steps += 1
+        handle[0].copy_to_host_async()  # the outputs travel as soon as the step ends, not when they are read
+        return PendingStep(out, handle=handle[:2], last=handle[2])
+
+    def _collect_one(self, pending: PendingStep) -> dict[str, SampledToken]:
+        tokens, logprobs, top_ids, top_lp, *spec = (x.tolist() for x in self._step.outputs(pending.handle))
         result = {}
-        for i, entry in enumerate(out.scheduled):
-            if not entry.samples:
-                continue
+        for i, entry in enumerate(pending.out.scheduled):
+            if not entry.samples or (entry.owner or entry.request_id) not in self._requests:
+                continue  # nothing sampled, or finished since the step was launched
             if entry.num_draft:
                 emitted, count, lps = spec[0][i], spec[1][i], spec[2][i]
                 result[entry.request_id] = SampledToken(emitted[0], lps[0], tokens=tuple(emitted[:count]),

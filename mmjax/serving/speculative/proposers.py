@@ -117,8 +117,6 @@ class DraftRunner(ModelRunner):
     """A `ModelRunner` over the draft model whose step returns each row's sampled token and keeps on the device
     the probabilities it was drawn from (greedy rows: one-hot at the argmax)."""
 
-    step_keeps_output = True  # the probabilities
-
     def _step_fn(self, state, pools, batch, sampling):
         self.num_compiles += 1
         model = nnx.merge(self.graphdef, state)
