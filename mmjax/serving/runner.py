@@ -206,7 +206,9 @@ class ModelRunner:
         self._multi = PackedStep(self._multi_step_fn, wrap=wrap, put=self._put,
                                  out_shardings=None if out is None else (*out, rep))
         self._no_last = self._put(jnp.zeros(self.max_slots, jnp.int32))  # an unchained call's "previous tokens"
-        self.num_chained = 0  # multi-step calls dispatched while the previous one ran (see Scheduler.schedule_chained)
+        # calls fed on the device by the call launched before them, while it ran: chained multi-step calls
+        # (Scheduler.schedule_chained) and overlapped steps (Scheduler.advance)
+        self.num_chained = 0
         self._encode = jax.jit(in_sharding_context(self._encode_fn, sharding), out_shardings=rep)
 
     def slots_for(self, tokens: int) -> int:
@@ -555,6 +557,7 @@ class ModelRunner:
             batch["image_rows"] = self._zeros(t) if rows is None else jnp.asarray(rows, self.embed_dtype)
         if prev_slot is not None:
             batch["prev_tokens"] = chain.last
+            self.num_chained += 1
         slot_requests = [self._requests[e.owner or e.request_id].request for e in out.scheduled]
         sampling = self._sampling(slot_requests, s)
         handle, self.pools = self._step.dispatch(self.state, self.pools, batch, sampling)
