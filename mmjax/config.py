@@ -345,9 +345,11 @@ class ServeConfig:
     drain_timeout_s: float = 60.0  # SIGTERM: longest wait for running requests before exiting
 
     page_size: int = 16  # tokens per KV page (a power of two for the Pallas kernel)
-    num_pages: int = 512  # KV pages in the pool, page 0 (the null page) included
+    num_pages: int = 0  # KV pages in the pool, page 0 (the null page) included; 0 = sized from device memory
     max_num_batched_tokens: int = 256  # token budget of one step (the largest token bucket)
-    max_num_seqs: int = 16  # sequences running at once (the largest slot bucket)
+    max_num_seqs: int = 0  # sequences running at once (the largest slot bucket); 0 = sized from the pool
+    # share of the device's memory the engine may fill (weights, KV pool, a step's activations) when num_pages = 0
+    memory_utilization: float = 0.9
     max_model_len: int = 0  # prompt + output tokens of one request; 0 = model.max_seq_len
     min_token_bucket: int = 16  # smallest token bucket; buckets double up to max_num_batched_tokens
     min_slot_bucket: int = 1  # fewest slots of a step shape: t padded tokens get min(max(t, this), max_num_seqs)
@@ -742,11 +744,14 @@ def validate_serve(s: ServeConfig, model_max_len: int) -> None:
         if not ok:
             raise ConfigError(msg)
 
-    for name in ("page_size", "max_num_batched_tokens", "max_num_seqs", "min_token_bucket", "min_slot_bucket",
-                 "image_cache_size"):
+    for name in ("page_size", "max_num_batched_tokens", "min_token_bucket", "min_slot_bucket", "image_cache_size"):
         need(getattr(s, name) >= 1, f"serve.{name} must be >= 1, got {getattr(s, name)}")
     need(s.page_size & (s.page_size - 1) == 0, f"serve.page_size={s.page_size} must be a power of two")
-    need(s.num_pages >= 2, f"serve.num_pages={s.num_pages} must be >= 2 (page 0 is the reserved null page)")
+    need(s.num_pages == 0 or s.num_pages >= 2,
+         f"serve.num_pages={s.num_pages} must be 0 (sized from device memory) or >= 2 (page 0 is the reserved "
+         "null page)")
+    need(s.max_num_seqs >= 0, f"serve.max_num_seqs={s.max_num_seqs} must be >= 1, or 0 (sized from the pool)")
+    need(0.0 < s.memory_utilization <= 1.0, f"serve.memory_utilization={s.memory_utilization} must be in (0, 1]")
     need(s.max_model_len == 0 or s.max_model_len >= 2,
          f"serve.max_model_len={s.max_model_len} must be 0 (= model.max_seq_len) or >= 2")
     need(s.max_model_len <= model_max_len,

@@ -100,12 +100,13 @@ class Engine:
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
         model_cfg = nnx.merge(graphdef, state).cfg
         validate_serve(serve, model_cfg.max_seq_len)
-        self.serve = serve
         self.model_cfg = model_cfg
         self.max_model_len = serve.max_model_len or model_cfg.max_seq_len
-        self.kv = KVCacheManager(serve.num_pages, serve.page_size, enable_prefix_caching=serve.enable_prefix_caching)
         self.runner = ModelRunner((graphdef, state), serve, max_model_len=self.max_model_len, mesh=mesh,
                                   sharding=sharding)
+        # the runner fills in num_pages / max_num_seqs left at 0 (sized from device memory, serving/sizing.py)
+        self.serve = serve = self.runner.serve
+        self.kv = KVCacheManager(serve.num_pages, serve.page_size, enable_prefix_caching=serve.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=serve.max_num_batched_tokens,
                                    max_num_seqs=serve.max_num_seqs, max_model_len=self.max_model_len,
                                    enable_chunked_prefill=serve.enable_chunked_prefill,

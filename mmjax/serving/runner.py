@@ -29,6 +29,7 @@ from mmjax.serving.kv_manager import NULL_PAGE
 from mmjax.serving.request import PLACEHOLDER_TOKEN, Request
 from mmjax.serving.sampling import SamplingTensors, full_sampler_history, sample
 from mmjax.serving.scheduler import SchedulerOutput
+from mmjax.serving.sizing import size_serving
 from mmjax.serving.speculative.verify import verify
 from mmjax.serving.transfer import PackedStep
 from mmjax.serving.unroll import serving_layout
@@ -161,6 +162,20 @@ class ModelRunner:
         self.image_token_id = abstract.image_token_id
         self.text_only = abstract.text_only
         self.use_blocks = not self.text_only and self.model_cfg.image_attention == "bidirectional"
+        kv_dtype = kv_cache_dtype(serve.kv_cache_dtype, abstract.compute_dtype)
+        if mesh is None and sharding is not None:
+            mesh = sharding.mesh
+        # next to parameters placed on a mesh: inputs and outputs replicated over it; the pools split over the
+        # context's head axes on their kv-head dim (each device holds its heads' KV), else replicated too
+        self._replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        pool_sharding = None
+        if mesh is not None:
+            heads = kv_head_axes(sharding, self.model_cfg.text.n_kv_heads, self.model_cfg.text.n_heads)
+            pool_sharding = jax.sharding.NamedSharding(mesh, pool_spec(heads))
+        # serve.num_pages / max_num_seqs left at 0: sized from the device memory left beside the weights
+        serve = size_serving(serve, self.model_cfg, max_model_len=max_model_len, sharding=pool_sharding,
+                             pools_of_one_page=jax.eval_shape(lambda: abstract.decoder.init_pools(
+                                 1, serve.page_size, kv_dtype)), devices=self._memory_devices(mesh))
         self.serve = serve
         self.page_size = serve.page_size
         self.max_pages = -(-max_model_len // serve.page_size)
@@ -172,21 +187,11 @@ class ModelRunner:
         self.spec_draft_probs = serve.speculative.method == "draft"  # else drafts are one-hot guesses
         self._seed_rng = np.random.default_rng(serve.seed)
         self.seeds: dict[str, int] = {}  # drawn once per unseeded random-sampling request
-        kv_dtype = kv_cache_dtype(serve.kv_cache_dtype, abstract.compute_dtype)
         self.embed_dim = self.model_cfg.text.dim
         self.embed_dtype = abstract.compute_dtype
-        pools = abstract.decoder.init_pools(serve.num_pages, serve.page_size, kv_dtype)
-        if mesh is None and sharding is not None:
-            mesh = sharding.mesh
-        # next to parameters placed on a mesh: inputs and outputs replicated over it; the pools split over the
-        # context's head axes on their kv-head dim (each device holds its heads' KV), else replicated too
-        self._replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        pool_sharding = None
-        if mesh is not None:
-            heads = kv_head_axes(sharding, self.model_cfg.text.n_kv_heads, self.model_cfg.text.n_heads)
-            pool_sharding = jax.sharding.NamedSharding(mesh, pool_spec(heads))
-            pools = jax.device_put(pools, pool_sharding)
-        self.pools = pools
+        # made where they live (on a mesh each device makes its own heads' pages: never the whole pool on one)
+        self.pools = jax.jit(lambda: abstract.decoder.init_pools(serve.num_pages, serve.page_size, kv_dtype),
+                             out_shardings=pool_sharding)()
         self.image_cache = ImageCache(serve.image_cache_size)
         self.num_compiles = 0
         self.num_steps = 0
@@ -210,6 +215,14 @@ class ModelRunner:
         # (Scheduler.schedule_chained) and overlapped steps (Scheduler.advance)
         self.num_chained = 0
         self._encode = jax.jit(in_sharding_context(self._encode_fn, sharding), out_shardings=rep)
+
+    def _memory_devices(self, mesh: jax.sharding.Mesh | None) -> list[Any]:
+        """The devices whose free memory sizes the pool: this process's devices of the mesh, else the weights'."""
+        if mesh is not None:
+            return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+        leaves = jax.tree.leaves(self.state)
+        return sorted(leaves[0].devices(), key=lambda d: d.id) if leaves and hasattr(leaves[0], "devices") \
+            else jax.local_devices()[:1]
 
     def slots_for(self, tokens: int) -> int:
         """Sequence slots of the step shape whose token bucket is `tokens`: as many as tokens (a step has at
