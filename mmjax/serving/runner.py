@@ -473,6 +473,13 @@ class ModelRunner:
             self._zero_rows[t] = self._put(jnp.zeros((t, self.embed_dim), self.embed_dtype))
         return self._zero_rows[t]
 
+    def _launch(self, batch: dict[str, Any], sampling: Any) -> tuple[Any, ...]:
+        """Launch one step (asynchronously); returns its `PackedStep` handle."""
+        handle, self.pools = self._step.dispatch(self.state, self.pools, batch, sampling)
+        self.num_steps += 1
+        handle[0].copy_to_host_async()  # the outputs travel as soon as the step ends, not when they are read
+        return handle
+
     def _run(self, batch: dict[str, Any], sampling: Any) -> tuple[np.ndarray, ...]:
         outs, self.pools = self._step(self.state, self.pools, batch, sampling)
         self.num_steps += 1
@@ -573,9 +580,7 @@ class ModelRunner:
             self.num_chained += 1
         slot_requests = [self._requests[e.owner or e.request_id].request for e in out.scheduled]
         sampling = self._sampling(slot_requests, s)
-        handle, self.pools = self._step.dispatch(self.state, self.pools, batch, sampling)
-        self.num_steps += 1
-        handle[0].copy_to_host_async()  # the outputs travel as soon as the step ends, not when they are read
+        handle = self._launch(batch, sampling)
         return PendingStep(out, handle=handle[:2], last=handle[2])
 
     def _collect_one(self, pending: PendingStep) -> dict[str, SampledToken]:
