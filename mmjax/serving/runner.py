@@ -256,6 +256,22 @@ class ModelRunner:
         self.state = state
         self.image_cache = ImageCache(self.serve.image_cache_size)
 
+    @property
+    def state(self) -> Any:
+        """The served parameters (an nnx State)."""
+        return self._state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        # the jitted functions take the flat list of leaves: a State is a Python pytree, and flattening it in
+        # every call costs more host time than the rest of a step's dispatch
+        self._state = state
+        self._leaves, self._treedef = jax.tree.flatten(state)
+
+    def _model(self, leaves: Any) -> Any:
+        """The model over the parameter leaves a jitted function was given (while tracing)."""
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self._treedef, leaves))
+
     def _put(self, tree: Any) -> Any:
         """Host inputs replicated over the mesh (the same value on every process), else as they are."""
         return tree if self._replicated is None else jax.device_put(tree, self._replicated)
@@ -267,7 +283,7 @@ class ModelRunner:
         [max_num_seqs] kept on the device. Input token j with chain_src[j] >= 0 is `prev_tokens[chain_src[j]]`,
         the previous step's sample of that slot, still on the device (overlapped scheduling)."""
         self.num_compiles += 1  # runs only while tracing
-        model = nnx.merge(self.graphdef, state)
+        model = self._model(state)
         meta = PagedMeta(batch["slot_mapping"], batch["page_table"], batch["query_start"], batch["query_len"],
                          batch["context_len"], batch["logits_indices"], kv_block_ids=batch.get("kv_block_ids"))
         rows, mask, blocks = batch.get("image_rows"), batch.get("image_mask"), batch.get("q_block_ids")
@@ -305,7 +321,7 @@ class ModelRunner:
         last sample of that slot, still on device. Returns per-step [K, S] tokens, logprobs and top-k, the pools,
         and each slot's last sample [max_num_seqs] (kept on device for the next call)."""
         self.num_compiles += 1
-        model = nnx.merge(self.graphdef, state)
+        model = self._model(state)
         i32, ps = jnp.int32, self.page_size
         s, t = batch["num_steps"].shape[0], batch["tokens"].shape[0]
         slots = jnp.arange(s, dtype=i32)
@@ -367,7 +383,7 @@ class ModelRunner:
             if entry.chained:  # the previous call's tokens are not in the request yet: its draws come first
                 batch["chain_src"][i], produced = prev[entry.request_id]
                 sampling.step[i] += produced
-        handle, self.pools = self._multi.dispatch(self.state, self.pools, batch, sampling,
+        handle, self.pools = self._multi.dispatch(self._leaves, self.pools, batch, sampling,
                                                   self._no_last if chain is None else chain.last)
         self.num_steps += 1
         self.num_chained += chain is not None
@@ -409,7 +425,7 @@ class ModelRunner:
 
     def _encode_fn(self, state, image):
         self.num_compiles += 1
-        return nnx.merge(self.graphdef, state).encode_images(image[None])[0]
+        return self._model(state).encode_images(image[None])[0]
 
     # -- requests -----------------------------------------------------------------------------------------
 
@@ -435,7 +451,7 @@ class ModelRunner:
         if rows is None:
             image = state.images.images[index]
             rows = state.embeds[index] = self.image_cache.get(
-                state.images.hashes[index], lambda: np.asarray(self._encode(self.state, self._put(image))))
+                state.images.hashes[index], lambda: np.asarray(self._encode(self._leaves, self._put(image))))
         return rows
 
     # -- one step -----------------------------------------------------------------------------------------
@@ -475,13 +491,12 @@ class ModelRunner:
 
     def _launch(self, batch: dict[str, Any], sampling: Any) -> tuple[Any, ...]:
         """Launch one step (asynchronously); returns its `PackedStep` handle."""
-        handle, self.pools = self._step.dispatch(self.state, self.pools, batch, sampling)
+        handle, self.pools = self._step.dispatch(self._leaves, self.pools, batch, sampling)
         self.num_steps += 1
-        handle[0].copy_to_host_async()  # the outputs travel as soon as the step ends, not when they are read
         return handle
 
     def _run(self, batch: dict[str, Any], sampling: Any) -> tuple[np.ndarray, ...]:
-        outs, self.pools = self._step(self.state, self.pools, batch, sampling)
+        outs, self.pools = self._step(self._leaves, self.pools, batch, sampling)
         self.num_steps += 1
         return outs
 
@@ -584,7 +599,8 @@ class ModelRunner:
         return PendingStep(out, handle=handle[:2], last=handle[2])
 
     def _collect_one(self, pending: PendingStep) -> dict[str, SampledToken]:
-        tokens, logprobs, top_ids, top_lp, *spec = (x.tolist() for x in self._step.outputs(pending.handle))
+        tokens, logprobs, top_ids, top_lp, *spec = self._step.outputs(pending.handle)
+        tokens, logprobs, spec = tokens.tolist(), logprobs.tolist(), [x.tolist() for x in spec]
         result = {}
         for i, entry in enumerate(pending.out.scheduled):
             if not entry.samples or (entry.owner or entry.request_id) not in self._requests:
@@ -594,9 +610,11 @@ class ModelRunner:
                 result[entry.request_id] = SampledToken(emitted[0], lps[0], tokens=tuple(emitted[:count]),
                                                         token_logprobs=tuple(lps[:count]))
                 continue
-            top = self._wants_top(entry)
-            result[entry.request_id] = SampledToken(tokens[i], logprobs[i], tuple(top_ids[i]) if top else (),
-                                                    tuple(top_lp[i]) if top else ())
+            if self._wants_top(entry):  # only these rows' top-k become Python lists
+                result[entry.request_id] = SampledToken(tokens[i], logprobs[i], tuple(top_ids[i].tolist()),
+                                                        tuple(top_lp[i].tolist()))
+            else:
+                result[entry.request_id] = SampledToken(tokens[i], logprobs[i])
         return result
 
     def warmup(self) -> int:
@@ -611,12 +629,12 @@ class ModelRunner:
                 self._run(batch, SamplingTensors.from_requests([], s, history))
         for t, s in self.multi_step_shapes:
             for history in (0, self.max_model_len):
-                _, self.pools = self._multi(self.state, self.pools, self._multi_batch(t, s),
+                _, self.pools = self._multi(self._leaves, self.pools, self._multi_batch(t, s),
                                             SamplingTensors.from_requests([], s, history), self._no_last)
         if self.serve.max_beam_width > 1:  # the beam forks' page copy
             zeros = np.zeros(self.serve.max_num_seqs, np.int32)
             self.pools = self._copy(self.pools, *self._put((zeros, zeros)))
         if not self.text_only:
             v = self.model_cfg.vision
-            self._encode(self.state, self._put(np.zeros((v.image_size, v.image_size, v.channels), np.float32)))
+            self._encode(self._leaves, self._put(np.zeros((v.image_size, v.image_size, v.channels), np.float32)))
         return self.num_compiles - before

@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from mmjax.config import ServeConfig, SpeculativeConfig
 from mmjax.serving.kv_manager import KVCacheManager
@@ -119,7 +118,7 @@ class DraftRunner(ModelRunner):
 
     def _step_fn(self, state, pools, batch, sampling):
         self.num_compiles += 1
-        model = nnx.merge(self.graphdef, state)
+        model = self._model(state)
         from mmjax.model.decoder import PagedMeta
         meta = PagedMeta(batch["slot_mapping"], batch["page_table"], batch["query_start"], batch["query_len"],
                          batch["context_len"], batch["logits_indices"])
@@ -160,7 +159,7 @@ class DraftRunner(ModelRunner):
         step = np.asarray(sampling.step).copy()
         step[:len(entries)] = step[:len(entries)] * 64 + np.asarray([e[4] for e in entries])
         sampling = sampling.replace(step=step)
-        handle, self.pools = self._step.dispatch(self.state, self.pools, batch, sampling)
+        handle, self.pools = self._step.dispatch(self._leaves, self.pools, batch, sampling)
         self.num_steps += 1
         return self._step.outputs(handle)[0], handle[2]
 
