@@ -124,6 +124,7 @@ class PendingStep:
     handle: Any = None
     last: Any = None
     multi: bool = False
+    packed: Any = None  # the PackedStep whose `outputs` reads `handle` (single steps)
 
 
 @dataclasses.dataclass
@@ -210,6 +211,8 @@ class ModelRunner:
         self.decode_steps = serve.decode_steps if serve.speculative.method == "none" else 1
         self._multi = PackedStep(self._multi_step_fn, wrap=wrap, put=self._put,
                                  out_shardings=None if out is None else (*out, rep))
+        self._decode = PackedStep(self._decode_step_fn, wrap=wrap, put=self._put,
+                                  out_shardings=None if out is None else (*out, rep))
         self._no_last = self._put(jnp.zeros(self.max_slots, jnp.int32))  # an unchained call's "previous tokens"
         # calls fed on the device by the call launched before them, while it ran: chained multi-step calls
         # (Scheduler.schedule_chained) and overlapped steps (Scheduler.advance)
@@ -287,17 +290,7 @@ class ModelRunner:
         meta = PagedMeta(batch["slot_mapping"], batch["page_table"], batch["query_start"], batch["query_len"],
                          batch["context_len"], batch["logits_indices"], kv_block_ids=batch.get("kv_block_ids"))
         rows, mask, blocks = batch.get("image_rows"), batch.get("image_mask"), batch.get("q_block_ids")
-        src, prev = batch["chain_src"], batch["prev_tokens"]
-        tokens = jnp.where(src >= 0, prev[jnp.clip(src, 0, prev.shape[0] - 1)], batch["tokens"])
-        history = sampling.output_ids.shape[1]
-        if history:  # a chained slot's input is its last output: the penalties' history gets it from the device
-            slots = jnp.arange(batch["query_len"].shape[0])
-            last = jnp.clip(batch["query_start"] + batch["query_len"] - 1, 0, tokens.shape[0] - 1)
-            at = jnp.clip(sampling.step - 1, 0, history - 1)
-            chained = (batch["query_len"] > 0) & (src[last] >= 0)
-            ids = sampling.output_ids
-            sampling = sampling.replace(output_ids=ids.at[slots, at].set(jnp.where(chained, tokens[last],
-                                                                                   ids[slots, at])))
+        tokens, sampling = self._chained_inputs(batch, sampling, batch["query_start"])
         logits, pools = model.forward_paged(
             tokens[None], batch["positions"][None], pools, meta,
             None if rows is None else rows[None], None if mask is None else mask[None],
@@ -312,6 +305,54 @@ class ModelRunner:
         r = sample(logits, sampling, self.num_logprobs)
         kept = jnp.zeros(self.max_slots, jnp.int32).at[:r.tokens.shape[0]].set(r.tokens)
         return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs, *spec), pools, kept
+
+    def _chained_inputs(self, batch, sampling, query_start):
+        """The step's tokens with each chained one (chain_src >= 0) taken from the previous step's samples on the
+        device; a chained slot's input is its last output, so the penalties' history gets it there too."""
+        src, prev = batch["chain_src"], batch["prev_tokens"]
+        tokens = jnp.where(src >= 0, prev[jnp.clip(src, 0, prev.shape[0] - 1)], batch["tokens"])
+        history = sampling.output_ids.shape[1]
+        if history:
+            slots = jnp.arange(batch["query_len"].shape[0])
+            last = jnp.clip(query_start + batch["query_len"] - 1, 0, tokens.shape[0] - 1)
+            at = jnp.clip(sampling.step - 1, 0, history - 1)
+            chained = (batch["query_len"] > 0) & (src[last] >= 0)
+            ids = sampling.output_ids
+            sampling = sampling.replace(output_ids=ids.at[slots, at].set(jnp.where(chained, tokens[last],
+                                                                                   ids[slots, at])))
+        return tokens, sampling
+
+    def _decode_step_fn(self, state, pools, batch, sampling):
+        """A step in which every sequence decodes one token, laid out by slot (slot i's token is token i): the
+        layout of a multi-step call's steps, so the attention kernel writes the step's k, v itself and builds
+        no index arrays (`PagedMeta.slot_tokens`). Images play no part in a decode token. Returns as `_step_fn`."""
+        self.num_compiles += 1
+        model = self._model(state)
+        s, t = batch["query_len"].shape[0], batch["tokens"].shape[0]
+        slots = jnp.arange(s, dtype=jnp.int32)
+        meta = PagedMeta(batch["slot_mapping"], batch["page_table"], slots, batch["query_len"], batch["context_len"],
+                         slots, max_query_len=1, slot_tokens=t >= s)
+        tokens, sampling = self._chained_inputs(batch, sampling, slots)
+        logits, pools = model.forward_paged(tokens[None], batch["positions"][None], pools, meta)
+        r = sample(logits, sampling, self.num_logprobs)
+        kept = jnp.zeros(self.max_slots, jnp.int32).at[:s].set(r.tokens)
+        return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs), pools, kept
+
+    def _decode_batch(self, t: int, s: int) -> dict[str, Any]:
+        i32 = np.int32
+        return dict(tokens=np.zeros(t, i32), positions=np.zeros(t, i32),
+                    slot_mapping=NULL_PAGE * self.page_size + np.arange(t, dtype=i32) % self.page_size,
+                    page_table=np.full((s, self.max_pages), NULL_PAGE, i32), query_len=np.zeros(s, i32),
+                    context_len=np.zeros(s, i32), chain_src=np.full(t, -1, i32), prev_tokens=self._no_last)
+
+    @property
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        """The step shapes of a step in which every sequence decodes one token (`_decode_step_fn`); none with
+        speculative decoding (its decode steps verify drafts)."""
+        if self.spec_k:
+            return []
+        most = pick_bucket(self.token_buckets, min(self.max_slots, self.token_buckets[-1]))
+        return [(t, s) for t, s in self.step_shapes if t <= most]
 
     def _multi_step_fn(self, state, pools, batch, sampling, prev_last):
         """`decode_steps` decode steps in one call: slot i's token at position start[i] + j goes through the
@@ -489,9 +530,9 @@ class ModelRunner:
             self._zero_rows[t] = self._put(jnp.zeros((t, self.embed_dim), self.embed_dtype))
         return self._zero_rows[t]
 
-    def _launch(self, batch: dict[str, Any], sampling: Any) -> tuple[Any, ...]:
-        """Launch one step (asynchronously); returns its `PackedStep` handle."""
-        handle, self.pools = self._step.dispatch(self._leaves, self.pools, batch, sampling)
+    def _launch(self, batch: dict[str, Any], sampling: Any, step: PackedStep | None = None) -> tuple[Any, ...]:
+        """Launch one step (asynchronously) of `step` (default: the general step); returns its handle."""
+        handle, self.pools = (step or self._step).dispatch(self._leaves, self.pools, batch, sampling)
         self.num_steps += 1
         return handle
 
@@ -521,6 +562,8 @@ class ModelRunner:
             return self._dispatch_multi(out, chain)
         if not out.scheduled:
             return PendingStep(out, result={})
+        if not self.spec_k and all(e.num_tokens == 1 for e in out.scheduled):
+            return self._dispatch_decode(out, chain)
         return self._dispatch_one(out, draft_probs, chain)
 
     def collect(self, pending: PendingStep) -> dict[str, SampledToken]:
@@ -529,10 +572,45 @@ class ModelRunner:
             return pending.result
         return self._collect_multi(pending) if pending.multi else self._collect_one(pending)
 
+    @staticmethod
+    def _chain_slot(chain: PendingStep | None, request_id: str, index: dict[str, int] | None) -> tuple[int, dict]:
+        """A placeholder token's source: the request's slot in `chain` (and the request -> slot index, built once
+        per step)."""
+        if index is None:
+            if chain is None or chain.last is None:
+                raise ValueError(f"request {request_id!r}: a placeholder token but no step launched before this one "
+                                 "to take it from")
+            index = {e.request_id: j for j, e in enumerate(chain.out.scheduled)}
+        return index[request_id], index
+
+    def _dispatch_decode(self, out: SchedulerOutput, chain: PendingStep | None) -> PendingStep:
+        """Launch a step in which every entry decodes one token (`_decode_step_fn`)."""
+        t, s = self.step_shape(len(out.scheduled), len(out.scheduled))
+        batch = self._decode_batch(t, s)
+        tokens, positions, slot_mapping = batch["tokens"], batch["positions"], batch["slot_mapping"]
+        table, query_len, context_len, chain_src = (batch["page_table"], batch["query_len"], batch["context_len"],
+                                                    batch["chain_src"])
+        ps, index = self.page_size, None
+        for i, entry in enumerate(out.scheduled):  # plain Python per sequence: host time per step
+            start, pages, token = entry.start, entry.page_ids, entry.token_ids[0]
+            if token == PLACEHOLDER_TOKEN:  # sampled by `chain`, still on the device: fed from there
+                chain_src[i], index = self._chain_slot(chain, entry.request_id, index)
+            else:
+                tokens[i] = token
+            positions[i], slot_mapping[i] = start, pages[start // ps] * ps + start % ps
+            table[i, :len(pages)] = pages
+            query_len[i], context_len[i] = 1, start + 1
+        if index is not None:
+            batch["prev_tokens"] = chain.last
+            self.num_chained += 1
+        sampling = self._sampling([self._requests[e.owner or e.request_id].request for e in out.scheduled], s)
+        handle = self._launch(batch, sampling, self._decode)
+        return PendingStep(out, handle=handle[:2], last=handle[2], packed=self._decode)
+
     def _dispatch_one(self, out: SchedulerOutput, draft_probs: Any, chain: PendingStep | None) -> PendingStep:
         t, s = self.step_shape(out.num_scheduled_tokens, len(out.scheduled))
         batch = self._empty_batch(t, s)
-        prev_slot: dict[str, int] | None = None  # request -> its slot in `chain` (a placeholder's token)
+        index: dict[str, int] | None = None  # request -> its slot in `chain` (a placeholder's token)
         if self.spec_draft_probs and draft_probs is not None:
             batch["draft_bank"] = draft_probs.bank
         rows = None
@@ -546,12 +624,7 @@ class ModelRunner:
             if n == 1:  # a decode token: plain Python, no small numpy arrays (host time per step and sequence)
                 token = entry.token_ids[0]
                 if token == PLACEHOLDER_TOKEN:  # sampled by `chain`, still on the device: fed from there
-                    if prev_slot is None:
-                        if chain is None or chain.last is None:
-                            raise ValueError(f"request {entry.request_id!r}: a placeholder token but no step "
-                                             "launched before this one to take it from")
-                        prev_slot = {e.request_id: j for j, e in enumerate(chain.out.scheduled)}
-                    batch["chain_src"][off] = prev_slot[entry.request_id]
+                    batch["chain_src"][off], index = self._chain_slot(chain, entry.request_id, index)
                 else:
                     batch["tokens"][off] = token
                 batch["positions"][off] = start
@@ -590,16 +663,16 @@ class ModelRunner:
         if not self.text_only:
             # a device array either way, so the step's input layout does not depend on whether images are in it
             batch["image_rows"] = self._zeros(t) if rows is None else jnp.asarray(rows, self.embed_dtype)
-        if prev_slot is not None:
+        if index is not None:
             batch["prev_tokens"] = chain.last
             self.num_chained += 1
         slot_requests = [self._requests[e.owner or e.request_id].request for e in out.scheduled]
         sampling = self._sampling(slot_requests, s)
         handle = self._launch(batch, sampling)
-        return PendingStep(out, handle=handle[:2], last=handle[2])
+        return PendingStep(out, handle=handle[:2], last=handle[2], packed=self._step)
 
     def _collect_one(self, pending: PendingStep) -> dict[str, SampledToken]:
-        tokens, logprobs, top_ids, top_lp, *spec = self._step.outputs(pending.handle)
+        tokens, logprobs, top_ids, top_lp, *spec = pending.packed.outputs(pending.handle)
         tokens, logprobs, spec = tokens.tolist(), logprobs.tolist(), [x.tolist() for x in spec]
         result = {}
         for i, entry in enumerate(pending.out.scheduled):
@@ -627,6 +700,10 @@ class ModelRunner:
                 batch["image_rows"] = self._zeros(t)
             for history in (0, self.max_model_len):
                 self._run(batch, SamplingTensors.from_requests([], s, history))
+        for t, s in self.decode_shapes:
+            for history in (0, self.max_model_len):
+                _, self.pools = self._decode(self._leaves, self.pools, self._decode_batch(t, s),
+                                             SamplingTensors.from_requests([], s, history))
         for t, s in self.multi_step_shapes:
             for history in (0, self.max_model_len):
                 _, self.pools = self._multi(self._leaves, self.pools, self._multi_batch(t, s),
