@@ -504,9 +504,11 @@ class ServeConfig:
     max_image_pixels: int = 4096 * 4096  # width x height, read from the image's header before decoding
 
     page_size: int = 16  # tokens per KV page (a power of two for the Pallas kernel)
-    num_pages: int = 512  # KV pages in the pool, page 0 (the null page) included
+    num_pages: int = 0  # KV pages in the pool, page 0 (the null page) included; 0 = sized from device memory
     max_num_batched_tokens: int = 256  # token budget of one step (the largest token bucket)
-    max_num_seqs: int = 16  # sequences running at once (the largest slot bucket)
+    max_num_seqs: int = 0  # sequences running at once (the largest slot bucket); 0 = sized from the pool
+    # share of the device's memory the engine may fill (weights, KV pool, a step's activations) when num_pages = 0
+    memory_utilization: float = 0.9
     max_model_len: int = 0  # prompt + output tokens of one request; 0 = model.max_seq_len
     min_token_bucket: int = 16  # smallest token bucket; buckets double up to max_num_batched_tokens
     min_slot_bucket: int = 1  # fewest slots of a step shape: t padded tokens get min(max(t, this), max_num_seqs)
@@ -525,6 +527,9 @@ class ServeConfig:
     # call (tokens fed back on device; the host's per-step work is paid once per call; outputs come k at a time)
     overlap_decode: bool = True  # with decode_steps > 1: launch the next multi-step call before reading the current
     # one's tokens (the host's work between calls overlaps the device's; see Scheduler.schedule_chained)
+    # with decode_steps = 1: launch step N+1 before step N's tokens reach the host, its inputs fed from N's samples
+    # on the device; the host reconciles stops one step behind (docs/serving.md, "Overlapped scheduling")
+    async_scheduling: bool = True
     # run the layers unrolled over per-layer weights (a scanned checkpoint is converted once at start-up); a scan
     # over stacked weights copies each layer's weights every step (mmjax.serving.unroll; docs/serving.md)
     unroll_layers: bool = True
@@ -535,11 +540,15 @@ class ServeConfig:
 
     def check(self, model_max_len: int) -> None:
         """serve.* ranges, for a model of `model_max_len` (the engine calls this for a ServeConfig built in code)."""
-        for name in ("page_size", "max_num_batched_tokens", "max_num_seqs", "min_token_bucket", "min_slot_bucket",
-                     "image_cache_size"):
+        for name in ("page_size", "max_num_batched_tokens", "min_token_bucket", "min_slot_bucket", "image_cache_size"):
             need(getattr(self, name) >= 1, f"serve.{name} must be >= 1, got {getattr(self, name)}")
         need(self.page_size & (self.page_size - 1) == 0, f"serve.page_size={self.page_size} must be a power of two")
-        need(self.num_pages >= 2, f"serve.num_pages={self.num_pages} must be >= 2 (page 0 is the reserved null page)")
+        need(self.num_pages == 0 or self.num_pages >= 2,
+             f"serve.num_pages={self.num_pages} must be 0 (sized from device memory) or >= 2 (page 0 is the "
+             "reserved null page)")
+        need(self.max_num_seqs >= 0, f"serve.max_num_seqs={self.max_num_seqs} must be >= 1, or 0 (sized from the pool)")
+        need(0.0 < self.memory_utilization <= 1.0,
+             f"serve.memory_utilization={self.memory_utilization} must be in (0, 1]")
         need(self.max_model_len == 0 or self.max_model_len >= 2,
              f"serve.max_model_len={self.max_model_len} must be 0 (= model.max_seq_len) or >= 2")
         need(self.max_model_len <= model_max_len,

@@ -104,12 +104,13 @@ class Engine:
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
         model_cfg = nnx.merge(graphdef, state).cfg
         serve.check(model_cfg.max_seq_len)
-        self.serve = serve
         self.model_cfg = model_cfg
         self.max_model_len = serve.max_model_len or model_cfg.max_seq_len
-        self.kv = KVCacheManager(serve.num_pages, serve.page_size, enable_prefix_caching=serve.enable_prefix_caching)
         self.runner = ModelRunner((graphdef, state), serve, max_model_len=self.max_model_len, mesh=mesh,
                                   sharding=sharding)
+        # the runner fills in num_pages / max_num_seqs left at 0 (sized from device memory, serving/sizing.py)
+        self.serve = serve = self.runner.serve
+        self.kv = KVCacheManager(serve.num_pages, serve.page_size, enable_prefix_caching=serve.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=serve.max_num_batched_tokens,
                                    max_num_seqs=serve.max_num_seqs, max_model_len=self.max_model_len,
                                    enable_chunked_prefill=serve.enable_chunked_prefill,
@@ -121,8 +122,11 @@ class Engine:
                                       draft_model=draft_model)
         self._live: dict[str, _Live] = {}
         self._aborted: list[str] = []
+        self._beam_ids: set[str] = set()  # live beam searches (they run synchronous steps)
         # a multi-step call launched ahead (serve.overlap_decode): its scheduler output and pending step
         self._ahead: tuple[SchedulerOutput, PendingStep] | None = None
+        # overlapped scheduling (serve.async_scheduling): the step on the device whose tokens are read next
+        self._inflight: PendingStep | None = None
         self._ids = itertools.count()
         if warmup:
             self.warmup()
@@ -157,6 +161,8 @@ class Engine:
         self.scheduler.add_request(request)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output)
         self._live[rid] = _Live(request, detok, list(token_ids))
+        if params.num_beams:
+            self._beam_ids.add(rid)
         return rid
 
     def _sampling_params(self, rid: str, params: Any) -> SamplingParams:
@@ -262,6 +268,9 @@ class Engine:
         if self._live:
             raise RequestError(f"update_weights with {len(self._live)} live requests; finish or abort them first")
         self._ahead = None
+        if self._inflight is not None:  # every request of it has finished: read it only to close its report
+            self._report(self._inflight.out, self.runner.collect(self._inflight))
+            self._inflight = None
         self.runner.update_weights(state)
         self.kv.reset_prefix_cache()
 
@@ -270,15 +279,18 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and report every request that produced tokens or finished.
 
+        With overlapped scheduling (`serve.async_scheduling`) the step launched here is reported by the next
+        call: this call schedules and launches step N+1, then reads step N's tokens (which ran meanwhile).
+
         A `StepRequestError` (one request's values broke the step's host inputs; nothing ran on the device)
         fails that request, whose final output names the cause in `error`, and puts the step's other requests
         back in the queue to recompute (minus the prefix cache); any other exception is the engine's own and
         propagates: the engine cannot be trusted to go on."""
-        outputs = [self._output(self._live.pop(rid), [], []) for rid in self._aborted]
+        outputs = [self._output(self._pop(rid), [], []) for rid in self._aborted]
         self._aborted = []
         touched: list[SchedulerOutput] = []  # this step's scheduler outputs, undone if a request breaks the step
         try:
-            self._run_step(outputs, touched)
+            outputs += self._run_step(touched, outputs)
         except StepRequestError as e:
             if e.request_id not in self._live:
                 raise
@@ -289,7 +301,7 @@ class Engine:
         """Undo a step that `rid`'s values broke: abort `rid` (its output carries `cause`), requeue the step's
         other requests to recompute (their KV of this step was never written), drop a call launched ahead."""
         self._ahead = None
-        culprit = self._live.pop(rid)
+        culprit = self._pop(rid)
         self.scheduler.abort_request(rid)
         for out in touched:
             for entry in out.scheduled:
@@ -298,7 +310,13 @@ class Engine:
         output.finish_reason, output.error = "error", cause
         return output
 
-    def _run_step(self, outputs: list[RequestOutput], touched: list[SchedulerOutput]) -> None:
+    def _run_step(self, touched: list[SchedulerOutput], outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """One step's new outputs; `touched` collects the scheduler outputs it launched (see `_fail_request`)."""
+        if self._overlap():
+            return self._step_overlapped(touched, outputs)
+        if self._inflight is not None:  # overlap just ended (a beam search came): report the step on the device
+            pending, self._inflight = self._inflight, None
+            return self._report(pending.out, self.runner.collect(pending))
         if self._ahead is not None:  # launched by the previous step, while its own call ran
             (out, pending), self._ahead = self._ahead, None
             touched.append(out)
@@ -307,25 +325,61 @@ class Engine:
             out = self.scheduler.schedule()
             touched.append(out)
             pending = self.runner.dispatch(out, draft_probs)
-        if self.serve.overlap_decode and pending.on_device:  # a multi-step call is running: queue the next
+        if self.serve.overlap_decode and pending.multi:  # a multi-step call is running: queue the next
             ahead = self.scheduler.schedule_chained(out)
             if ahead is not None:
                 touched.append(ahead)
                 self._ahead = (ahead, self.runner.dispatch(ahead, chain=pending))
-        sampled = self.runner.collect(pending)
-        before = {rid: len(self._live[rid].request.output_token_ids) for rid in sampled if rid in self._live}
+        reported = self._report(out, self.runner.collect(pending))
+        if self._ahead is not None and not any(e.request_id in self._live for e in self._ahead[0].scheduled):
+            self._ahead = None  # every request of the call launched ahead has finished: nothing to read
+        return reported
+
+    def _overlap(self) -> bool:
+        """Whether this step runs overlapped: one decode step per call, no speculation, no beam search live."""
+        return (self.serve.async_scheduling and self.runner.decode_steps == 1 and self.proposer is None
+                and not self._beam_ids)
+
+    def _step_overlapped(self, touched: list[SchedulerOutput], outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Launch the next step, fed on the device by the one in flight, then report the one in flight.
+
+        If one request's values break the new step's inputs (`StepRequestError`, raised before anything is
+        launched), the step in flight is reported first, into `outputs`, so no placeholder token outlives it
+        when the new step's requests are put back to recompute."""
+        prev, self._inflight = self._inflight, None
+        out = self.scheduler.schedule()
+        touched.append(out)
+        try:
+            pending = self.runner.dispatch(out, chain=prev)
+        except StepRequestError:
+            if prev is not None:
+                outputs += self._report(prev.out, self.runner.collect(prev))
+            raise
+        if out.scheduled:
+            self.scheduler.advance(out)
+            self._inflight = pending
+        return [] if prev is None else self._report(prev.out, self.runner.collect(prev))
+
+    def _pop(self, rid: str) -> _Live:
+        self._beam_ids.discard(rid)
+        return self._live.pop(rid)
+
+    def _report(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[RequestOutput]:
+        """Apply a step's sampled tokens: the scheduler's stops, then detokenizing and stop strings."""
+        outputs = []
+        before = {rid: self._live[rid].request.num_known_output_tokens for rid in sampled if rid in self._live}
         done = self.scheduler.update_from_output(
             out, {rid: list(s.tokens) if s.tokens else s.token for rid, s in sampled.items()},
             candidates={rid: (s.top_ids, s.top_logprobs) for rid, s in sampled.items()})
         for request in done:  # a beam search reports once, when it is done
             if request.beam is not None and request.request_id in self._live:
-                outputs.append(self._beam_output(self._live.pop(request.request_id)))
+                outputs.append(self._beam_output(self._pop(request.request_id)))
         for rid, tok in sampled.items():
             live = self._live.get(rid)
             if live is None or live.request.beam is not None:  # a beam row, or a beam search still going
                 continue
             request = live.request
-            new = request.output_token_ids[before[rid]:]
+            new = request.output_token_ids[before[rid]:request.num_known_output_tokens]
             if not new:
                 continue
             start = time.perf_counter()
@@ -357,9 +411,8 @@ class Engine:
                 lps = [SampledToken(tok.token, tok.logprob, tok.top_ids[:top], tok.top_logprobs[:top])]
             outputs.append(self._output(live, list(new), lps, text))
             if request.status.is_finished:
-                del self._live[rid]
-        if self._ahead is not None and not any(e.request_id in self._live for e in self._ahead[0].scheduled):
-            self._ahead = None  # every request of the call launched ahead has finished: nothing to read
+                self._pop(rid)
+        return outputs
 
     def _beam_output(self, live: _Live) -> RequestOutput:
         """The final output of a beam search: the best sequence as text, the n best with their scores."""
@@ -384,7 +437,7 @@ class Engine:
             reason = "stop" if live.stop_str is not None else FINISH_REASONS[request.status]
             stop = live.stop_str if live.stop_str is not None else request.stop_reason
         return RequestOutput(request.request_id, live.prompt_token_ids, new_ids, new_text,
-                             list(request.output_token_ids), live.text,
+                             request.known_output_token_ids, live.text,
                              finished, reason, stop, logprobs, self.metrics(live))
 
     def metrics(self, live: _Live) -> RequestMetrics:
@@ -397,7 +450,7 @@ class Engine:
             prefill_s=diff(r.first_scheduled_time, r.first_token_time),
             decode_s=diff(r.first_token_time, now if r.first_token_time is not None else None),
             detokenize_s=live.detokenize_s, num_prompt_tokens=r.num_prompt_tokens,
-            num_cached_prompt_tokens=max(r.num_cached_tokens, 0), num_generated_tokens=len(r.output_token_ids),
+            num_cached_prompt_tokens=max(r.num_cached_tokens, 0), num_generated_tokens=r.num_known_output_tokens,
             num_preemptions=r.num_preemptions, num_draft_tokens=r.num_draft_tokens,
             num_accepted_tokens=r.num_accepted_tokens)
 
@@ -419,7 +472,6 @@ class LLM:
                         overrides: Sequence[str] = (), dtype: str | None = None, **engine_kw: Any) -> LLM:
         """Serve a checkpoint (a run's checkpoints folder, a step folder, an imported one); `tokenizer`: an
         mmjax Tokenizer, a tokenizer.json path, or None for the checkpoint's own (see `serving.load`)."""
-
         cfg, model, tok = load_for_serving(ckpt, tokenizer, step=step, overrides=overrides, dtype=dtype)
         return cls(cfg, model, tok, **engine_kw)
 

@@ -155,7 +155,9 @@ class KVCacheManager:
         if table is None:
             return
         done = self._num_hashed_pages[rid]
-        full = min(request.num_computed_tokens // self.page_size, len(table))
+        # only pages of known tokens: a placeholder (a token still on the device) is not hashed
+        known = min(request.num_computed_tokens, request.num_tokens - request.num_output_placeholders)
+        full = min(known // self.page_size, len(table))
         if full <= done:
             return
         hashes = self.page_hashes(request, full)

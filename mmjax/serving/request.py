@@ -48,6 +48,10 @@ class RequestStatus(enum.Enum):
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for besides the chosen token's
 INT32_MAX = 2**31 - 1  # the sampler's per-slot integer arrays are int32
 
+# An output token sampled by a step that is still on the device (overlapped scheduling): it stands in
+# `Request.output_token_ids` until the step is reported; the runner feeds the device's value in its place.
+PLACEHOLDER_TOKEN = -1
+
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
@@ -212,6 +216,9 @@ class Request:
         self.mm_data = mm_data  # opaque to the scheduler (e.g. pixel arrays for the runner's vision encoder)
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
+        # trailing entries of output_token_ids that are PLACEHOLDER_TOKEN: sampled by dispatched steps whose
+        # tokens the host has not read yet (`Scheduler.advance`)
+        self.num_output_placeholders = 0
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first admission; -1 until then
         self.num_preemptions = 0
@@ -246,6 +253,21 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_output_tokens(self) -> int:
+        """Output tokens the host has read (the placeholders of steps still on the device left out)."""
+        return len(self.output_token_ids) - self.num_output_placeholders
+
+    @property
+    def known_output_token_ids(self) -> list[int]:
+        return self.output_token_ids[:self.num_known_output_tokens]
+
+    def drop_placeholders(self) -> None:
+        """Forget the tokens of steps still on the device (the request finished or lost its KV)."""
+        if self.num_output_placeholders:
+            del self.output_token_ids[-self.num_output_placeholders:]
+            self.num_output_placeholders = 0
 
     @property
     def all_token_ids(self) -> list[int]:

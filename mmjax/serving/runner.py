@@ -26,9 +26,10 @@ from mmjax.parallel.sharding import in_sharding_context
 from mmjax.quant import quantize_state
 from mmjax.quant.kv import kv_cache_dtype
 from mmjax.serving.kv_manager import NULL_PAGE
-from mmjax.serving.request import Request
+from mmjax.serving.request import PLACEHOLDER_TOKEN, Request
 from mmjax.serving.sampling import SamplingTensors, full_sampler_history, sample
 from mmjax.serving.scheduler import SchedulerOutput
+from mmjax.serving.sizing import size_serving
 from mmjax.serving.speculative.verify import verify
 from mmjax.serving.transfer import PackedStep
 from mmjax.serving.unroll import serving_layout
@@ -113,18 +114,17 @@ class ImageCache:
 
 @dataclasses.dataclass
 class PendingStep:
-    """A dispatched scheduler step: its sampled tokens (`result`, a step run to completion), or the handle of
-    a multi-step call still on the device and its slots' last samples (device; slot i is `out.scheduled[i]`)."""
+    """A dispatched scheduler step: its sampled tokens (`result`, when there was nothing to run), or the handle
+    of the call on the device (read by `ModelRunner.collect`) and its slots' last samples, kept on the device
+    (`last`, [max_num_seqs]; slot i is `out.scheduled[i]`) for a later step's inputs. `multi`: a multi-step
+    decode call."""
 
     out: SchedulerOutput
     result: dict[str, SampledToken] | None = None
     handle: Any = None
     last: Any = None
-
-    @property
-    def on_device(self) -> bool:
-        """A multi-step call still running: its tokens are read by `ModelRunner.collect`."""
-        return self.result is None
+    multi: bool = False
+    packed: Any = None  # the PackedStep whose `outputs` reads `handle` (single steps)
 
 
 @dataclasses.dataclass
@@ -151,10 +151,6 @@ class ModelRunner:
     served unrolled over per-layer weights unless `serve.unroll_layers` is off (`serving/unroll.py`).
     """
 
-    # whether `_step_fn` returns a third value kept on the device (replicated over a mesh), e.g. DraftRunner's
-    # probabilities
-    step_keeps_output = False
-
     def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int,
                  mesh: jax.sharding.Mesh | None = None, sharding: MeshSharding | None = None) -> None:
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
@@ -167,6 +163,20 @@ class ModelRunner:
         self.image_token_id = abstract.image_token_id
         self.text_only = abstract.text_only
         self.use_blocks = not self.text_only and self.model_cfg.image_attention == "bidirectional"
+        kv_dtype = kv_cache_dtype(serve.kv_cache_dtype, abstract.compute_dtype)
+        if mesh is None and sharding is not None:
+            mesh = sharding.mesh
+        # next to parameters placed on a mesh: inputs and outputs replicated over it; the pools split over the
+        # context's head axes on their kv-head dim (each device holds its heads' KV), else replicated too
+        self._replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        pool_sharding = None
+        if mesh is not None:
+            heads = kv_head_axes(sharding, self.model_cfg.text.n_kv_heads, self.model_cfg.text.n_heads)
+            pool_sharding = jax.sharding.NamedSharding(mesh, pool_spec(heads))
+        # serve.num_pages / max_num_seqs left at 0: sized from the device memory left beside the weights
+        serve = size_serving(serve, self.model_cfg, max_model_len=max_model_len, sharding=pool_sharding,
+                             pools_of_one_page=jax.eval_shape(lambda: abstract.decoder.init_pools(
+                                 1, serve.page_size, kv_dtype)), devices=self._memory_devices(mesh))
         self.serve = serve
         self.page_size = serve.page_size
         self.max_pages = -(-max_model_len // serve.page_size)
@@ -178,21 +188,11 @@ class ModelRunner:
         self.spec_draft_probs = serve.speculative.method == "draft"  # else drafts are one-hot guesses
         self._seed_rng = np.random.default_rng(serve.seed)
         self.seeds: dict[str, int] = {}  # drawn once per unseeded random-sampling request
-        kv_dtype = kv_cache_dtype(serve.kv_cache_dtype, abstract.compute_dtype)
         self.embed_dim = self.model_cfg.text.dim
         self.embed_dtype = abstract.compute_dtype
-        pools = abstract.decoder.init_pools(serve.num_pages, serve.page_size, kv_dtype)
-        if mesh is None and sharding is not None:
-            mesh = sharding.mesh
-        # next to parameters placed on a mesh: inputs and outputs replicated over it; the pools split over the
-        # context's head axes on their kv-head dim (each device holds its heads' KV), else replicated too
-        self._replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        pool_sharding = None
-        if mesh is not None:
-            heads = kv_head_axes(sharding, self.model_cfg.text.n_kv_heads, self.model_cfg.text.n_heads)
-            pool_sharding = jax.sharding.NamedSharding(mesh, pool_spec(heads))
-            pools = jax.device_put(pools, pool_sharding)
-        self.pools = pools
+        # made where they live (on a mesh each device makes its own heads' pages: never the whole pool on one)
+        self.pools = jax.jit(lambda: abstract.decoder.init_pools(serve.num_pages, serve.page_size, kv_dtype),
+                             out_shardings=pool_sharding)()
         self.image_cache = ImageCache(serve.image_cache_size)
         self.num_compiles = 0
         self.num_steps = 0
@@ -202,17 +202,30 @@ class ModelRunner:
         rep = self._replicated
         out = None if mesh is None else (rep, pool_sharding)  # (sampled outputs, pools)
         wrap = lambda fn: in_sharding_context(fn, sharding)  # noqa: E731
-        # small host inputs in two buffers and the outputs in one (see transfer.py)
+        # small host inputs in two buffers and the outputs in one (see transfer.py); `_step_fn`'s third output
+        # stays on the device (the sampled tokens, for the next step's inputs; DraftRunner's probabilities)
         self._step = PackedStep(self._step_fn, wrap=wrap, put=self._put,
-                                out_shardings=(*out, rep) if out and self.step_keeps_output else out)
+                                out_shardings=None if out is None else (*out, rep))
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), out_shardings=pool_sharding)
         # multi-step decode; not with speculative decoding (its steps verify drafts) nor in its draft runner
         self.decode_steps = serve.decode_steps if serve.speculative.method == "none" else 1
         self._multi = PackedStep(self._multi_step_fn, wrap=wrap, put=self._put,
                                  out_shardings=None if out is None else (*out, rep))
+        self._decode = PackedStep(self._decode_step_fn, wrap=wrap, put=self._put,
+                                  out_shardings=None if out is None else (*out, rep))
         self._no_last = self._put(jnp.zeros(self.max_slots, jnp.int32))  # an unchained call's "previous tokens"
-        self.num_chained = 0  # multi-step calls dispatched while the previous one ran (see Scheduler.schedule_chained)
+        # calls fed on the device by the call launched before them, while it ran: chained multi-step calls
+        # (Scheduler.schedule_chained) and overlapped steps (Scheduler.advance)
+        self.num_chained = 0
         self._encode = jax.jit(in_sharding_context(self._encode_fn, sharding), out_shardings=rep)
+
+    def _memory_devices(self, mesh: jax.sharding.Mesh | None) -> list[Any]:
+        """The devices whose free memory sizes the pool: this process's devices of the mesh, else the weights'."""
+        if mesh is not None:
+            return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+        leaves = jax.tree.leaves(self.state)
+        return sorted(leaves[0].devices(), key=lambda d: d.id) if leaves and hasattr(leaves[0], "devices") \
+            else jax.local_devices()[:1]
 
     def slots_for(self, tokens: int) -> int:
         """Sequence slots of the step shape whose token bucket is `tokens`: as many as tokens (a step has at
@@ -246,6 +259,22 @@ class ModelRunner:
         self.state = state
         self.image_cache = ImageCache(self.serve.image_cache_size)
 
+    @property
+    def state(self) -> Any:
+        """The served parameters (an nnx State)."""
+        return self._state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        # the jitted functions take the flat list of leaves: a State is a Python pytree, and flattening it in
+        # every call costs more host time than the rest of a step's dispatch
+        self._state = state
+        self._leaves, self._treedef = jax.tree.flatten(state)
+
+    def _model(self, leaves: Any) -> Any:
+        """The model over the parameter leaves a jitted function was given (while tracing)."""
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self._treedef, leaves))
+
     def _put(self, tree: Any) -> Any:
         """Host inputs replicated over the mesh (the same value on every process), else as they are."""
         return tree if self._replicated is None else jax.device_put(tree, self._replicated)
@@ -253,13 +282,17 @@ class ModelRunner:
     # -- traced functions ---------------------------------------------------------------------------------
 
     def _step_fn(self, state, pools, batch, sampling):
+        """One step; returns (tokens, logprobs, top-k[, speculative results]), the pools, and the sampled tokens
+        [max_num_seqs] kept on the device. Input token j with chain_src[j] >= 0 is `prev_tokens[chain_src[j]]`,
+        the previous step's sample of that slot, still on the device (overlapped scheduling)."""
         self.num_compiles += 1  # runs only while tracing
-        model = nnx.merge(self.graphdef, state)
+        model = self._model(state)
         meta = PagedMeta(batch["slot_mapping"], batch["page_table"], batch["query_start"], batch["query_len"],
                          batch["context_len"], batch["logits_indices"], kv_block_ids=batch.get("kv_block_ids"))
         rows, mask, blocks = batch.get("image_rows"), batch.get("image_mask"), batch.get("q_block_ids")
+        tokens, sampling = self._chained_inputs(batch, sampling, batch["query_start"])
         logits, pools = model.forward_paged(
-            batch["tokens"][None], batch["positions"][None], pools, meta,
+            tokens[None], batch["positions"][None], pools, meta,
             None if rows is None else rows[None], None if mask is None else mask[None],
             None if blocks is None else blocks[None])
         spec = ()
@@ -270,7 +303,56 @@ class ModelRunner:
             spec = verify(logits, sampling, batch["drafts"], batch["num_draft"], q)
             logits = logits[jnp.arange(s), batch["num_draft"]]
         r = sample(logits, sampling, self.num_logprobs)
-        return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs, *spec), pools
+        kept = jnp.zeros(self.max_slots, jnp.int32).at[:r.tokens.shape[0]].set(r.tokens)
+        return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs, *spec), pools, kept
+
+    def _chained_inputs(self, batch, sampling, query_start):
+        """The step's tokens with each chained one (chain_src >= 0) taken from the previous step's samples on the
+        device; a chained slot's input is its last output, so the penalties' history gets it there too."""
+        src, prev = batch["chain_src"], batch["prev_tokens"]
+        tokens = jnp.where(src >= 0, prev[jnp.clip(src, 0, prev.shape[0] - 1)], batch["tokens"])
+        history = sampling.output_ids.shape[1]
+        if history:
+            slots = jnp.arange(batch["query_len"].shape[0])
+            last = jnp.clip(query_start + batch["query_len"] - 1, 0, tokens.shape[0] - 1)
+            at = jnp.clip(sampling.step - 1, 0, history - 1)
+            chained = (batch["query_len"] > 0) & (src[last] >= 0)
+            ids = sampling.output_ids
+            sampling = sampling.replace(output_ids=ids.at[slots, at].set(jnp.where(chained, tokens[last],
+                                                                                   ids[slots, at])))
+        return tokens, sampling
+
+    def _decode_step_fn(self, state, pools, batch, sampling):
+        """A step in which every sequence decodes one token, laid out by slot (slot i's token is token i): the
+        layout of a multi-step call's steps, so the attention kernel writes the step's k, v itself and builds
+        no index arrays (`PagedMeta.slot_tokens`). Images play no part in a decode token. Returns as `_step_fn`."""
+        self.num_compiles += 1
+        model = self._model(state)
+        s, t = batch["query_len"].shape[0], batch["tokens"].shape[0]
+        slots = jnp.arange(s, dtype=jnp.int32)
+        meta = PagedMeta(batch["slot_mapping"], batch["page_table"], slots, batch["query_len"], batch["context_len"],
+                         slots, max_query_len=1, slot_tokens=t >= s)
+        tokens, sampling = self._chained_inputs(batch, sampling, slots)
+        logits, pools = model.forward_paged(tokens[None], batch["positions"][None], pools, meta)
+        r = sample(logits, sampling, self.num_logprobs)
+        kept = jnp.zeros(self.max_slots, jnp.int32).at[:s].set(r.tokens)
+        return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs), pools, kept
+
+    def _decode_batch(self, t: int, s: int) -> dict[str, Any]:
+        i32 = np.int32
+        return dict(tokens=np.zeros(t, i32), positions=np.zeros(t, i32),
+                    slot_mapping=NULL_PAGE * self.page_size + np.arange(t, dtype=i32) % self.page_size,
+                    page_table=np.full((s, self.max_pages), NULL_PAGE, i32), query_len=np.zeros(s, i32),
+                    context_len=np.zeros(s, i32), chain_src=np.full(t, -1, i32), prev_tokens=self._no_last)
+
+    @property
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        """The step shapes of a step in which every sequence decodes one token (`_decode_step_fn`); none with
+        speculative decoding (its decode steps verify drafts)."""
+        if self.spec_k:
+            return []
+        most = pick_bucket(self.token_buckets, min(self.max_slots, self.token_buckets[-1]))
+        return [(t, s) for t, s in self.step_shapes if t <= most]
 
     def _multi_step_fn(self, state, pools, batch, sampling, prev_last):
         """`decode_steps` decode steps in one call: slot i's token at position start[i] + j goes through the
@@ -280,7 +362,7 @@ class ModelRunner:
         last sample of that slot, still on device. Returns per-step [K, S] tokens, logprobs and top-k, the pools,
         and each slot's last sample [max_num_seqs] (kept on device for the next call)."""
         self.num_compiles += 1
-        model = nnx.merge(self.graphdef, state)
+        model = self._model(state)
         i32, ps = jnp.int32, self.page_size
         s, t = batch["num_steps"].shape[0], batch["tokens"].shape[0]
         slots = jnp.arange(s, dtype=i32)
@@ -342,11 +424,11 @@ class ModelRunner:
             if entry.chained:  # the previous call's tokens are not in the request yet: its draws come first
                 batch["chain_src"][i], produced = prev[entry.request_id]
                 sampling.step[i] += produced
-        handle, self.pools = self._multi.dispatch(self.state, self.pools, batch, sampling,
+        handle, self.pools = self._multi.dispatch(self._leaves, self.pools, batch, sampling,
                                                   self._no_last if chain is None else chain.last)
         self.num_steps += 1
         self.num_chained += chain is not None
-        return PendingStep(out, handle=handle[:2], last=handle[2])
+        return PendingStep(out, handle=handle[:2], last=handle[2], multi=True)
 
     def _collect_multi(self, pending: PendingStep) -> dict[str, SampledToken]:
         # one host conversion per output (Python lists, [K, S] and [K, S, top]); top lists only for rows that use them
@@ -384,7 +466,7 @@ class ModelRunner:
 
     def _encode_fn(self, state, image):
         self.num_compiles += 1
-        return nnx.merge(self.graphdef, state).encode_images(image[None])[0]
+        return self._model(state).encode_images(image[None])[0]
 
     # -- requests -----------------------------------------------------------------------------------------
 
@@ -410,7 +492,7 @@ class ModelRunner:
         if rows is None:
             image = state.images.images[index]
             rows = state.embeds[index] = self.image_cache.get(
-                state.images.hashes[index], lambda: np.asarray(self._encode(self.state, self._put(image))))
+                state.images.hashes[index], lambda: np.asarray(self._encode(self._leaves, self._put(image))))
         return rows
 
     # -- one step -----------------------------------------------------------------------------------------
@@ -420,7 +502,8 @@ class ModelRunner:
         batch = dict(tokens=np.zeros(t, i32), positions=np.zeros(t, i32),
                      slot_mapping=(NULL_PAGE * self.page_size + np.arange(t, dtype=i32) % self.page_size),
                      page_table=np.full((s, self.max_pages), NULL_PAGE, i32), query_start=np.zeros(s, i32),
-                     query_len=np.zeros(s, i32), context_len=np.zeros(s, i32), logits_indices=np.zeros(s, i32))
+                     query_len=np.zeros(s, i32), context_len=np.zeros(s, i32), logits_indices=np.zeros(s, i32),
+                     chain_src=np.full(t, -1, i32), prev_tokens=self._no_last)
         if self.spec_k:
             batch.update(logits_indices=np.zeros(s * (self.spec_k + 1), i32), drafts=np.zeros((s, self.spec_k), i32),
                          num_draft=np.zeros(s, i32))
@@ -447,8 +530,14 @@ class ModelRunner:
             self._zero_rows[t] = self._put(jnp.zeros((t, self.embed_dim), self.embed_dtype))
         return self._zero_rows[t]
 
+    def _launch(self, batch: dict[str, Any], sampling: Any, step: PackedStep | None = None) -> tuple[Any, ...]:
+        """Launch one step (asynchronously) of `step` (default: the general step); returns its handle."""
+        handle, self.pools = (step or self._step).dispatch(self._leaves, self.pools, batch, sampling)
+        self.num_steps += 1
+        return handle
+
     def _run(self, batch: dict[str, Any], sampling: Any) -> tuple[np.ndarray, ...]:
-        outs, self.pools = self._step(self.state, self.pools, batch, sampling)
+        outs, self.pools = self._step(self._leaves, self.pools, batch, sampling)
         self.num_steps += 1
         return outs
 
@@ -459,9 +548,9 @@ class ModelRunner:
         return self.collect(self.dispatch(out, draft_probs))
 
     def dispatch(self, out: SchedulerOutput, draft_probs: Any = None, chain: PendingStep | None = None) -> PendingStep:
-        """Start one scheduler step. A multi-step decode is only launched (the device runs it while the host
-        goes on); other steps run to completion here. `chain`: the pending call whose last samples feed `out`'s
-        chained entries (`Scheduler.schedule_chained`)."""
+        """Launch one scheduler step (the device runs it while the host goes on; `collect` reads its tokens).
+        `chain`: the step launched before it, whose samples (still on the device) feed `out`'s chained
+        multi-step entries (`Scheduler.schedule_chained`) or its placeholder tokens (`Scheduler.advance`)."""
         for rid in out.finished_request_ids:
             self._requests.pop(rid, None)
             self.seeds.pop(rid, None)
@@ -471,17 +560,57 @@ class ModelRunner:
             self.copy_pages(out.page_copies)
         if out.scheduled and any(e.num_steps > 1 or e.chained for e in out.scheduled):
             return self._dispatch_multi(out, chain)
-        return PendingStep(out, result=self._execute_one(out, draft_probs))
+        if not out.scheduled:
+            return PendingStep(out, result={})
+        if not self.spec_k and all(e.num_tokens == 1 for e in out.scheduled):
+            return self._dispatch_decode(out, chain)
+        return self._dispatch_one(out, draft_probs, chain)
 
     def collect(self, pending: PendingStep) -> dict[str, SampledToken]:
-        """The sampled tokens of a dispatched step (waits for a multi-step call to finish)."""
-        return self._collect_multi(pending) if pending.on_device else pending.result
+        """The sampled tokens of a dispatched step (waits for the device)."""
+        if pending.result is not None:
+            return pending.result
+        return self._collect_multi(pending) if pending.multi else self._collect_one(pending)
 
-    def _execute_one(self, out: SchedulerOutput, draft_probs: Any) -> dict[str, SampledToken]:
-        if not out.scheduled:
-            return {}
+    @staticmethod
+    def _chain_slot(chain: PendingStep | None, request_id: str, index: dict[str, int] | None) -> tuple[int, dict]:
+        """A placeholder token's source: the request's slot in `chain` (and the request -> slot index, built once
+        per step)."""
+        if index is None:
+            if chain is None or chain.last is None:
+                raise ValueError(f"request {request_id!r}: a placeholder token but no step launched before this one "
+                                 "to take it from")
+            index = {e.request_id: j for j, e in enumerate(chain.out.scheduled)}
+        return index[request_id], index
+
+    def _dispatch_decode(self, out: SchedulerOutput, chain: PendingStep | None) -> PendingStep:
+        """Launch a step in which every entry decodes one token (`_decode_step_fn`)."""
+        t, s = self.step_shape(len(out.scheduled), len(out.scheduled))
+        batch = self._decode_batch(t, s)
+        tokens, positions, slot_mapping = batch["tokens"], batch["positions"], batch["slot_mapping"]
+        table, query_len, context_len, chain_src = (batch["page_table"], batch["query_len"], batch["context_len"],
+                                                    batch["chain_src"])
+        ps, index = self.page_size, None
+        for i, entry in enumerate(out.scheduled):  # plain Python per sequence: host time per step
+            start, pages, token = entry.start, entry.page_ids, entry.token_ids[0]
+            if token == PLACEHOLDER_TOKEN:  # sampled by `chain`, still on the device: fed from there
+                chain_src[i], index = self._chain_slot(chain, entry.request_id, index)
+            else:
+                tokens[i] = token
+            positions[i], slot_mapping[i] = start, pages[start // ps] * ps + start % ps
+            table[i, :len(pages)] = pages
+            query_len[i], context_len[i] = 1, start + 1
+        if index is not None:
+            batch["prev_tokens"] = chain.last
+            self.num_chained += 1
+        sampling = self._sampling([self._requests[e.owner or e.request_id].request for e in out.scheduled], s)
+        handle = self._launch(batch, sampling, self._decode)
+        return PendingStep(out, handle=handle[:2], last=handle[2], packed=self._decode)
+
+    def _dispatch_one(self, out: SchedulerOutput, draft_probs: Any, chain: PendingStep | None) -> PendingStep:
         t, s = self.step_shape(out.num_scheduled_tokens, len(out.scheduled))
         batch = self._empty_batch(t, s)
+        index: dict[str, int] | None = None  # request -> its slot in `chain` (a placeholder's token)
         if self.spec_draft_probs and draft_probs is not None:
             batch["draft_bank"] = draft_probs.bank
         rows = None
@@ -493,7 +622,12 @@ class ModelRunner:
             end = start + n
             pages = entry.page_ids
             if n == 1:  # a decode token: plain Python, no small numpy arrays (host time per step and sequence)
-                batch["tokens"][off], batch["positions"][off] = entry.token_ids[0], start
+                token = entry.token_ids[0]
+                if token == PLACEHOLDER_TOKEN:  # sampled by `chain`, still on the device: fed from there
+                    batch["chain_src"][off], index = self._chain_slot(chain, entry.request_id, index)
+                else:
+                    batch["tokens"][off] = token
+                batch["positions"][off] = start
                 batch["slot_mapping"][off] = pages[start // ps] * ps + start % ps
             else:
                 pos = np.arange(start, end, dtype=np.int32)
@@ -529,21 +663,31 @@ class ModelRunner:
         if not self.text_only:
             # a device array either way, so the step's input layout does not depend on whether images are in it
             batch["image_rows"] = self._zeros(t) if rows is None else jnp.asarray(rows, self.embed_dtype)
+        if index is not None:
+            batch["prev_tokens"] = chain.last
+            self.num_chained += 1
         slot_requests = [self._requests[e.owner or e.request_id].request for e in out.scheduled]
         sampling = self._sampling(slot_requests, s)
-        tokens, logprobs, top_ids, top_lp, *spec = (x.tolist() for x in self._run(batch, sampling))
+        handle = self._launch(batch, sampling)
+        return PendingStep(out, handle=handle[:2], last=handle[2], packed=self._step)
+
+    def _collect_one(self, pending: PendingStep) -> dict[str, SampledToken]:
+        tokens, logprobs, top_ids, top_lp, *spec = pending.packed.outputs(pending.handle)
+        tokens, logprobs, spec = tokens.tolist(), logprobs.tolist(), [x.tolist() for x in spec]
         result = {}
-        for i, entry in enumerate(out.scheduled):
-            if not entry.samples:
-                continue
+        for i, entry in enumerate(pending.out.scheduled):
+            if not entry.samples or (entry.owner or entry.request_id) not in self._requests:
+                continue  # nothing sampled, or finished since the step was launched
             if entry.num_draft:
                 emitted, count, lps = spec[0][i], spec[1][i], spec[2][i]
                 result[entry.request_id] = SampledToken(emitted[0], lps[0], tokens=tuple(emitted[:count]),
                                                         token_logprobs=tuple(lps[:count]))
                 continue
-            top = self._wants_top(entry)
-            result[entry.request_id] = SampledToken(tokens[i], logprobs[i], tuple(top_ids[i]) if top else (),
-                                                    tuple(top_lp[i]) if top else ())
+            if self._wants_top(entry):  # only these rows' top-k become Python lists
+                result[entry.request_id] = SampledToken(tokens[i], logprobs[i], tuple(top_ids[i].tolist()),
+                                                        tuple(top_lp[i].tolist()))
+            else:
+                result[entry.request_id] = SampledToken(tokens[i], logprobs[i])
         return result
 
     def warmup(self) -> int:
@@ -556,14 +700,18 @@ class ModelRunner:
                 batch["image_rows"] = self._zeros(t)
             for history in (0, self.max_model_len):
                 self._run(batch, SamplingTensors.from_requests([], s, history))
+        for t, s in self.decode_shapes:
+            for history in (0, self.max_model_len):
+                _, self.pools = self._decode(self._leaves, self.pools, self._decode_batch(t, s),
+                                             SamplingTensors.from_requests([], s, history))
         for t, s in self.multi_step_shapes:
             for history in (0, self.max_model_len):
-                _, self.pools = self._multi(self.state, self.pools, self._multi_batch(t, s),
+                _, self.pools = self._multi(self._leaves, self.pools, self._multi_batch(t, s),
                                             SamplingTensors.from_requests([], s, history), self._no_last)
         if self.serve.max_beam_width > 1:  # the beam forks' page copy
             zeros = np.zeros(self.serve.max_num_seqs, np.int32)
             self.pools = self._copy(self.pools, *self._put((zeros, zeros)))
         if not self.text_only:
             v = self.model_cfg.vision
-            self._encode(self.state, self._put(np.zeros((v.image_size, v.image_size, v.channels), np.float32)))
+            self._encode(self._leaves, self._put(np.zeros((v.image_size, v.image_size, v.channels), np.float32)))
         return self.num_compiles - before

@@ -7,7 +7,10 @@ remaining budget is prefilled in chunks over several steps, mixed with other req
 running request needs a page and none is free, the least urgent running request is preempted: its pages are
 freed and it goes back to the waiting queue, to recompute prompt + generated tokens (minus prefix-cache hits).
 
-One step is `out = schedule()`, the model runs `out`, then `update_from_output(out, sampled)`. Pure Python.
+One step is `out = schedule()`, the model runs `out`, then `update_from_output(out, sampled)`. With overlapped
+scheduling the engine calls `advance(out)` right after dispatching `out`: its tokens count as computed and its
+samples stand as placeholders, so the next `schedule()` runs before `out`'s tokens reach the host, and
+`update_from_output` later fills the placeholders in and applies the stops. Pure Python.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from mmjax.errors import ConfigError
 from mmjax.serving.beam import BeamGroup
 from mmjax.serving.kv_manager import KVCacheManager
-from mmjax.serving.request import Request, RequestError, RequestStatus
+from mmjax.serving.request import PLACEHOLDER_TOKEN, Request, RequestError, RequestStatus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +123,7 @@ class Scheduler:
         self._order: dict[str, tuple[int, float, int]] = {}
         self._counter = itertools.count()
         self._finished_ids: list[str] = []
+        self._advanced: set[int] = set()  # steps passed to `advance`, not reported yet
         self._step = 0
         self.num_preemptions = 0
         self.num_draft_tokens = 0  # speculative tokens verified, over every request
@@ -197,6 +201,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         rid = request.request_id
+        request.drop_placeholders()  # a step still on the device computed them: their tokens are dropped
         self.kv.free(rid)
         if request.beam is not None:
             request.beam.release(self.kv)
@@ -211,6 +216,9 @@ class Scheduler:
         if request.beam is not None:
             request.beam.release(self.kv)  # the search restarts from the prompt
         request.spec_token_ids = []
+        # a token still on the device is recomputed after readmission (the same one: greedy, or the request's
+        # seed and step)
+        request.drop_placeholders()
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -277,6 +285,13 @@ class Scheduler:
     def _seq_cost(self, request: Request) -> int:
         return request.beam.seq_cost if request.beam is not None else 1
 
+    def _ends_in_flight(self, request: Request) -> bool:
+        """The request reaches max_tokens or the model's length with a token still on the device: it finishes
+        when that step is reported, so it is not scheduled again."""
+        return bool(request.num_output_placeholders) and (
+            len(request.output_token_ids) >= request.sampling_params.max_tokens
+            or request.num_tokens >= self.limits.max_model_len)
+
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens; the caller must run them and call `update_from_output` before the next."""
         budget = self.limits.max_num_batched_tokens
@@ -308,6 +323,9 @@ class Scheduler:
                     copies.extend(group.take_copies())
                     budget -= len(group.rows)
                     i += 1
+                continue
+            if self._ends_in_flight(request):
+                i += 1
                 continue
             n = self._chunk(request, request.num_computed_tokens, budget)
             drafts = self._num_drafts(request, n, budget)
@@ -408,6 +426,24 @@ class Scheduler:
         self._step += 1
         return SchedulerOutput(self._step, tuple(scheduled), (), (), (), ())
 
+    def advance(self, output: SchedulerOutput) -> None:
+        """`output` was dispatched and is reported later (overlapped scheduling): count its tokens as computed
+        and append a placeholder for each sample, so the next `schedule()` can run before its tokens reach the
+        host. A request sampling in `output` decodes its placeholder next (the runner feeds the device's token);
+        one that stops on it is finished by `update_from_output(output, ...)`, and the work a later step did
+        for it is dropped (its pages, freed then, go only to steps dispatched after that one). Plain steps only:
+        no beam rows, speculative tokens or multi-step entries."""
+        for entry in output.scheduled:
+            request = self.requests[entry.request_id] if not entry.owner else None
+            if request is None or request.beam is not None or entry.num_draft or entry.num_steps > 1:
+                raise ValueError(f"step {output.step}: only plain steps (no beam search, speculative or multi-step "
+                                 f"entries) can run ahead of their report; {entry.request_id!r} is not one")
+            request.num_computed_tokens += entry.num_tokens
+            if entry.samples:
+                request.output_token_ids.append(PLACEHOLDER_TOKEN)
+                request.num_output_placeholders += 1
+        self._advanced.add(output.step)
+
     def _make_room_for_urgent(self) -> list[str]:
         """Preempt running requests of a higher priority value than the head of the queue while it lacks the
         pages for its prompt (or a sequence slot). Victims go back to the queue behind it, so it is admitted
@@ -439,6 +475,8 @@ class Scheduler:
         done: list[Request] = []
         now = self.clock()
         beams: dict[str, Request] = {}
+        advanced = output.step in self._advanced  # its tokens were counted at dispatch (`advance`)
+        self._advanced.discard(output.step)
         for entry in output.scheduled:
             if entry.owner:  # a beam row: the search advances once all its rows are in
                 root = self.requests.get(entry.owner)
@@ -449,6 +487,10 @@ class Scheduler:
                 continue
             request = self.requests.get(entry.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            if advanced:
+                if self._report_advanced(request, entry, output.step, sampled_token_ids, now):
+                    done.append(request)
                 continue
             if request.num_computed_tokens != entry.start:
                 raise ValueError(f"request {entry.request_id!r}: output of step {output.step} starts at "
@@ -498,12 +540,39 @@ class Scheduler:
                 done.append(root)
         return done
 
+    def _report_advanced(self, request: Request, entry: ScheduledRequest, step: int,
+                         sampled_token_ids: Mapping[str, int | Sequence[int]], now: float) -> bool:
+        """Report an entry of an advanced step: cache its pages, put its token in place of the first
+        placeholder and apply the stops. True when the request finished."""
+        if request.num_computed_tokens < entry.start + entry.num_tokens:
+            raise ValueError(f"request {entry.request_id!r}: step {step} was advanced to "
+                             f"{entry.start + entry.num_tokens} computed tokens but the request has "
+                             f"{request.num_computed_tokens}; report every step exactly once, in order")
+        if entry.samples:
+            if entry.request_id not in sampled_token_ids:
+                raise ValueError(f"request {entry.request_id!r}: step {step} scheduled it to sample but "
+                                 "sampled_token_ids has no token for it")
+            got = sampled_token_ids[entry.request_id]
+            token = int(got[0] if isinstance(got, Sequence) else got)
+            request.output_token_ids[request.num_known_output_tokens] = token
+            request.num_output_placeholders -= 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+        self.kv.cache_pages(request)
+        status = self._stop_status(request, token) if entry.samples else None
+        if status is None:
+            return False
+        self.running.remove(request)
+        self._finish(request, status)
+        return True
+
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
         if (not params.ignore_eos and token == request.eos_token_id) or token in params.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.limits.max_model_len:
+        known = request.num_known_output_tokens
+        if known >= params.max_tokens or request.num_prompt_tokens + known >= self.limits.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from mmjax.config import ServeConfig, SpeculativeConfig
 from mmjax.errors import ConfigError
@@ -120,11 +119,9 @@ class DraftRunner(ModelRunner):
     """A `ModelRunner` over the draft model whose step returns each row's sampled token and keeps on the device
     the probabilities it was drawn from (greedy rows: one-hot at the argmax)."""
 
-    step_keeps_output = True  # the probabilities
-
     def _step_fn(self, state, pools, batch, sampling):
         self.num_compiles += 1
-        model = nnx.merge(self.graphdef, state)
+        model = self._model(state)
         meta = PagedMeta(batch["slot_mapping"], batch["page_table"], batch["query_start"], batch["query_len"],
                          batch["context_len"], batch["logits_indices"])
         rows, mask = batch.get("image_rows"), batch.get("image_mask")
@@ -164,7 +161,7 @@ class DraftRunner(ModelRunner):
         step = np.asarray(sampling.step).copy()
         step[:len(entries)] = step[:len(entries)] * 64 + np.asarray([e[4] for e in entries])
         sampling = sampling.replace(step=step)
-        handle, self.pools = self._step.dispatch(self.state, self.pools, batch, sampling)
+        handle, self.pools = self._step.dispatch(self._leaves, self.pools, batch, sampling)
         self.num_steps += 1
         return self._step.outputs(handle)[0], handle[2]
 

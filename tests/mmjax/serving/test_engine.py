@@ -270,9 +270,11 @@ def test_serve_config_is_validated(override, message):
         load_config(None, [override])
 
 
-def test_multi_step_decode_through_the_gpu_kernels_equals_xla(tiny, monkeypatch):
-    """The multi-step decode with a GPU's kernel choices (assumed; Pallas in interpret mode: attention writing its
-    own k, v in slot order, norms, SwiGLU) generates the tokens of the XLA paths."""
+@pytest.mark.parametrize("decode_steps", [4, 1])
+def test_multi_step_decode_through_the_gpu_kernels_equals_xla(tiny, monkeypatch, decode_steps):
+    """The multi-step decode, and single decode steps (overlapped), with a GPU's kernel choices (assumed; Pallas
+    in interpret mode: attention writing its own k, v in slot order, norms, SwiGLU) generate the tokens of the
+    XLA paths."""
     import importlib
 
     from mmjax.kernels import _dispatch
@@ -289,7 +291,7 @@ def test_multi_step_decode_through_the_gpu_kernels_equals_xla(tiny, monkeypatch)
     model_cfg = dataclasses.replace(model_cfg, text=dataclasses.replace(model_cfg.text, dim=64))  # head_dim 16
     model = tiny["model"](model_cfg, seed=5)
     serve = tiny["serve"](page_size=4, num_pages=22, max_num_batched_tokens=16, max_num_seqs=4, min_token_bucket=8,
-                          max_model_len=40, decode_steps=4)
+                          max_model_len=40, decode_steps=decode_steps)
     cfg = dataclasses.replace(Config(), model=model_cfg, serve=serve)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(4, 64, int(n)).tolist() for n in (5, 9, 3)]

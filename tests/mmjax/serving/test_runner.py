@@ -86,7 +86,7 @@ def test_runner_greedy_stream_no_recompiles_and_image_cache(tiny):
     model = tiny["model"](cfg, seed=3)
     serve = tiny["serve"](page_size=4, num_pages=40, max_num_batched_tokens=16, max_num_seqs=4, min_token_bucket=8)
     runner = ModelRunner(model, serve, max_model_len=32)
-    assert runner.warmup() == 2 * len(runner.token_buckets) + 1
+    assert runner.warmup() == 2 * (len(runner.token_buckets) + len(runner.decode_shapes)) + 1  # + the encoder
     compiles = runner.num_compiles
     sched = Scheduler(KVCacheManager(serve.num_pages, serve.page_size), max_num_batched_tokens=16, max_num_seqs=4,
                       max_model_len=32)
