@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.kernels import _dispatch
-from mmjax.kernels.norms.pallas import norm
+from mmjax.kernels.norms import pallas
 
 __all__ = ["rms_norm", "layer_norm", "norm_reference", "OP"]
 
@@ -38,7 +38,7 @@ def norm_reference(x, scale, bias=None, residual=None, *, eps: float, center: bo
 
 
 def _pallas(*args, **kw):
-    return norm(*args, **kw)
+    return pallas.norm(*args, **kw)
 
 
 def _pallas_guard(ctx):

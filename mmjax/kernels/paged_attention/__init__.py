@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from mmjax.kernels import _dispatch
-from mmjax.kernels.paged_attention.pallas import paged_attention_pallas
+from mmjax.kernels.paged_attention import pallas
 
 __all__ = ["paged_attention", "paged_attention_reference", "check_inputs", "check_pool", "pallas_pool_guard", "OP"]
 
@@ -79,7 +79,7 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, lengths):
 
 
 def _pallas(q, k_pages, v_pages, page_table, lengths):
-    return paged_attention_pallas(q, k_pages, v_pages, page_table, lengths)
+    return pallas.paged_attention_pallas(q, k_pages, v_pages, page_table, lengths)
 
 
 def _pow2(n) -> bool:

@@ -66,7 +66,7 @@ from mmjax.kernels import _dispatch, _sharding
 from mmjax.kernels.attention.reference import attention_reference, make_mask
 from mmjax.kernels.kv_pages import ScaledPages, dequantize_pages, split_pages, write_pages
 from mmjax.kernels.paged_attention import check_pool, pallas_pool_guard
-from mmjax.kernels.ragged_paged_attention.pallas import ragged_paged_attention_pallas
+from mmjax.kernels.ragged_paged_attention import pallas
 
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "check_inputs", "token_owner", "OP"]
 
@@ -139,7 +139,7 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, page_table, query_star
 def _pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len, kv_block_ids=None,
             q_block_ids=None, *, max_query_len=None, k_scale=None, v_scale=None, layer=None, new_kv=None,
             slot_tokens=False):
-    return ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
+    return pallas.ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, query_len, context_len,
                                          kv_block_ids, q_block_ids, max_query_len=max_query_len, k_scale=k_scale,
                                          v_scale=v_scale, layer=layer, new_kv=new_kv, slot_tokens=slot_tokens)
 

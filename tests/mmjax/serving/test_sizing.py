@@ -52,8 +52,7 @@ def test_plan_fills_the_budget_with_a_valid_pool(budget_gib):
     # as many sequences as the pool holds at half the model's length
     assert plan.max_num_seqs == min(MAX_AUTO_SEQS, (plan.num_pages - 1) * serve.page_size // 1024)
     # the planned values pass the config's validation and the engine's request-size check
-    from mmjax.config import validate_serve
-    validate_serve(dataclasses.replace(serve, num_pages=plan.num_pages, max_num_seqs=plan.max_num_seqs), 2048)
+    dataclasses.replace(serve, num_pages=plan.num_pages, max_num_seqs=plan.max_num_seqs).check(2048)
 
 
 def test_plan_keeps_user_values_and_refuses_a_budget_too_small():
