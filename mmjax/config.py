@@ -134,7 +134,8 @@ class ModelConfig:
     # (what LLaVA in transformers does; converted LLaVA checkpoints set it).
     image_attention: Literal["bidirectional", "causal"] = "bidirectional"
     # "hf:PATH": start from a Hugging Face model folder: shapes from its config.json (other keys may be
-    # overridden), weights converted once into data.cache_dir, tokenizer + chat template from the folder
+    # overridden), weights converted once into data.cache_dir, tokenizer + chat template from the folder.
+    # "gguf:FILE" (llama.cpp's format): the run converts the file into such a folder first (hf: after loading)
     init_from: str = ""
 
     @property
@@ -618,7 +619,8 @@ def validate(cfg: Config) -> None:
                         ("eval.batch_size", cfg.eval.batch_size), ("data.num_shards", cfg.data.num_shards)]:
         need(value > 0, f"{name} must be positive, got {value}")
     need(m.init_from == "" or (m.init_from.startswith("hf:") and len(m.init_from) > 3),
-         f"model.init_from={m.init_from!r} must be empty or hf:PATH (a local Hugging Face model folder)")
+         f"model.init_from={m.init_from!r} must be empty or hf:PATH (a local Hugging Face model folder); "
+         "gguf:FILE is read by python -m mmjax.train, which converts it into such a folder")
     need(t.n_heads % t.n_kv_heads == 0,
          f"model.text.n_heads={t.n_heads} must be a multiple of model.text.n_kv_heads={t.n_kv_heads}")
     need(t.head_dim > 0 or t.dim % t.n_heads == 0,
