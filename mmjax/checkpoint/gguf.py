@@ -259,6 +259,11 @@ def gguf_to_hf(path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = 
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if (out / "config.json").is_file():  # another process finished the same conversion first
+            return out
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
