@@ -25,7 +25,7 @@ from mmjax.engine.evaluate import Evaluator, make_eval_engine, write_predictions
 from mmjax.engine.feed import DeviceFeed
 from mmjax.engine.init import create_train_state, model_setup
 from mmjax.engine.memory import device_memory_limit, is_device_oom, oom_error
-from mmjax.engine.optimizer import learning_rate_schedule, make_optimizer
+from mmjax.engine.optimizer import learning_rate_schedule, make_optimizer, resumed_schedule_warning
 from mmjax.engine.steps import jit_train_step
 from mmjax.observe.monitor import TrainMonitor
 from mmjax.parallel.mesh import make_mesh, resolve_mesh_shape
@@ -82,6 +82,9 @@ class Trainer:
                 jax.tree.map(lambda x: x.delete(), self.state)  # free the fresh init: peak memory stays one state
                 restored = reader.restore(step, target)
                 ckpt.check_data_compatible(restored.meta, cfg, f"checkpoint {restored.path}")
+                warning = resumed_schedule_warning(restored.meta.get("config") or {}, cfg, step)
+                if warning:
+                    log.warning("%s", warning)
                 self.state, self.data_state = self.canonical.state_to_stored(restored.state), restored.data
                 log.info("resumed from %s (step %d)", restored.path, step)
         # one sharding context (rules, context parallelism, per-shard kernels) for training and evaluation
