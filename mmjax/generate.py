@@ -7,11 +7,14 @@ folder's own tokenizer. The prompt is rendered with the model's chat template as
 `--system`, if given) plus the generation prompt; `--raw` sends it as plain text instead. Each `--image`
 adds an image placeholder before the prompt unless the prompt has image markers (`<image>`) itself.
 Greedy by default (`--temperature 0`). Overrides (e.g. `serve.num_pages=1024`) apply to the loaded config.
+`--json` prints one JSON object for scripts instead of the text: the prompt and answer token ids, the text, each
+answer token's logprob (and with `--logprobs N` the N most likely tokens at each step), the finish reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -37,6 +40,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype to serve in")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where Hugging Face weights are converted to")
+    p.add_argument("--json", action="store_true", help="print ids, text, logprobs and finish reason as JSON")
+    p.add_argument("--logprobs", type=int, default=0, help="with --json: the N most likely tokens at each step")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. serve.num_pages=1024")
     return p.parse_intermixed_args(argv)
 
@@ -65,7 +70,8 @@ def prompt_input(llm, prompt: str, num_images: int, system: str | None, raw: boo
     return render_chat(tok, messages, image_tokens=image_tokens, add_generation_prompt=True)
 
 
-def generate(args: argparse.Namespace) -> str:
+def generate(args: argparse.Namespace):
+    """The request's `CompletionOutput`."""
     from mmjax.data.tokenizer import Tokenizer
     from mmjax.serving.engine import LLM
     from mmjax.serving.request import SamplingParams
@@ -84,9 +90,20 @@ def generate(args: argparse.Namespace) -> str:
     tok = llm.engine.tokenizer
     stops = tuple(getattr(tok, "stop_ids", [])[1:])  # eos ends requests already; generation_config's others
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed, stop_token_ids=stops)
+                            seed=args.seed, stop_token_ids=stops, logprobs=args.logprobs or None)
     (out,) = llm.generate([prompt], params, images=[images] if images else None)
-    return out.text
+    return out
+
+
+def as_json(out) -> dict:
+    """What `--json` prints: the logprob of each answer token (and its top alternatives when asked for)."""
+    record = {"prompt_token_ids": list(out.prompt_token_ids), "token_ids": list(out.token_ids), "text": out.text,
+              "logprobs": [float(s.logprob) for s in out.logprobs], "finish_reason": out.finish_reason,
+              "stop_reason": out.stop_reason}
+    if any(s.top_ids for s in out.logprobs):
+        record["top_logprobs"] = [[{"id": int(i), "logprob": float(lp)} for i, lp in zip(s.top_ids, s.top_logprobs)]
+                                  for s in out.logprobs]
+    return record
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on reading a checkpoint read-only
     try:
-        text = generate(args)
+        out = generate(args)
     except (MmjaxError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(text)
+    print(json.dumps(as_json(out)) if args.json else out.text)
     return 0
 
 
