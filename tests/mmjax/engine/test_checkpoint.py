@@ -142,6 +142,12 @@ def test_export_has_the_runs_tokenizer_and_an_eval_less_end_prints_nothing(runs,
     _, split, common = runs
     out = export_hf(split / "checkpoints", tmp_path / "hf", decoder_only=True)  # no --tokenizer
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
+    config = json.loads((out / "config.json").read_text())  # no Hugging Face source: the run tokenizer's ids
+    from mmjax.data.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(out)
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (tok.bos_id, tok.eos_id,
+                                                                                         tok.pad_id)
     capsys.readouterr()
     assert main(common + [f"train.output_dir={split}", f"train.steps={2 * N}"]) == 0  # nothing left to train
     assert capsys.readouterr().out == ""  # no "{}" for a run that ran no evaluation
