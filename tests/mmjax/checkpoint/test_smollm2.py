@@ -67,3 +67,54 @@ def test_greedy_answers_equal_transformers(smollm2, hf_answers, tmp_path_factory
     for out, (_, want) in zip(outs, answers):
         got = [t for t in out.token_ids if t != hf_tok.eos_token_id]
         assert got == want, (hf_tok.decode(got), hf_tok.decode(want))
+
+
+RECORDS = [{"id": str(i), "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+           for i, (q, a) in enumerate([("What colour is the sky on a clear day?", "Blue."), ("What is 2 + 2?", "4."),
+                                       ("Name a fruit.", "An apple."), ("What is the capital of Italy?", "Rome.")])]
+
+
+@pytest.mark.slow
+def test_ten_step_full_fine_tune_exports_with_the_same_logits(smollm2, tmp_path):
+    """Every weight trains (float32, 10 steps on four chat examples), the run exports to a Hugging Face folder, and
+    transformers' logits of that folder equal mmjax's of the trained parameters; the exported config keeps the
+    source's context length and token ids."""
+    import json
+
+    import jax
+    import numpy as np
+
+    from mmjax.engine.convert import export_hf
+    from mmjax.engine.convert.init_from import load_run_config
+    from mmjax.engine.trainer import Trainer
+    from mmjax.serving.load import build_model
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    cfg = load_run_config("finetune_llava.yaml", [
+        f"model.init_from=hf:{smollm2}", f"data.paths=[{data}]", f"data.cache_dir={tmp_path / 'cache'}",
+        f"train.output_dir={tmp_path / 'run'}", "model.max_seq_len=64", "model.compute_dtype=float32",
+        "model.remat=none", "data.packing=false", "data.num_workers=0", "train.global_batch_size=2",
+        "train.steps=10", "optim.warmup_steps=0", "optim.lr=1e-4", "observe.sinks=[jsonl]", "observe.log_every=1",
+        "checkpoint.every_steps=0", "checkpoint.async=false"])
+    trainer = Trainer(cfg, devices=jax.devices()[:1])  # a batch of 2 on one device: the CPU's real layout
+    trainer.run()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(x)["train/loss"] for x in lines if "train/loss" in x]
+    assert len(losses) == 10 and np.isfinite(losses).all() and losses[-1] < losses[0]
+
+    out = export_hf(tmp_path / "run" / "checkpoints", tmp_path / "hf")
+    exported = json.loads((out / "config.json").read_text())
+    source = json.loads((smollm2 / "config.json").read_text())
+    for key in ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
+        assert exported[key] == source[key], key
+    tokens = np.asarray([Tokenizer.from_file(out).encode("The capital of Italy is Rome, and of France")], np.int32)
+    pos = np.arange(tokens.shape[1], dtype=np.int32)[None]
+    mm = build_model(cfg, jax.tree.map(np.asarray, jax.device_get(trainer.state.params)), image_token_id=0)
+    ours = np.asarray(mm(tokens, pos, np.ones_like(tokens)))
+    with torch.no_grad():
+        theirs = T.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(
+            torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+        before = T.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()(
+            torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert np.abs(ours - theirs).max() < 1e-3 < np.abs(theirs - before).max()  # exact export; the weights moved
