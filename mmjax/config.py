@@ -177,7 +177,8 @@ class ModelConfig:
     # (what LLaVA in transformers does; converted LLaVA checkpoints set it).
     image_attention: Literal["bidirectional", "causal"] = "bidirectional"
     # "hf:PATH": start from a Hugging Face model folder: shapes from its config.json (other keys may be
-    # overridden), weights converted once into data.cache_dir, tokenizer + chat template from the folder
+    # overridden), weights converted once into data.cache_dir, tokenizer + chat template from the folder.
+    # "gguf:FILE" (llama.cpp's format): the run converts the file into such a folder first (hf: after loading)
     init_from: str = ""
 
     @property
@@ -192,7 +193,8 @@ class ModelConfig:
              f"model.loss_chunk_tokens must be >= 0 (0: automatic), got {self.loss_chunk_tokens}")
         need_positive([("model.vocab_size", self.vocab_size), ("model.max_seq_len", self.max_seq_len)])
         need(self.init_from == "" or (self.init_from.startswith("hf:") and len(self.init_from) > 3),
-             f"model.init_from={self.init_from!r} must be empty or hf:PATH (a local Hugging Face model folder)")
+             f"model.init_from={self.init_from!r} must be empty or hf:PATH (a local Hugging Face model folder); "
+             "gguf:FILE is read by python -m mmjax.train, which converts it into such a folder")
         self.text.validate()
         self.vision.validate()
         need(self.text_only or cfg.data.max_images * self.image_tokens < self.max_seq_len,

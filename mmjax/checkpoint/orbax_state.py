@@ -45,6 +45,7 @@ from etils import epath
 
 from mmjax.config import Config, to_dict
 from mmjax.errors import CheckpointError
+from mmjax.observe.console import demote_orbax_notices
 from mmjax.observe.memory import is_device_oom
 
 log = logging.getLogger(__name__)
@@ -270,6 +271,8 @@ class Checkpointer:
                      jax.process_count())
         self._saver: threading.Thread | None = None  # the background save of a device snapshot
         self._saver_error: BaseException | None = None
+        if read_only:
+            demote_orbax_notices()  # reading with read_only=True is the intent, not something to warn about
         if read_only and not self.directory.is_dir():
             raise CheckpointError(f"checkpoint folder {self.directory} does not exist; pass an existing "
                                   "checkpoint folder (or step folder inside it) to train.resume")

@@ -160,8 +160,10 @@ class Tokenizer:
             if value is not None:
                 special[role] = value
         kwargs = {f"{role}_token": text for role, text in special.items()}  # as transformers' special_tokens_map
+        # other named tokens too; flags such as add_bos_token (true/false) name no token
         kwargs.update((k, v) for k, v in ((key, _token_text(val, folder / CONFIG_FILE, key))
-                                          for key, val in config.items() if key.endswith("_token")) if v is not None)
+                                          for key, val in config.items()
+                                          if key.endswith("_token") and not isinstance(val, bool)) if v is not None)
         image_id = _model_image_token_id(folder)
         if image_id is not None and tok.id_to_token(image_id) is not None:
             special["image"] = tok.id_to_token(image_id)

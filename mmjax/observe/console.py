@@ -34,6 +34,26 @@ class ConsoleFilter(logging.Filter):
         return not any(name == q or name.startswith(q + ".") for q in QUIET_ON_CONSOLE)
 
 
+class _OrbaxNoticesAsInfo(logging.Filter):
+    """Orbax's `ORBAX_NOTICES` as INFO records: mmjax opens checkpoints read-only on purpose, so they warn nobody
+    who uses the library (a handler at INFO, such as the run's log file, still records them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and record.getMessage().startswith(ORBAX_NOTICES):
+            if not logging.getLogger(record.name).isEnabledFor(logging.INFO):
+                return False  # as an INFO record it would not have been logged at all
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def demote_orbax_notices() -> None:
+    """Make Orbax's read-only notices INFO on the `absl` logger, whatever handlers the application has (the
+    library's readers call this; the command-line filter above does the same for the console)."""
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _OrbaxNoticesAsInfo) for f in absl.filters):
+        absl.addFilter(_OrbaxNoticesAsInfo())
+
+
 def _handler(name: str) -> logging.Handler | None:
     return next((h for h in logging.getLogger().handlers if h.get_name() == name), None)
 

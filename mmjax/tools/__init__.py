@@ -1,6 +1,7 @@
 """Command-line tools; each module only parses arguments and calls library code.
 
     python -m mmjax.tools.convert_checkpoint   Hugging Face <-> mmjax checkpoints (also `mmjax-convert`)
+    python -m mmjax.tools.get_model            a real model (SmolLM2-135M-Instruct) or a GGUF file -> HF folder
     python -m mmjax.tools.prepare_data         LLaVA JSON / Parquet -> sharded ArrayRecord (`mmjax-prepare-data`)
     python -m mmjax.tools.train_tokenizer      BPE tokenizer of the model's vocab size (`mmjax-train-tokenizer`)
     python -m mmjax.tools.plot_metrics         metrics.jsonl of one or more runs -> PNGs (`mmjax-plot`)

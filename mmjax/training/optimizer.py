@@ -31,6 +31,23 @@ def learning_rate_schedule(cfg: Config) -> optax.Schedule:
     return optax.join_schedules([ramp, decay], [warmup])
 
 
+def resumed_schedule_warning(saved: dict, cfg: Config, step: int) -> str | None:
+    """What to warn when a run resumed at `step` follows another learning-rate schedule than the run that wrote
+    the checkpoint (`saved`: its resolved config) because train.steps changed while optim.schedule_steps stayed
+    0 (the schedule's length follows train.steps); None when the schedule is the same or set on purpose."""
+    if cfg.optim.schedule_steps:
+        return None
+    before = (saved.get("optim") or {}).get("schedule_steps") or (saved.get("train") or {}).get("steps")
+    now = cfg.train.steps
+    if not isinstance(before, int) or before == now:
+        return None
+    if cfg.optim.schedule == "constant" and cfg.optim.warmup_steps <= min(step, before, now):
+        return None  # past the warmup a constant schedule does not depend on its length
+    return (f"the checkpoint's run had a learning-rate schedule of {before} steps, this one has {now} "
+            f"(train.steps={now}, optim.schedule_steps=0), so from step {step} on the learning rate is not the one "
+            f"that run would have used; set optim.schedule_steps={before} to keep its schedule")
+
+
 def _decay_mask(params):
     """Weight decay on matrices only: norms, biases and other vectors are not decayed."""
     return jax.tree.map(lambda p: p.ndim >= 2, params)

@@ -31,7 +31,7 @@ from mmjax.training.evaluate import Evaluator, make_eval_engine, write_predictio
 from mmjax.training.feed import DeviceFeed
 from mmjax.training.init import create_train_state, model_setup
 from mmjax.training.jit_step import jit_train_step
-from mmjax.training.optimizer import learning_rate_schedule, make_optimizer
+from mmjax.training.optimizer import learning_rate_schedule, make_optimizer, resumed_schedule_warning
 from mmjax.training.pipeline.canonical import CanonicalLayout
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,11 @@ class Trainer:
         self.data_state: Any = None
         self.stop_requested = threading.Event()
         if resume_from is not None:
-            self.state, self.data_state = self.canonical.restore(*resume_from, self.state, cfg)
+            reader, step = resume_from
+            self.state, self.data_state, meta = self.canonical.restore(reader, step, self.state, cfg)
+            warning = resumed_schedule_warning(meta.get("config") or {}, cfg, step) if meta else None
+            if warning:
+                log.warning("%s", warning)
         # one sharding context (rules, context parallelism, per-shard kernels) for training and evaluation
         self.sharding = context_from_config(cfg, self.mesh)
         self._train_step = jit_train_step(cfg, self.setup, self.optimizer, self.schedule, state_shardings,

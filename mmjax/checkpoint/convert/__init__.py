@@ -32,6 +32,7 @@ from mmjax.checkpoint.convert.hf import (
     ConversionError,
     Rule,
     find_layout,
+    kept_fields,
     model_config_from_hf,
     rules_for,
     text_config_to_hf,
@@ -40,6 +41,8 @@ from mmjax.checkpoint.convert.hf import (
 from mmjax.checkpoint.convert.safetensors_io import SafetensorsFolder, write_sharded
 from mmjax.checkpoint.orbax_state import FORMAT_VERSION, Checkpointer, is_step_dir, numpy_params, package_versions
 from mmjax.config import Config, ModelConfig, from_tree, to_dict, validate
+from mmjax.data.tokenizer import Tokenizer
+from mmjax.errors import DataError
 from mmjax.model import MLLM
 
 log = logging.getLogger(__name__)
@@ -247,7 +250,12 @@ def export_hf(ckpt: str | Path, out: str | Path, *, step: int | None = None, fam
     dtype = dtype or {np.dtype(np.float32): "float32", NP_DTYPES["bfloat16"]: "bfloat16",
                       np.dtype(np.float16): "float16"}.get(first.dtype, "float32")
     out_dtype = _np_dtype(dtype)
-    text_hf = text_config_to_hf(m.text, m.vocab_size, m.max_seq_len, text_family, dtype)
+    tok_src = Path(tokenizer) if tokenizer else _default_tokenizer_dir(step_dir) or _init_from_dir(m)
+    kept = hf_info.get("kept") or {"text": _tokenizer_ids(tok_src)}
+    # the source's context length and token ids; a longer model.max_seq_len (the user's) raises the first
+    max_len = max(m.max_seq_len, kept["text"].get("max_position_embeddings", 0))
+    text_hf = {**text_config_to_hf(m.text, m.vocab_size, max_len, text_family, dtype),
+               **{k: v for k, v in kept["text"].items() if k != "max_position_embeddings"}}
     if llava:
         if m.image_attention != "causal":
             raise ConversionError("model.image_attention=bidirectional: LLaVA in transformers attends causally over "
@@ -267,7 +275,7 @@ def export_hf(ckpt: str | Path, out: str | Path, *, step: int | None = None, fam
                   "vision_feature_select_strategy": "default" if m.vision.class_token else "full",
                   "image_seq_length": m.image_tokens,
                   "multimodal_projector_bias": True, "tie_word_embeddings": m.text.tie_embeddings,
-                  "dtype": dtype, "torch_dtype": dtype}
+                  "dtype": dtype, "torch_dtype": dtype, **kept.get("top", {})}
         layout = EXPORT_LAYOUT[True]
         rules = rules_for(m, layout, True, vision_hf["model_type"])
     else:
@@ -280,7 +288,6 @@ def export_hf(ckpt: str | Path, out: str | Path, *, step: int | None = None, fam
     out.mkdir(parents=True, exist_ok=True)
     files = write_sharded(out, tensors, max_shard_bytes=max_shard_bytes)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-    tok_src = Path(tokenizer) if tokenizer else _default_tokenizer_dir(step_dir) or _init_from_dir(m)
     copied = _copy_tokenizer(tok_src, out) if tok_src is not None else []
     log.info("exported %s -> %s (%d files; tokenizer files: %s)", step_dir, out, len(files), copied or "none")
     return out
@@ -300,10 +307,29 @@ def _init_from_info(m: ModelConfig) -> dict[str, Any]:
         return {}
     hf = json.loads((folder / "config.json").read_text())
     if hf.get("model_type") != "llava":
-        return {"family": hf.get("model_type"), "text_family": hf.get("model_type")}
+        return {"family": hf.get("model_type"), "text_family": hf.get("model_type"), "kept": kept_fields(hf)}
     token = hf.get("image_token_id", hf.get("image_token_index"))
     return {"family": "llava", "text_family": hf.get("text_config", {}).get("model_type"),
-            "vision_family": hf.get("vision_config", {}).get("model_type"), "image_token_id": token}
+            "vision_family": hf.get("vision_config", {}).get("model_type"), "image_token_id": token,
+            "kept": kept_fields(hf)}
+
+
+def _tokenizer_ids(folder: Path | None) -> dict[str, int]:
+    """bos/eos/pad ids of the tokenizer an export copies, for a model that has no Hugging Face source."""
+
+    if folder is None or not (folder / "tokenizer.json").is_file():
+        return {}
+    try:
+        tok = Tokenizer.from_file(folder)
+    except DataError:
+        return {}
+    ids = {}
+    for key, role in (("bos_token_id", "bos_id"), ("eos_token_id", "eos_id"), ("pad_token_id", "pad_id")):
+        try:
+            ids[key] = getattr(tok, role)
+        except DataError:  # the tokenizer has no such token
+            pass
+    return ids
 
 
 def _default_tokenizer_dir(step_dir: Path) -> Path | None:

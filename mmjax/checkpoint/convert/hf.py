@@ -304,11 +304,24 @@ EXPORT_LAYOUT = {False: Layout("model.", "lm_head.weight"),
                               "vision_tower.vision_model.", "multi_modal_projector.")}
 
 
+KEPT_FIELDS = ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def kept_fields(hf: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The config.json values an export writes back as they were (mmjax has no setting of its own for them): the
+    decoder's context length and token ids ("text"), and a LLaVA's top-level token ids ("top")."""
+    text = hf.get("text_config", hf) if hf.get("model_type") == "llava" else hf
+    kept = {"text": {k: text[k] for k in KEPT_FIELDS if text.get(k) is not None}}
+    if text is not hf:
+        kept["top"] = {k: hf[k] for k in KEPT_FIELDS[1:] if hf.get(k) is not None}
+    return kept
+
+
 def model_config_from_hf(hf: dict[str, Any], preprocessor: dict[str, Any] | None, max_seq_len: int,
                          param_dtype: str) -> tuple[ModelConfig, dict[str, Any]]:
     """(mmjax ModelConfig, hf info for meta) from a config.json dict."""
     family = hf.get("model_type")
-    info: dict[str, Any] = {"family": family}
+    info: dict[str, Any] = {"family": family, "kept": kept_fields(hf)}
     if family == "llava":
         text_hf, vision_hf = hf["text_config"], hf["vision_config"]
         # mmjax feeds the decoder exactly the patch tokens: CLIP + "default" (drop [CLS]), SigLIP + "full".

@@ -6,6 +6,8 @@ YAML or overrides may change any key except the shapes the weights fix (`SHAPE_K
 weights are converted once into `<data.cache_dir>/hf_import/<name>-<fingerprint>/` (a params-only mmjax
 checkpoint, keyed by the folder's files and the parameter dtype) and a fresh run starts from that copy;
 a run that already has its own checkpoints resumes from those (`train.resume` is for resuming only).
+`model.init_from=gguf:FILE` (llama.cpp's format) first converts the file into such a folder under
+`<data.cache_dir>/gguf_import/` (`mmjax.checkpoint.gguf`) and continues as `hf:` that folder.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ from typing import Any
 
 from mmjax.checkpoint.convert import import_hf
 from mmjax.checkpoint.convert.hf import ConversionError, model_config_from_hf
+from mmjax.checkpoint.gguf import gguf_to_hf
 from mmjax.checkpoint.orbax_state import FORMAT_VERSION, Checkpointer
-from mmjax.config import Config, deep_merge, from_tree, load_yaml_tree, to_dict, validate
+from mmjax.config import Config, DataConfig, deep_merge, from_tree, load_yaml_tree, to_dict, validate
 from mmjax.config import apply_override as _override
 from mmjax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 PREFIX = "hf:"
+GGUF_PREFIX = "gguf:"  # llama.cpp's format: converted into a Hugging Face folder, then as hf:
 # model keys the converted weights fix; vision/projector ones only for checkpoints with a vision tower
 SHAPE_KEYS = ("vocab_size", "text.dim", "text.n_layers", "text.n_heads", "text.n_kv_heads", "text.head_dim",
               "text.mlp_dim", "text.tie_embeddings", "text.qkv_bias")
@@ -107,11 +111,35 @@ def load_run_config(path: str | os.PathLike | Sequence[str | os.PathLike] | None
     for override in overrides:
         _override(tree, override)
     init_from = _get(tree, "model.init_from")
+    if isinstance(init_from, str) and init_from.startswith(GGUF_PREFIX):
+        cache = _get(tree, "data.cache_dir") or DataConfig.cache_dir
+        init_from = PREFIX + str(gguf_folder(init_from, cache))
+        tree = {**tree, "model": {**tree["model"], "init_from": init_from}}
     if isinstance(init_from, str) and init_from.startswith(PREFIX):
         tree = with_hf_model(tree)
     cfg = from_tree(Config, tree)
     validate(cfg)
     return cfg
+
+
+def gguf_folder(init_from: str, cache_dir: str | os.PathLike) -> Path:
+    """The Hugging Face folder of `gguf:FILE`, converted once into `<cache_dir>/gguf_import/<stem>-<fingerprint>/`
+    (keyed by the file's path, size and modification time)."""
+
+    path = Path(init_from.removeprefix(GGUF_PREFIX)).expanduser().absolute()
+    if not path.is_file():
+        raise ConfigError(f"model.init_from={init_from}: {path} is not a file; pass gguf:<a local .gguf file>")
+    stat = path.stat()
+    key = hashlib.sha256(json.dumps([str(path), stat.st_size, stat.st_mtime_ns]).encode()).hexdigest()[:16]
+    folder = Path(cache_dir).expanduser() / "gguf_import" / f"{path.stem}-{key}"
+    if not (folder / "config.json").is_file():
+        log.info("converting %s into %s (once; later runs reuse it)", path, folder)
+        try:
+            gguf_to_hf(path, folder)
+        except ConversionError as e:
+            if not (folder / "config.json").is_file():  # else another process finished the same conversion
+                raise ConfigError(f"model.init_from={init_from}: {e}") from None
+    return folder
 
 
 def _fingerprint(folder: Path, dtype: str) -> str:

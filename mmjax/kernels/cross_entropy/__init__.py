@@ -139,7 +139,7 @@ def _chunked(x, w, labels, weights, *, w_layout, chunk=None):
 def _xla(x, w, labels, weights, *, w_layout, chunk=None):
     """The reference's full logits, with the target logit by a masked sum as in `_chunk_step`: XLA's SPMD
     partitioner aborts on take_along_axis's gather inside a shard_map that leaves other mesh axes automatic
-    (the pipeline's last stage, `mmjax.engine.pipeline`)."""
+    (the pipeline's last stage, `mmjax.training.pipeline.run`)."""
     del chunk
     logits = _logits(x, w, w_layout)
     onehot = lax.broadcasted_iota(jnp.int32, logits.shape, 1) == labels[:, None]

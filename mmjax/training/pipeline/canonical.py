@@ -42,8 +42,9 @@ class CanonicalLayout:
         self._params_to_canonical = jax.jit(storage.params_to_canonical, out_shardings=canonical.param_shardings)
         self._param_shardings = setup.param_shardings
 
-    def restore(self, reader: ckpt.Checkpointer, step: int, state: Any, cfg: Config) -> tuple[Any, Any]:
-        """(train state in this run's layout, data-loader state or None) from checkpoint `step` of `reader`.
+    def restore(self, reader: ckpt.Checkpointer, step: int, state: Any, cfg: Config) -> tuple[Any, Any, dict | None]:
+        """(train state in this run's layout, data-loader state or None, the checkpoint's meta or None) from
+        checkpoint `step` of `reader`.
 
         A params-only checkpoint (converted or exported weights) replaces the params it holds and keeps `state`'s
         fresh optimizer, step 0 and data order; a full one replaces everything (its data position must suit
@@ -51,13 +52,13 @@ class CanonicalLayout:
         if reader.is_params_only(step):
             params = reader.restore_params(step, self.params_target(state.params))
             log.info("initialised %s from %s", sorted(params), reader.directory / str(step))
-            return state.replace(params={**state.params, **self.params_to_stored(params)}), None
+            return state.replace(params={**state.params, **self.params_to_stored(params)}), None, None
         target = self.target(state)
         jax.tree.map(lambda x: x.delete(), state)
         restored = reader.restore(step, target)
         ckpt.check_data_compatible(restored.meta, cfg, f"checkpoint {restored.path}")
         log.info("resumed from %s (step %d)", restored.path, step)
-        return self.state_to_stored(restored.state), restored.data
+        return self.state_to_stored(restored.state), restored.data, restored.meta
 
     def target(self, state: Any) -> Any:
         """The restore target (ShapeDtypeStructs with shardings) of a checkpoint for this run's `state`."""

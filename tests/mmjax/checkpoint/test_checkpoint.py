@@ -5,6 +5,7 @@ feeds the resharding and error tests, so the module compiles the tiny model only
 """
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ from mmjax.checkpoint.orbax_state import Checkpointer, check_data_compatible, fl
 from mmjax.config import load_config, to_yaml
 from mmjax.errors import CheckpointError
 from mmjax.train import DEFAULT_CONFIG, main
+from mmjax.training.optimizer import learning_rate_schedule, resumed_schedule_warning
 from mmjax.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
@@ -140,9 +142,34 @@ def test_export_has_the_runs_tokenizer_and_an_eval_less_end_prints_nothing(runs,
     _, split, common = runs
     out = export_hf(split / "checkpoints", tmp_path / "hf", decoder_only=True)  # no --tokenizer
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
+    config = json.loads((out / "config.json").read_text())  # no Hugging Face source: the run tokenizer's ids
+    from mmjax.data.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(out)
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (tok.bos_id, tok.eos_id,
+                                                                                         tok.pad_id)
     capsys.readouterr()
     assert main(common + [f"train.output_dir={split}", f"train.steps={2 * N}"]) == 0  # nothing left to train
     assert capsys.readouterr().out == ""  # no "{}" for a run that ran no evaluation
+
+
+def test_resume_with_more_steps_and_no_schedule_steps_warns_naming_the_key(runs, tmp_path, caplog):
+    """The schedule's length is train.steps unless optim.schedule_steps is set: a resume that changes train.steps
+    alone would follow another learning-rate curve from the checkpoint on, so it says which key keeps it."""
+    full, _, common = runs
+    base = [o for o in common if not o.startswith("optim.schedule_steps")] + [
+        f"train.resume={full / 'checkpoints' / str(N)}", f"train.output_dir={tmp_path}", f"train.steps={3 * N}"]
+    with caplog.at_level(logging.WARNING):
+        Trainer(load_config(DEFAULT_CONFIG, base))
+    assert f"set optim.schedule_steps={2 * N} to keep its schedule" in caplog.text
+    lr = lambda cfg: float(learning_rate_schedule(cfg)(N))  # noqa: E731
+    assert lr(load_config(DEFAULT_CONFIG, base)) != lr(load_config(DEFAULT_CONFIG, common))  # what it warns of
+    saved = {"train": {"steps": N}, "optim": {"schedule_steps": 0}}  # a first leg without schedule_steps
+    assert "optim.schedule_steps=6" in resumed_schedule_warning(saved, load_config(DEFAULT_CONFIG, base), N)
+    kept = load_config(DEFAULT_CONFIG, [*base, f"optim.schedule_steps={N}"])
+    assert resumed_schedule_warning(saved, kept, N) is None  # set on purpose
+    same = load_config(DEFAULT_CONFIG, [*base, f"train.steps={N}"])
+    assert resumed_schedule_warning(saved, same, N) is None
 
 
 def test_different_model_shape_is_refused_and_nothing_is_deleted(runs, tmp_path):

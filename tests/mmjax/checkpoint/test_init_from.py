@@ -55,6 +55,11 @@ def test_init_from_hf_trains_from_the_exact_weights(hf_llama_dir, tmp_path):
     export_hf(tmp_path / "run" / "checkpoints", tmp_path / "out")
     back, info = LlamaForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and (tmp_path / "out" / "tokenizer_config.json").is_file()
+    # the source's context length and token ids, not the fine-tune's model.max_seq_len=128 or nothing
+    source, exported = (json.loads((d / "config.json").read_text()) for d in (hf_llama_dir, tmp_path / "out"))
+    assert cfg.model.max_seq_len == 128 < source["max_position_embeddings"]
+    for key in ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert exported.get(key) == source.get(key), key
     with torch.no_grad():
         moved = back.eval()(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
     assert 0 < np.abs(moved - ref).max()  # trained: the weights moved

@@ -67,3 +67,21 @@ def test_from_file_errors(tmp_path, shapes_files):
     tok = Tokenizer.from_file(shapes_files.root)
     clone = pickle.loads(pickle.dumps(tok))
     assert clone.encode("What shape?") == tok.encode("What shape?") and clone.eos_id == tok.eos_id
+
+
+def test_add_bos_token_flags_are_not_token_names(chat_tokenizer_dirs, tmp_path):
+    """Llama-2-style tokenizer_config.json files carry `add_bos_token: true` / `add_eos_token: false`: flags, not
+    special tokens; they load and render as transformers renders them."""
+    import shutil
+
+    import transformers as T
+
+    folder = shutil.copytree(chat_tokenizer_dirs["qwen2"], tmp_path / "tok")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False,
+                                                              "add_eos_token": False}))
+    tok = Tokenizer.from_file(folder)
+    chat = [{"role": "user", "content": "hello"}]
+    want = T.AutoTokenizer.from_pretrained(folder).apply_chat_template(chat, add_generation_prompt=True,
+                                                                       tokenize=False)
+    assert tok.chat_text(chat, add_generation_prompt=True) == want

@@ -141,3 +141,20 @@ def test_imported_llama_serves_text_only(tmp_path):
         ids = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                           pad_token_id=0)
     assert out.token_ids == ids[0, len(prompt):].tolist()
+
+
+def test_offline_api_prints_no_orbax_read_only_notices(hf_llama_dir, tmp_path):
+    """Every reader opens checkpoints read-only on purpose; Orbax's absl warnings about it are not shown by the
+    offline API (a fresh process, as a user's script: no handler of mmjax's own is installed)."""
+    import subprocess
+    import sys
+
+    from mmjax.observe.console import ORBAX_NOTICES
+
+    ckpt = import_hf(hf_llama_dir, tmp_path / "ckpt").parent
+    script = ("import sys; from mmjax.serving.engine import LLM; from mmjax.serving.request import SamplingParams\n"
+              "llm = LLM.from_checkpoint(sys.argv[1], overrides=['serve.num_pages=16', 'serve.max_num_seqs=1'])\n"
+              "print(llm.generate(['Hello'], SamplingParams(max_tokens=2))[0].token_ids)")
+    run = subprocess.run([sys.executable, "-c", script, str(ckpt)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("[") and not [n for n in ORBAX_NOTICES if n in run.stderr], run.stderr[-2000:]
