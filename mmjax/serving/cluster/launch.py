@@ -17,7 +17,6 @@ from typing import Any
 import ray
 from ray import serve
 
-import mmjax
 from mmjax.config import Config
 from mmjax.serving.cluster.app import build_cluster_app
 from mmjax.serving.cluster.spec import EngineSpec
@@ -35,7 +34,7 @@ def init_ray(cfg: Config) -> None:
     if address:
         ray.init(address=address)
         return
-    source = str(Path(mmjax.__file__).resolve().parents[1])  # local workers import the driver's mmjax
+    source = str(Path(__file__).resolve().parents[3])  # the folder holding this mmjax: local workers import it
     path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
     replicas = max(cfg.serve.replicas, cfg.serve.max_replicas, 1)
     cpus = max(os.cpu_count() or 1, int(replicas * cfg.serve.replica_cpus + 0.999))
