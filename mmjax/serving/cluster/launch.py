@@ -51,10 +51,10 @@ def start_cluster(spec: EngineSpec, cfg: Config) -> Any:
 
 def run_cluster(spec: EngineSpec, cfg: Config) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean shutdown."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     start_cluster(spec, cfg)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
+        signal.signal(sig, lambda *_: stop.set())
     log.info("serving %d replica(s) on http://%s:%d (Ray Serve application %r)", max(cfg.serve.replicas, 1),
              cfg.serve.host, cfg.serve.port, APP_NAME)
     stop.wait()
