@@ -149,9 +149,13 @@ def test_killed_replica_loses_no_unstarted_request_and_comes_back(cluster):
                                  extra_body={"ignore_eos": True})
         return r.usage.completion_tokens
 
+    in_flight = f"mmjax:router_requests_in_flight{{replica={victim['replica']}}}"
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(ask, i) for i in range(32)]
-        time.sleep(0.3)
+        deadline = time.monotonic() + 60
+        while metrics(base).get(in_flight, 0) < 2:  # kill it while it holds requests
+            assert time.monotonic() < deadline and not all(f.done() for f in futures), "no load on the replica"
+            time.sleep(0.02)
         os.kill(victim["pid"], signal.SIGKILL)
         answered = [f.result(timeout=120) for f in futures]
     assert answered == [24] * 32
