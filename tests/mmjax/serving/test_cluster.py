@@ -165,7 +165,8 @@ def test_killed_replica_loses_no_unstarted_request_and_comes_back(cluster):
     while True:  # Ray starts a new replica; it is back once it serves
         status = serve.status().applications[APP_NAME].deployments["EngineReplica"].replica_states
         now = replicas(base)
-        if status.get("RUNNING") == 2 and len(now) == 2 and victim["pid"] not in {s["pid"] for s in now.values()}:
+        pids = {s.get("pid") for s in now.values()}  # a new replica has no stats until its first report
+        if status.get("RUNNING") == 2 and len(now) == 2 and None not in pids and victim["pid"] not in pids:
             break
         assert time.monotonic() < deadline, f"no replacement replica: {status}"
         time.sleep(1)
