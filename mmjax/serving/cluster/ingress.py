@@ -67,6 +67,11 @@ class Ingress:
         app.add_middleware(Guard, keys=api_keys(cfg.api_key), public_paths=cfg.public_paths,
                            max_request_bytes=cfg.max_request_bytes)
 
+        @app.exception_handler(Exception)
+        async def internal_error(_: Request, e: Exception) -> JSONResponse:
+            log.error("unhandled error while forwarding a request", exc_info=e)
+            return JSONResponse(P.error_body("internal server error", "server_error"), status_code=500)
+
         @app.get("/metrics")
         async def metrics() -> Response:
             registry = CollectorRegistry()
