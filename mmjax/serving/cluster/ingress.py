@@ -153,7 +153,7 @@ class _ClusterCollector:
         routed = CounterMetricFamily("mmjax:router_requests_routed", "Requests routed, by the rule that chose the "
                                      "replica: session, prefix or load.", labels=["reason"])
         for reason in ("session", "prefix", "load"):
-            routed.add_metric([reason], ROUTING.router.routed.get(reason, 0))
+            routed.add_metric([reason], ROUTING.router.reasons.get(reason, 0))
         yield routed
         yield CounterMetricFamily("mmjax:router_retries", "Requests sent again after their replica failed before "
                                   "answering.", value=ROUTING.retries)

@@ -27,6 +27,7 @@ class PrefixAwareRequestRouter(RequestRouter):
 
     def initialize_state(self, prefix: bool = True, max_imbalance: int = 8, **_: Any) -> None:
         routing.ROUTING.configure(prefix, max_imbalance)
+        self._choices: dict[str, tuple[str, str, RouteKey]] = {}  # Ray's request id -> (replica, reason, key)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -47,18 +48,23 @@ class PrefixAwareRequestRouter(RequestRouter):
                 routing.ROUTING.stats[rid] = dict(r.routing_stats)
         route = (pending_request.kwargs.get("route") if pending_request is not None else None) or {}
         key = RouteKey(tuple(route.get("blocks", ())), route.get("session", ""))
-        picked = routing.ROUTING.router.choose(sorted(by_id), key, exclude=route.get("exclude", ()))
+        exclude = route.get("exclude", ())
+        picked = routing.ROUTING.router.choose(sorted(by_id), key, exclude=exclude)
         if picked is None:
             return []
-        first = by_id[picked[0]]
-        rest = sorted((r for rid, r in by_id.items() if rid != picked[0] and rid not in route.get("exclude", ())),
+        if pending_request is not None:
+            self._choices[pending_request.metadata.internal_request_id] = (*picked, key)
+            while len(self._choices) > routing.MAX_SESSIONS:  # requests cancelled before Ray sent them
+                self._choices.pop(next(iter(self._choices)))
+        rest = sorted((r for rid, r in by_id.items() if rid != picked[0] and rid not in exclude),
                       key=lambda r: routing.ROUTING.router.in_flight(_id(r.replica_id)))
-        return [[first], rest] if rest else [[first]]
+        return [[by_id[picked[0]]], rest] if rest else [[by_id[picked[0]]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         rid = _id(replica_id)
-        routing.ROUTING.router.started(rid)
-        attempt = ((pending_request.kwargs.get("route") or {}).get("attempt", ""))
+        chosen, reason, key = self._choices.pop(pending_request.metadata.internal_request_id, (rid, "load", RouteKey()))
+        routing.ROUTING.router.routed(rid, key, reason if rid == chosen else "load")
+        attempt = (pending_request.kwargs.get("route") or {}).get("attempt", "")
         if attempt:
             routing.ROUTING.note_attempt(attempt, rid)
 

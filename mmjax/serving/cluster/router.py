@@ -9,8 +9,11 @@ computed and, while its KV pool keeps them, has cached; a bounded LRU per replic
 2. else the replica holding the longest run of the request's leading blocks (ties: the less loaded);
 3. either choice stands only while that replica has at most `serve.router_max_imbalance` more requests in flight
    than the least-loaded one, so one hot prefix cannot pile every request onto one replica;
-4. otherwise, or with no match, the least-loaded replica (fewest requests in flight; ties: the first in a
-   rotating order, so idle replicas share the work).
+4. otherwise, or with no match, the least-loaded replica (fewest requests in flight; ties: the one that has
+   waited longest for a request, so idle replicas take turns).
+
+`choose` decides; `routed` records where the request went (Ray may send it to a later-ranked replica when the
+chosen one is full), which is what the prefix memory, the sessions and the load counts follow.
 
 This module holds no Ray: `ray_router.py` plugs it into Ray Serve's request routing. `ROUTING` is what the request
 router and the ingress share in the ingress's process.
@@ -107,39 +110,57 @@ class PrefixRouter:
         self._blocks: dict[str, _LRU] = {}
         self._sessions = _LRU(MAX_SESSIONS)
         self._in_flight: dict[str, int] = collections.Counter()
-        self._turn = 0
+        self._last_routed: dict[str, int] = {}  # replica -> when it last got a request (a running count)
+        self._routed_count = 0
         self._lock = threading.Lock()
-        self.routed: dict[str, int] = collections.Counter()  # by reason: session, prefix, load
+        self.reasons: dict[str, int] = collections.Counter()  # requests routed, by reason: session, prefix, load
 
     def in_flight(self, replica: str) -> int:
         return self._in_flight.get(replica, 0)
 
     def choose(self, replicas: Sequence[str], key: RouteKey, exclude: Sequence[str] = ()) -> tuple[str, str] | None:
-        """(replica, reason) for a request, reason one of session / prefix / load; None when no replica is left."""
+        """(replica, reason) for a request, reason one of session / prefix / load; None when no replica is left.
+        Changes nothing: `routed` records where the request went (Ray may send it further down the ranking)."""
         with self._lock:
             live = [r for r in replicas if r not in exclude] or list(replicas)
             if not live:
                 return None
-            self._turn += 1
-            rotated = live[self._turn % len(live):] + live[:self._turn % len(live)]
-            least = min(rotated, key=self.in_flight)
+            # least loaded; among equals the one that waited longest for a request, so idle replicas take turns
+            by_load = sorted(live, key=lambda r: (self.in_flight(r), self._last_routed.get(r, -1), r))
+            least = by_load[0]
             bound = self.in_flight(least) + self.max_imbalance
-            choice, reason = least, "load"
             sticky = self._sessions.get(key.session) if key.session else None
             if sticky in live and self.in_flight(sticky) <= bound:
-                choice, reason = sticky, "session"
-            elif self.prefix and key.blocks:
+                return sticky, "session"
+            if self.prefix and key.blocks:
                 best, best_len = None, 0
-                for r in rotated:
+                for r in by_load:  # the first of the longest matches: the least loaded of them
                     n = self._match(r, key.blocks)
-                    less_loaded = best is not None and self.in_flight(r) < self.in_flight(best)
-                    if n > best_len or (n == best_len and less_loaded):
+                    if n > best_len:
                         best, best_len = r, n
-                if best is not None and best_len > 0 and self.in_flight(best) <= bound:
-                    choice, reason = best, "prefix"
-            self._note(choice, key)
-            self.routed[reason] += 1
-            return choice, reason
+                if best is not None and self.in_flight(best) <= bound:
+                    return best, "prefix"
+            return least, "load"
+
+    def route(self, replicas: Sequence[str], key: RouteKey, exclude: Sequence[str] = ()) -> tuple[str, str] | None:
+        """`choose`, then `routed` to the chosen replica (where nothing else decides)."""
+        picked = self.choose(replicas, key, exclude)
+        if picked is not None:
+            self.routed(picked[0], key, picked[1])
+        return picked
+
+    def routed(self, replica: str, key: RouteKey, reason: str) -> None:
+        """A request went to `replica`: it now holds the request's prefix, its session, and one more in flight."""
+        with self._lock:
+            cached = self._blocks.setdefault(replica, _LRU(MAX_BLOCKS_PER_REPLICA))
+            for b in key.blocks:
+                cached.touch(b)
+            if key.session:
+                self._sessions.touch(key.session, replica)
+            self._routed_count += 1
+            self._last_routed[replica] = self._routed_count
+            self._in_flight[replica] += 1
+            self.reasons[reason] += 1
 
     def _match(self, replica: str, blocks: Sequence[str]) -> int:
         cached = self._blocks.get(replica)
@@ -152,17 +173,6 @@ class PrefixRouter:
             n += 1
         return n
 
-    def _note(self, replica: str, key: RouteKey) -> None:
-        cached = self._blocks.setdefault(replica, _LRU(MAX_BLOCKS_PER_REPLICA))
-        for b in key.blocks:
-            cached.touch(b)
-        if key.session:
-            self._sessions.touch(key.session, replica)
-
-    def started(self, replica: str) -> None:
-        with self._lock:
-            self._in_flight[replica] += 1
-
     def finished(self, replica: str) -> None:
         with self._lock:
             self._in_flight[replica] = max(0, self._in_flight[replica] - 1)
@@ -172,6 +182,7 @@ class PrefixRouter:
         with self._lock:
             self._blocks.pop(replica, None)
             self._in_flight.pop(replica, None)
+            self._last_routed.pop(replica, None)
             for user in [u for u, r in self._sessions.items() if r == replica]:
                 del self._sessions[user]
 

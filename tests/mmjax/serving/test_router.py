@@ -40,42 +40,51 @@ def test_prefix_then_load_bound_then_least_loaded():
     router = PrefixRouter(prefix=True, max_imbalance=2)
     replicas = ["a", "b"]
     shared = RouteKey(("p1", "p2", "p3"))
-    first, reason = router.choose(replicas, shared)
+    first, reason = router.route(replicas, shared)
     assert reason == "load"
-    router.started(first)
     other = "b" if first == "a" else "a"
     # the same prefix follows the first request while its replica is within the bound
     for _ in range(2):
-        assert router.choose(replicas, RouteKey(("p1", "p2", "x"))) == (first, "prefix")
-        router.started(first)
+        assert router.route(replicas, RouteKey(("p1", "p2", "x"))) == (first, "prefix")
+    assert router.in_flight(first) == 3
     # three more in flight than the other replica: past the bound, the least-loaded one serves
-    assert router.choose(replicas, shared) == (other, "load")
+    assert router.route(replicas, shared) == (other, "load")
     for _ in range(3):
         router.finished(first)
     # an unrelated request goes to the least-loaded replica
-    router.started(other)
-    assert router.choose(replicas, RouteKey(("q1",))) == (first, "load")
-    assert router.routed == {"load": 3, "prefix": 2}
+    assert router.route(replicas, RouteKey(("q1",))) == (first, "load")
+    assert router.reasons == {"load": 3, "prefix": 2}
+    # `choose` alone changes nothing: Ray may send the request elsewhere, and `routed` records where
+    assert router.choose(replicas, RouteKey(("q2",))) == router.choose(replicas, RouteKey(("q2",)))
     # routing off: load only
     plain = PrefixRouter(prefix=False)
-    plain.choose(replicas, shared)
-    plain.started("a")
-    assert plain.choose(replicas, shared)[1] == "load"
+    plain.route(replicas, shared)
+    assert plain.route(replicas, shared)[1] == "load"
+
+
+def test_idle_replicas_take_turns():
+    router = PrefixRouter()
+    seen = []
+    for i in range(6):
+        replica, _ = router.route(["a", "b", "c"], RouteKey((f"u{i}",)))
+        router.finished(replica)
+        seen.append(replica)
+    assert seen == ["a", "b", "c", "a", "b", "c"]
 
 
 def test_sessions_stick_and_a_dead_replica_is_forgotten():
     router = PrefixRouter(max_imbalance=4)
     replicas = ["a", "b", "c"]
-    home, _ = router.choose(replicas, RouteKey(("x",), "alice"))
+    home, _ = router.route(replicas, RouteKey(("x",), "alice"))
     for i in range(3):
-        assert router.choose(replicas, RouteKey((f"y{i}",), "alice")) == (home, "session")
+        assert router.route(replicas, RouteKey((f"y{i}",), "alice")) == (home, "session")
     # a retry excludes the replica that failed; the session follows the retry's replica
-    moved, _ = router.choose(replicas, RouteKey(("x",), "alice"), exclude=[home])
+    moved, _ = router.route(replicas, RouteKey(("x",), "alice"), exclude=[home])
     assert moved != home
-    assert router.choose(replicas, RouteKey(("w",), "alice")) == (moved, "session")
+    assert router.route(replicas, RouteKey(("w",), "alice")) == (moved, "session")
     # a dead replica's prefixes and sessions are forgotten
     router.forget(moved)
-    assert router.choose([r for r in replicas if r != moved], RouteKey(("w",), "alice"))[1] == "load"
+    assert router.route([r for r in replicas if r != moved], RouteKey(("w",), "alice"))[1] == "load"
 
 
 @pytest.mark.parametrize("override, key", [
