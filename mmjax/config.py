@@ -505,6 +505,22 @@ class ServeConfig:
     max_request_bytes: int = 16 * 1024 * 1024  # request body (and file:// image) size limit; larger: 413
     max_image_pixels: int = 4096 * 4096  # width x height, read from the image's header before decoding
 
+    # Scaling out (docs/serving.md, "Scaling out"; `mmjax.serving.cluster`, the cluster extra): engine replicas on
+    # Ray Serve behind a prefix-aware router. 0 = one process, no Ray.
+    replicas: int = 0  # engine replicas (the fixed count, or the autoscaler's start when max_replicas > 0)
+    cluster_address: str = ""  # Ray cluster to join: "" = start a local one, "auto" = the running one, or an address
+    min_replicas: int = 1  # autoscaling bounds, used when max_replicas > 0
+    max_replicas: int = 0  # > 0: Ray Serve autoscales the replica count in [min_replicas, max_replicas]
+    target_ongoing_requests: float = 8.0  # autoscaling: requests in flight per replica it aims for
+    replica_cpus: float = 1.0  # Ray resources each replica asks for
+    replica_gpus: float = 0.0  # 0 on CPU; with mesh.tensor=T a replica needs T GPUs
+    router: Literal["prefix", "least_loaded"] = "prefix"  # prefix: longest routed prefix, then least loaded
+    router_block_chars: int = 64  # the router hashes a prompt's text in blocks of this many characters
+    router_max_imbalance: int = 8  # a prefix match is taken while its replica has at most this many more
+    # requests in flight than the least-loaded replica; past it the least-loaded one serves
+    router_retries: int = 2  # a request whose replica fails before the first byte of its answer is retried this
+    # many times on another replica
+
     page_size: int = 16  # tokens per KV page (a power of two for the Pallas kernel)
     num_pages: int = 0  # KV pages in the pool, page 0 (the null page) included; 0 = sized from device memory
     max_num_batched_tokens: int = 256  # token budget of one step (the largest token bucket)
@@ -573,6 +589,16 @@ class ServeConfig:
         need(self.max_image_pixels >= 1, f"serve.max_image_pixels={self.max_image_pixels} must be >= 1")
         need(all(p.startswith("/") for p in self.public_paths),
              f"serve.public_paths={list(self.public_paths)}: every entry must be a path starting with /")
+        need(self.replicas >= 0, f"serve.replicas={self.replicas} must be >= 0 (0 = one process without Ray)")
+        need(self.max_replicas == 0 or 1 <= self.min_replicas <= self.max_replicas,
+             f"serve.min_replicas={self.min_replicas} must be in [1, serve.max_replicas={self.max_replicas}]")
+        need(self.max_replicas == 0 or self.min_replicas <= max(self.replicas, 1) <= self.max_replicas,
+             f"serve.replicas={self.replicas} must be in [serve.min_replicas, serve.max_replicas] when autoscaling")
+        need(self.target_ongoing_requests > 0, "serve.target_ongoing_requests must be > 0")
+        need(min(self.replica_cpus, self.replica_gpus) >= 0, "serve.replica_cpus and serve.replica_gpus must be >= 0")
+        need(self.router_block_chars >= 1, f"serve.router_block_chars={self.router_block_chars} must be >= 1")
+        need(self.router_max_imbalance >= 0, "serve.router_max_imbalance must be >= 0")
+        need(self.router_retries >= 0, "serve.router_retries must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

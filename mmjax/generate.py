@@ -46,14 +46,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)
 
 
-def hf_source(model: str) -> Path | None:
-    """The Hugging Face folder MODEL names, or None for an mmjax checkpoint."""
-    if model.startswith("hf:"):
-        return Path(model[3:]).expanduser()
-    path = Path(model).expanduser()
-    return path if (path / "config.json").is_file() else None
-
-
 def prompt_input(llm, prompt: str, num_images: int, system: str | None, raw: bool) -> str | list[int]:
     """What `LLM.generate` gets: the prompt text (`--raw`, or a tokenizer without a chat template), else
     the chat-template token ids with image placeholders expanded."""
@@ -73,7 +65,7 @@ def prompt_input(llm, prompt: str, num_images: int, system: str | None, raw: boo
 
 def generate(args: argparse.Namespace):
     """The request's `CompletionOutput`."""
-    from mmjax.checkpoint.known_models import KNOWN_MODELS, cache_root, model_folder
+    from mmjax.checkpoint.known_models import KNOWN_MODELS, cache_root, hf_source, model_folder
     from mmjax.data.tokenizer import Tokenizer
     from mmjax.serving.engine import LLM
     from mmjax.serving.request import SamplingParams

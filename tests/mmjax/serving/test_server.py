@@ -684,11 +684,12 @@ def test_engine_failure_fails_in_flight_requests_and_exits_1(spare, monkeypatch)
 
 def test_cli_model_takes_a_known_name_or_a_hugging_face_folder(hf_llama_dir, tmp_path, monkeypatch, capsys):
     from mmjax import serve
+    from mmjax.serving import served_model
 
     monkeypatch.setenv("MMJAX_CACHE", str(tmp_path / "cache"))
-    ckpt, tok, name = serve.real_model(f"hf:{hf_llama_dir}")  # converted once into the cache, its own tokenizer
+    ckpt, tok, name = served_model.real_model(f"hf:{hf_llama_dir}")  # converted once into the cache, its own tokenizer
     assert ckpt.parent == tmp_path / "cache" / "hf_import" and (ckpt / "0").is_dir()
     assert name == hf_llama_dir.name and "<|start_header_id|>" in tok.chat_template
-    assert serve.real_model(str(hf_llama_dir))[0] == ckpt  # a folder with config.json, reused
+    assert served_model.real_model(str(hf_llama_dir))[0] == ckpt  # a folder with config.json, reused
     assert serve.main(["--model", "no-such-model"]) == 1
     assert "neither a known model (smollm2-135m-instruct) nor a Hugging Face folder" in capsys.readouterr().err
