@@ -60,15 +60,22 @@ def model_name_of(ckpt: Path) -> str:
     return ckpt.resolve().name
 
 
-def random_model(cfg: Config) -> tuple[Config, Any, Any]:
-    """(config, randomly initialised model, the dataset's tokenizer) of `cfg`."""
-    # local, like main's: the CLI sets up logging and the backend's flags before the library is imported
-    from mmjax.data.pipeline import open_dataset
-    from mmjax.serving.load import build_model
+def serve_in_process(cfg: Config, args: argparse.Namespace, server: Any) -> int:
+    """serve.engine_process=true: this process serves HTTP; a spawned engine-core process loads the model from
+    the same arguments (the weights never cross) and owns the device."""
+    from mmjax.serving.core.client import EngineCoreClient
+    from mmjax.serving.core.process import EngineSource
 
-    _, tokenizer = open_dataset(cfg)
-    model = build_model(cfg, None, image_token_id=None if cfg.model.text_only else tokenizer.image_id)
-    return cfg, model, tokenizer
+    if args.random_init:
+        source, what, name = EngineSource(cfg, random_init=True), "random weights", cfg.serve.model_name or "random"
+    else:
+        ckpt = checkpoint_dir(args.checkpoint or cfg.train.output_dir)
+        source = EngineSource(cfg, checkpoint=str(ckpt),
+                              model_overrides=tuple(o for o in args.overrides if o.startswith("model.")))
+        what, name = str(ckpt), cfg.serve.model_name or model_name_of(ckpt)
+    logging.getLogger(__name__).info("serving %s as %r on http://%s:%d (engine-core process)", what, name,
+                                     cfg.serve.host, cfg.serve.port)
+    return server.run_service(EngineCoreClient(source, cfg.serve), name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,11 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the server needs the serve extra (pip install -e \".[serve]\"): {e}", file=sys.stderr)
         return 1
     from mmjax.serving.engine import Engine
-    from mmjax.serving.load import load_for_serving
+    from mmjax.serving.load import load_for_serving, random_for_serving
 
     try:
+        if cfg.serve.engine_process:
+            return serve_in_process(cfg, args, server)
         if args.random_init:
-            served, model, tokenizer = random_model(cfg)
+            served, model, tokenizer = random_for_serving(cfg)
             what, name = "random weights", cfg.serve.model_name or "random"
         else:
             ckpt = checkpoint_dir(args.checkpoint or cfg.train.output_dir)
