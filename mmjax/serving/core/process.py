@@ -214,7 +214,8 @@ class EngineCore:
             for r in reqs:
                 per[key][self.sla.get(r.request_id, CLASSES[0])] += 1
         return {**self.engine.stats(), **per, "oom_events": self.oom_events,
-                "free_pages": self.engine.kv.num_free_pages, "compiles_after_warmup": self.engine.runner.num_compiles - self.compiles_at_ready}
+                "free_pages": self.engine.kv.num_free_pages,
+                "compiles_after_warmup": self.engine.runner.num_compiles - self.compiles_at_ready}
 
     def _parent_alive(self, force: bool) -> bool:
         now = time.monotonic()
