@@ -115,9 +115,10 @@ def server(request, run_dir, cli_server):
     mode = request.param
     root, run = run_dir.parent, run_dir
     port = free_port()
-    (root / "media").mkdir(exist_ok=True)
-    overrides = [*SERVE, f"serve.port={port}", f"serve.request_log={root / 'requests.jsonl'}",
-                 f"serve.allowed_local_media_path={root / 'media'}"]
+    media = root / mode / "media"  # each server's own allowed folder (and files beside it)
+    media.mkdir(parents=True)
+    overrides = [*SERVE, f"serve.port={port}", f"serve.request_log={media.parent / 'requests.jsonl'}",
+                 f"serve.allowed_local_media_path={media}"]
     cfg, model, tok = load_for_serving(run / "checkpoints", overrides=overrides)
     engine = Engine(cfg, model, tok)
     # the engine's offline greedy answer to compare HTTP with, computed before the server owns the engine
@@ -143,9 +144,9 @@ def server(request, run_dir, cli_server):
     base = f"http://127.0.0.1:{port}"
     wait_ready(base, lambda: "")
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
-    yield dict(mode=mode, base=base, client=client, service=service, state=srv.app_state, offline=offline, run=run,
-               offline_beams=offline_beams,
-               log=root / "requests.jsonl", cfg=cfg, engine=engine)
+    yield dict(mode=mode, media=media, base=base, client=client, service=service, state=srv.app_state,
+               offline=offline, run=run, offline_beams=offline_beams,
+               log=media.parent / "requests.jsonl", cfg=cfg, engine=engine)
     srv.should_exit = True
     thread.join(10)
     service.stop()
@@ -220,7 +221,7 @@ def test_chat_with_image_streaming_usage(server):
     assert whole.usage.prompt_tokens == 1 + 2 + 1 + 4 + 2 + 1  # bos, user w20 (the system turn), user, 4 image tokens,
     # w9 w11, assistant
     # a local file:// image under serve.allowed_local_media_path reads the same bytes
-    path = server["run"].parent / "media" / "im.png"
+    path = server["media"] / "im.png"
     path.write_bytes(base64.b64decode(png_data_url().split(",", 1)[1]))
     messages[1]["content"][0]["image_url"]["url"] = f"file://{path}"
     again = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
@@ -574,8 +575,8 @@ def png_bytes(size=(12, 12), mode="RGB") -> bytes:
 
 def test_local_media_only_regular_files_under_the_folder(server):
     base = server["base"]
-    root = server["run"].parent
-    media = root / "media"
+    media = server["media"]
+    root = media.parent
     (root / "outside.png").write_bytes(png_bytes())
     (media / "ok.png").write_bytes(png_bytes())
     (media / "link.png").symlink_to(root / "outside.png")
