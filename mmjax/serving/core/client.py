@@ -121,6 +121,7 @@ class EngineCoreClient:
         self._dir = tempfile.mkdtemp(prefix="mmjax-core-")
         self._zmq = zmq.Context()
         self._to_core = self._zmq.socket(zmq.PUSH)
+        self._to_core.setsockopt(zmq.SNDHWM, 0)  # never full: a send that cannot go means no core is connected
         self._from_core = self._zmq.socket(zmq.PULL)
         to_addr, from_addr = f"ipc://{self._dir}/to_core", f"ipc://{self._dir}/from_core"
         self._to_core.bind(to_addr)
@@ -186,11 +187,13 @@ class EngineCoreClient:
         wire = [dataclasses.replace(p, stop=(), include_stop_str_in_output=False) for _, p in choices]
         msg = M.AddRequests(ticket, [rid for rid, _ in choices], list(prompt_ids), list(images),
                             [dataclasses.asdict(p) for p in wire], sla_class, priority, rows, choices[0][1].max_tokens)
+        data = M.pack(msg)
         with self._lock:
-            if self.health.failed:
+            if self.health.failed or not self._send_now(data):
+                for rid, _ in choices:
+                    self._tracked.pop(rid, None)
                 raise EngineFailed(self.cause)
             self._pending[ticket] = (loop, future)
-            self._to_core.send(M.pack(msg))
         try:
             reply: M.Reply = await future
         finally:
@@ -205,7 +208,16 @@ class EngineCoreClient:
     def _send(self, msg: Any) -> None:
         data = M.pack(msg)
         with self._lock:
-            self._to_core.send(data)
+            self._send_now(data)
+
+    def _send_now(self, data: bytes) -> bool:
+        """Send without blocking (the lock held); False when no core is connected (it died: the receiver thread
+        fails the server as soon as it sees the exit)."""
+        try:
+            self._to_core.send(data, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     # -- receiver thread --------------------------------------------------------------------------------------
 

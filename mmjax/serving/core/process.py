@@ -241,6 +241,7 @@ def run_core(source: EngineSource, inbox_addr: str, outbox_addr: str) -> None:
     inbox.connect(inbox_addr)
     outbox.connect(outbox_addr)
     outbox.setsockopt(zmq.LINGER, 2000)  # a failure report gets out before the process exits
+    outbox.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow reader (a gone one is seen by the parent check)
     code = 0
     try:
         cfg, model, tokenizer = source.load()
