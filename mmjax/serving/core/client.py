@@ -188,12 +188,13 @@ class EngineCoreClient:
         msg = M.AddRequests(ticket, [rid for rid, _ in choices], list(prompt_ids), list(images),
                             [dataclasses.asdict(p) for p in wire], sla_class, priority, rows, choices[0][1].max_tokens)
         data = M.pack(msg)
-        with self._lock:
+        with self._lock:  # registered before it is sent: the reply may come back before this call goes on
+            self._pending[ticket] = (loop, future)
             if self.health.failed or not self._send_now(data):
+                self._pending.pop(ticket, None)
                 for rid, _ in choices:
                     self._tracked.pop(rid, None)
                 raise EngineFailed(self.cause)
-            self._pending[ticket] = (loop, future)
         try:
             reply: M.Reply = await future
         finally:
