@@ -232,10 +232,9 @@ class EngineCore:
 def run_core(source: EngineSource, inbox_addr: str, outbox_addr: str) -> None:
     """The spawned process's entry: build the engine, serve the loop, exit 1 (after `CoreFailed`) on failure."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(name)s: %(message)s")
-    # Ctrl-C and a supervisor's SIGTERM to the process group are the API process's to handle (it drains, then
-    # sends Shutdown); the core ends on Shutdown or when the API process is gone
+    # Ctrl-C reaches the whole process group: the API process handles it (and sends Shutdown). SIGTERM keeps its
+    # default (exit): it is how multiprocessing ends a core whose server exits without stopping it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.connect(inbox_addr)

@@ -736,18 +736,19 @@ def test_engine_core_killed_mid_stream_fails_in_flight_requests_and_exits_1(run_
     base = f"http://127.0.0.1:{port}"
     wait_ready(base, lambda: "" if thread.is_alive() else "server exited")
     srv, _ = made["server"]
-    body = {"model": MODEL, "messages": user("w7 w8"), "max_tokens": 55, "ignore_eos": True}
+    # 16 choices x 55 tokens each on 4 sequence slots: far from done when the core dies
+    body = {"model": MODEL, "messages": user("w7 w8"), "max_tokens": 55, "n": 16, "ignore_eos": True}
     with ThreadPoolExecutor(1) as pool, httpx.stream("POST", base + "/v1/chat/completions", timeout=60,
                                                      json={**body, "stream": True}) as stream:
         lines = stream.iter_lines()
         assert any('"content":"' in line and '"content":""' not in line for line in lines)
         plain = pool.submit(httpx.post, base + "/v1/chat/completions", json=body, timeout=60)
-        running = "mmjax:num_requests_running{sla_class=interactive}"
+        waiting = "mmjax:num_requests_waiting{sla_class=interactive}"
         deadline = time.monotonic() + 30
-        while metrics(base)[running] < 2:
+        while metrics(base)[waiting] < 16 + 4:  # the plain request was admitted too
             assert time.monotonic() < deadline and not plain.done()
             time.sleep(0.005)
-        hold(client)  # frozen with both requests running, then killed
+        hold(client)  # frozen with both requests in flight, then killed
         os.kill(client.pid, signal.SIGKILL)
         rest = [line for line in lines if line.startswith("data: ")]
         plain = plain.result()
