@@ -72,14 +72,22 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"error: the server needs the serve extra (pip install -e \".[serve]\"): {e}", file=sys.stderr)
         return 1
-    from mmjax.serving.served_model import load_served
+    from mmjax.serving.served_model import ModelSource
 
+    source = ModelSource(cfg, args.checkpoint, args.model, args.random_init, tuple(args.overrides))
     try:
-        served = load_served(cfg, args.checkpoint, model=args.model, random_init=args.random_init,
-                             overrides=args.overrides)
-        logging.getLogger(__name__).info("serving %s as %r on http://%s:%d", served.source, served.name,
-                                         cfg.serve.host, cfg.serve.port)
-        return server.run(served.engine, served.tokenizer, cfg.serve, served.name)
+        if cfg.serve.engine_process:  # HTTP here; the engine in a spawned engine-core process that loads the model
+            from mmjax.serving.core.client import EngineCoreClient
+
+            name = source.name()
+            logging.getLogger(__name__).info("serving %r on http://%s:%d (engine-core process)", name,
+                                             cfg.serve.host, cfg.serve.port)
+            return server.run_service(EngineCoreClient(source, cfg.serve), name)
+        engine, tokenizer, where = source.engine()
+        name = source.name()
+        logging.getLogger(__name__).info("serving %s as %r on http://%s:%d", where, name, cfg.serve.host,
+                                         cfg.serve.port)
+        return server.run(engine, tokenizer, cfg.serve, name)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -98,7 +106,7 @@ def serve_cluster(cfg: Config, args: argparse.Namespace) -> int:
     from mmjax.serving.cluster.spec import EngineSpec
 
     spec = EngineSpec(configs=tuple(str(c) for c in (args.config or [DEFAULT_CONFIG])), overrides=tuple(args.overrides),
-                      checkpoint=args.checkpoint, random_init=args.random_init)
+                      checkpoint=args.checkpoint, random_init=args.random_init, model=args.model)
     try:
         return run_cluster(spec, cfg)
     except ConfigError as e:

@@ -20,7 +20,7 @@ from flax import nnx
 
 from mmjax.checkpoint.convert import load_params
 from mmjax.config import Config, DataConfig, EvalConfig, apply_override, from_tree, validate
-from mmjax.data.pipeline import ensure_builtin_dataset
+from mmjax.data.pipeline import ensure_builtin_dataset, open_dataset
 from mmjax.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from mmjax.errors import CheckpointError, ConfigError, MmjaxError
 from mmjax.model import MLLM
@@ -170,3 +170,11 @@ def load_for_serving(ckpt: str | os.PathLike, tokenizer: Any = None, *, step: in
     model = build(checkpoint, image_token_id(checkpoint.meta, checkpoint.cfg, tok))
     log.info("loaded %s (%s)", checkpoint.step_dir, "text-only" if checkpoint.cfg.model.text_only else "multimodal")
     return checkpoint.cfg, model, tok
+
+
+def random_for_serving(cfg: Config) -> tuple[Config, Any, Any]:
+    """(config, randomly initialised model, the dataset's tokenizer) of `cfg`: load tests, where throughput does
+    not depend on the weights' values."""
+    _, tokenizer = open_dataset(cfg)
+    model = build_model(cfg, None, image_token_id=None if cfg.model.text_only else tokenizer.image_id)
+    return cfg, model, tokenizer

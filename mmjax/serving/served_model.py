@@ -8,7 +8,7 @@ serves exactly what the single server would.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +18,13 @@ from flax import nnx
 from mmjax.checkpoint.convert.init_from import converted_copy, hf_folder
 from mmjax.checkpoint.known_models import KNOWN_MODELS, cache_root, hf_source, model_folder
 from mmjax.config import Config
-from mmjax.data.pipeline import open_dataset
 from mmjax.data.tokenizer import Tokenizer
 from mmjax.errors import CheckpointError, ConfigError
 from mmjax.model.layers import param_logical_axes
 from mmjax.parallel.mesh import make_mesh
 from mmjax.parallel.sharding import ShardingContext, context_from_config
 from mmjax.serving.engine import Engine
-from mmjax.serving.load import build_model, load_for_serving
+from mmjax.serving.load import load_for_serving, random_for_serving
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +71,6 @@ def real_model(model: str) -> tuple[Path, Any, str]:
     return converted_copy(folder, "float32", cache_root()), Tokenizer.from_file(folder), name
 
 
-def random_model(cfg: Config) -> tuple[Config, Any, Any]:
-    """(config, randomly initialised model, the dataset's tokenizer) of `cfg`."""
-
-    _, tokenizer = open_dataset(cfg)
-    model = build_model(cfg, None, image_token_id=None if cfg.model.text_only else tokenizer.image_id)
-    return cfg, model, tokenizer
-
-
 def tensor_mesh(cfg: Config) -> ShardingContext | None:
     """The serving mesh of `cfg`: `mesh.tensor` devices (the first ones) when it is > 1, else None.
 
@@ -111,28 +102,63 @@ def place_on_mesh(model: Any, sharding: ShardingContext) -> None:
     nnx.update(model, state)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """What a server serves, as `python -m mmjax.serve` names it: a checkpoint (default: the config's
+    `train.output_dir`), a real model (a known name or a Hugging Face folder), or the config's model with random
+    weights. Picklable and small, so an engine-core process or a cluster replica loads the weights itself."""
+
+    cfg: Config  # the server's config: its serve (and mesh, parallel) sections configure the engine
+    checkpoint: str = ""
+    model: str = ""
+    random_init: bool = False
+    overrides: tuple[str, ...] = ()  # the command line's; its model.* entries apply to a checkpoint's model
+
+    def name(self) -> str:
+        """The id clients pass as `model` (`serve.model_name` wins), known without loading anything."""
+        if self.cfg.serve.model_name:
+            return self.cfg.serve.model_name
+        if self.random_init:
+            return "random"
+        if self.model:
+            folder = hf_source(self.model)
+            return self.model if self.model in KNOWN_MODELS or folder is None else folder.name
+        return model_name_of(checkpoint_dir(self.checkpoint or self.cfg.train.output_dir))
+
+    def load(self) -> tuple[Config, Any, Any, str]:
+        """(the served config, the model, its tokenizer, a description of where it came from)."""
+        cfg, model_overrides = self.cfg, [o for o in self.overrides if o.startswith("model.")]
+        if self.random_init:
+            served, model, tokenizer = random_for_serving(cfg)
+            return served, model, tokenizer, "random weights"
+        if self.model:
+            ckpt, tokenizer, _ = real_model(self.model)
+            ckpt_cfg, model, tokenizer = load_for_serving(ckpt, tokenizer, overrides=model_overrides)
+            source = f"{self.model} ({ckpt})"
+        else:
+            ckpt = checkpoint_dir(self.checkpoint or cfg.train.output_dir)
+            ckpt_cfg, model, tokenizer = load_for_serving(ckpt, None, overrides=model_overrides)
+            source = str(ckpt)
+        return dataclasses.replace(ckpt_cfg, serve=cfg.serve, mesh=cfg.mesh, parallel=cfg.parallel), model, tokenizer, \
+            source
+
+    def engine(self, engine_tokenizer: Callable[[Any], Any] | None = None) -> tuple[Engine, Any, str]:
+        """(the engine, the model's tokenizer, a description): the weights loaded and, with `mesh.tensor > 1`,
+        split over that many devices. `engine_tokenizer` wraps the tokenizer the engine sees (an engine-core
+        process's engine sees token ids only)."""
+        served, model, real_tokenizer, source = self.load()
+        sharding = tensor_mesh(served)
+        if sharding is not None:
+            place_on_mesh(model, sharding)
+            source += f" over {served.mesh.tensor} devices (tensor parallel)"
+        seen = real_tokenizer if engine_tokenizer is None else engine_tokenizer(real_tokenizer)
+        engine = Engine(served, model, seen, sharding=sharding)
+        return engine, real_tokenizer, source
+
+
 def load_served(cfg: Config, checkpoint: str = "", *, model: str = "", random_init: bool = False,
                 overrides: Sequence[str] = ()) -> ServedModel:
-    """The engine `python -m mmjax.serve` runs for `cfg` (its `serve` section and `model.*` overrides) and a
-    checkpoint (default: `train.output_dir`), a real model (`model`: a known name or a Hugging Face folder), or
-    the config's model with random weights."""
-    model_overrides = [o for o in overrides if o.startswith("model.")]
-    if random_init:
-        served, model, tokenizer = random_model(cfg)
-        source, name = "random weights", cfg.serve.model_name or "random"
-    elif model:
-        ckpt, tokenizer, name = real_model(model)
-        ckpt_cfg, loaded, tokenizer = load_for_serving(ckpt, tokenizer, overrides=model_overrides)
-        served = dataclasses.replace(ckpt_cfg, serve=cfg.serve, mesh=cfg.mesh, parallel=cfg.parallel)
-        source, name, model = f"{model} ({ckpt})", cfg.serve.model_name or name, loaded
-    else:
-        ckpt = checkpoint_dir(checkpoint or cfg.train.output_dir)
-        ckpt_cfg, model, tokenizer = load_for_serving(ckpt, None, overrides=model_overrides)
-        served = dataclasses.replace(ckpt_cfg, serve=cfg.serve, mesh=cfg.mesh, parallel=cfg.parallel)
-        source, name = str(ckpt), cfg.serve.model_name or model_name_of(ckpt)
-    sharding = tensor_mesh(served)
-    if sharding is not None:
-        place_on_mesh(model, sharding)
-        source += f" over {served.mesh.tensor} devices (tensor parallel)"
-    engine = Engine(served, model, tokenizer, sharding=sharding)
-    return ServedModel(engine, tokenizer, name, source)
+    """The engine `python -m mmjax.serve` runs in its own process (see `ModelSource`)."""
+    source = ModelSource(cfg, checkpoint, model, random_init, tuple(overrides))
+    engine, tokenizer, where = source.engine()
+    return ServedModel(engine, tokenizer, source.name(), where)

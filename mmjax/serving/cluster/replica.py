@@ -38,7 +38,8 @@ class EngineReplica:
     def __init__(self, spec: EngineSpec) -> None:
         cfg = spec.config()
         configure_backend(cfg)
-        served = load_served(cfg, spec.checkpoint, random_init=spec.random_init, overrides=spec.overrides)
+        served = load_served(cfg, spec.checkpoint, model=spec.model, random_init=spec.random_init,
+                             overrides=spec.overrides)
         self.service = EngineService(served.engine, cfg.serve)
         self.app = build_app(self.service, served.tokenizer, served.name, RequestLog(cfg.serve.request_log or None))
         self.replica_id = serve.get_replica_context().replica_id.unique_id

@@ -22,6 +22,7 @@ class EngineSpec:
     overrides: tuple[str, ...] = ()
     checkpoint: str = ""
     random_init: bool = False
+    model: str = ""  # --model: a known model's name or a Hugging Face folder
 
     def config(self) -> Config:
         return load_config(list(self.configs), list(self.overrides))
@@ -30,7 +31,7 @@ class EngineSpec:
     def from_args(cls, args: dict[str, Any]) -> EngineSpec:
         """From `serve run module:app_builder config=a.yaml,b.yaml checkpoint=runs/x overrides="k=v k=v"` (or a Ray
         Serve config file's `args:`), lists as comma- or space-separated strings or YAML lists."""
-        known = {"config", "overrides", "checkpoint", "random_init"}
+        known = {"config", "overrides", "checkpoint", "random_init", "model"}
         unknown = sorted(set(args) - known)
         if unknown:
             raise ConfigError(f"unknown application argument(s) {unknown}; use {sorted(known)}")
@@ -42,5 +43,5 @@ class EngineSpec:
 
         return cls(configs=listed(args.get("config", DEFAULT_CONFIG), ","),
                    overrides=listed(args.get("overrides", ""), None),
-                   checkpoint=str(args.get("checkpoint", "")),
+                   checkpoint=str(args.get("checkpoint", "")), model=str(args.get("model", "")),
                    random_init=str(args.get("random_init", "false")).lower() in ("1", "true", "yes"))

@@ -1,9 +1,11 @@
 """The FastAPI app: OpenAI routes, health/readiness, /metrics, and the error JSON of every failure.
 
-`build_app(service, tokenizer, model_name)` wires handlers to an `EngineService`, behind the `Guard`
-middleware (API keys, body limits). A request is parsed and checked on the event loop (prompt ids, sampling
+`build_app(service, model_name)` wires handlers to an engine service (`EngineService`: the engine on a thread
+of this process; `serving.core.client.EngineCoreClient`: the engine core in a process of its own; both give
+`submit`, streams, `snapshot`, `health`, `tokenizer`, `model_info`), behind the `Guard` middleware (API keys,
+body limits). A request is parsed and checked on the event loop (prompt ids, sampling
 parameters against the model's vocabulary and context), its images fetched and decoded on the media worker
-pool, then admitted and added on the engine thread in one command (so the queue state admission reads is
+pool, then admitted and added by the engine's side in one step (so the queue state admission reads is
 current), and its outputs are read from its stream: whole for a plain response, as server-sent events for
 `stream=true`. A handler whose client goes away (a closed stream, or a closed connection while a plain
 response is being made: a watcher task sees it at once) aborts its requests, which frees their KV pages.
@@ -46,12 +48,10 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"} 
 class ServerState:
     """What the handlers share: the engine service, tokenizer, metrics, request log, drain flag."""
 
-    def __init__(self, service: EngineService, tokenizer: Any, model_name: str, request_log: RequestLog) -> None:
+    def __init__(self, service: EngineService, model_name: str, request_log: RequestLog) -> None:
         self.service = service
-        self.tokenizer = tokenizer
         self.model_name = model_name
         self.serve = service.serve
-        self.engine = service.engine
         self.health = service.health
         self.metrics = ServerMetrics(lambda: service.snapshot)
         self.request_log = request_log
@@ -59,6 +59,15 @@ class ServerState:
         self.created = int(time.time())
         self.media_pool = concurrent.futures.ThreadPoolExecutor(MEDIA_WORKERS, thread_name_prefix="mmjax-media")
         self.unknown_fields_logged: set[str] = set()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.service.tokenizer
+
+    @property
+    def model(self) -> Any:
+        """`model_cfg`, `max_model_len`, `prepare_image` of the served model (set once the engine is ready)."""
+        return self.service.model_info
 
     @property
     def draining(self) -> bool:
@@ -81,13 +90,12 @@ class ServerState:
                             "field name)", name[:64])
 
 
-def build_app(service: EngineService, tokenizer: Any, model_name: str, request_log: RequestLog | None = None
-              ) -> FastAPI:
+def build_app(service: EngineService, model_name: str, request_log: RequestLog | None = None) -> FastAPI:
     serve = service.serve
     docs = serve.enable_docs
     app = FastAPI(title="mmjax", docs_url="/docs" if docs else None, redoc_url=None,
                   openapi_url="/openapi.json" if docs else None)
-    state = ServerState(service, tokenizer, model_name, request_log or RequestLog(None))
+    state = ServerState(service, model_name, request_log or RequestLog(None))
     app.state.mmjax = state
     app.add_middleware(Guard, keys=api_keys(serve.api_key), public_paths=serve.public_paths,
                        max_request_bytes=serve.max_request_bytes)
@@ -154,10 +162,13 @@ def build_app(service: EngineService, tokenizer: Any, model_name: str, request_l
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse(P.model_list(state.model_name, state.created, max_model_len=state.engine.max_model_len,
-                                          vocab_size=state.engine.model_cfg.vocab_size,
-                                          image_tokens=0 if state.engine.model_cfg.text_only else
-                                          state.engine.model_cfg.image_tokens))
+        if state.model is None:  # an engine core still loading: its model is not known yet
+            raise ApiError(503, state.health.unavailable_reason() or "server not ready", type="service_unavailable",
+                           headers={"Retry-After": "5"})
+        return JSONResponse(P.model_list(state.model_name, state.created, max_model_len=state.model.max_model_len,
+                                          vocab_size=state.model.model_cfg.vocab_size,
+                                          image_tokens=0 if state.model.model_cfg.text_only else
+                                          state.model.model_cfg.image_tokens))
 
     @app.post("/v1/chat/completions")
     async def chat(body: P.ChatRequest, raw: Request) -> Response:
@@ -196,7 +207,7 @@ def _check_available(state: ServerState, sla_class: str) -> None:
 
 
 def _prompt(state: ServerState, body: Any, chat: bool) -> tuple[list[int], list[ImageRef]]:
-    cfg = state.engine.model_cfg
+    cfg = state.model.model_cfg
     if chat:
         marker = getattr(state.tokenizer, "image_marker", "<image>")
         turns, images = parse_messages(body.messages, marker, state.serve.max_images_per_request,
@@ -219,7 +230,7 @@ async def _images(state: ServerState, refs: list[ImageRef]) -> list[Any]:
     if not refs:
         return []
     loop = asyncio.get_running_loop()
-    jobs = [loop.run_in_executor(state.media_pool, load_image, ref, state.serve, state.engine) for ref in refs]
+    jobs = [loop.run_in_executor(state.media_pool, load_image, ref, state.serve, state.model) for ref in refs]
     results = await asyncio.gather(*jobs, return_exceptions=True)
     for r in results:
         if isinstance(r, BaseException):
@@ -228,8 +239,8 @@ async def _images(state: ServerState, refs: list[ImageRef]) -> list[Any]:
 
 
 def _sampling(state: ServerState, body: Any, n_prompt: int) -> Any:
-    max_len = state.engine.max_model_len
-    vocab = state.engine.model_cfg.vocab_size
+    max_len = state.model.max_model_len
+    vocab = state.model.model_cfg.vocab_size
     if body.top_k > vocab:
         raise ApiError(422, f"top_k={body.top_k} exceeds this model's vocabulary of {vocab} tokens; use at most "
                             f"{vocab} (0 or -1: no top-k cut)", param="top_k")
@@ -279,30 +290,14 @@ async def _generate(state: ServerState, body: Any, raw: Request, chat: bool) -> 
     for sub in sub_ids:
         service.open_stream(sub, sla, q)  # one queue for all choices of this HTTP request
 
-    def admit_and_add() -> Any:
-        n_queued, ahead, running = service.queue_state(sla)
-        decision = service.admission.decide(sla, len(ids) * rows, params.max_tokens * rows,
-                                            queue_len=n_queued, tokens_ahead=ahead, num_running=running)
-        if not decision.ok:
-            return decision
-        added = []
-        try:
-            for sub, seed in zip(sub_ids, seeds):
-                p = params if seed is None else dataclasses.replace(params, seed=seed)
-                service.add(ids, images, p, sub, sla, body.priority)
-                added.append(sub)
-        except RequestError:
-            for sub in added:
-                service.engine.abort(sub)
-            raise
-        return decision
-
     state.active += 1
     handed_off = False
     watcher = None
     try:
         try:
-            decision = await service.call(admit_and_add)
+            choices = [(sub, params if seed is None else dataclasses.replace(params, seed=seed))
+                       for sub, seed in zip(sub_ids, seeds)]
+            decision = await service.submit(ids, images, choices, sla, body.priority, rows)
         except RequestError as e:
             raise ApiError(400, str(e)) from None
         except EngineFailed as e:

@@ -1,8 +1,8 @@
 """Whether the server can serve: one account that /health, /ready, new requests and the process exit all read.
 
 States: warming up -> ready -> (draining), and from any of them `failed`, for good. Whatever finds the engine
-unable to go on (the engine thread when a step raises what no single request caused; a watcher of a separate
-engine process when that process dies) calls `fail(reason)` once; the callbacks registered with `on_fail` then
+unable to go on (the engine thread when a step raises what no single request caused; the engine-core client
+(`serving.core.client`) when that process dies) calls `fail(reason)` once; the callbacks registered with `on_fail` then
 end the in-flight requests with an error and shut the server down, and `exit_code` turns non-zero so a
 supervisor restarts the process. Liveness (`/health`) is "not failed"; readiness (`/ready`) is "ready and not
 draining and not failed".

@@ -48,7 +48,7 @@ class DrainingServer(uvicorn.Server):
         def wait() -> None:
             deadline = time.monotonic() + state.serve.drain_timeout_s
             while (time.monotonic() < deadline and not state.health.failed
-                   and (state.active > 0 or state.engine.has_unfinished())):
+                   and (state.active > 0 or state.service.has_unfinished())):
                 time.sleep(0.05)
             self.should_exit = True
 
@@ -65,8 +65,15 @@ class DrainingServer(uvicorn.Server):
 def make_server(engine: Any, tokenizer: Any, serve: Any, model_name: str, *, warmup: bool = True,
                 log_level: str = "info") -> tuple[DrainingServer, EngineService]:
     """The uvicorn server of an engine (not started) and its engine service (started: it warms up now)."""
-    service = EngineService(engine, serve, warmup=warmup)
-    app = build_app(service, tokenizer, model_name, RequestLog(serve.request_log or None))
+    return serve_service(EngineService(engine, serve, warmup=warmup, tokenizer=tokenizer), model_name,
+                         log_level=log_level)
+
+
+def serve_service(service: Any, model_name: str, *, log_level: str = "info") -> tuple[DrainingServer, Any]:
+    """The uvicorn server of an engine service (`EngineService`, or an `EngineCoreClient` of an engine-core
+    process), not started; the service is started (it warms up now) and its failure shuts the server down."""
+    serve = service.serve
+    app = build_app(service, model_name, RequestLog(serve.request_log or None))
     config = uvicorn.Config(app, host=serve.host, port=serve.port, log_level=log_level,
                             timeout_graceful_shutdown=max(1, int(serve.drain_timeout_s)))
     server = DrainingServer(config, app.state.mmjax)
@@ -77,7 +84,15 @@ def make_server(engine: Any, tokenizer: Any, serve: Any, model_name: str, *, war
 
 def run(engine: Any, tokenizer: Any, serve: Any, model_name: str) -> int:
     """Serve until shut down (SIGTERM drains first); 0 on a clean exit, 1 once the engine failed."""
-    server, service = make_server(engine, tokenizer, serve, model_name)
+    return _serve(*make_server(engine, tokenizer, serve, model_name))
+
+
+def run_service(service: Any, model_name: str) -> int:
+    """`run` for an engine service built by the caller (e.g. an `EngineCoreClient`)."""
+    return _serve(*serve_service(service, model_name))
+
+
+def _serve(server: DrainingServer, service: Any) -> int:
     try:
         server.run()
     finally:

@@ -24,6 +24,7 @@ from typing import Any
 from mmjax.observe.memory import is_device_oom
 from mmjax.serving.http.admission import CLASS_PRIORITY_OFFSET, CLASSES, Admission
 from mmjax.serving.http.health import FAILED_MESSAGE, Health
+from mmjax.serving.request import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +45,24 @@ class Stream:
 
 
 class EngineFailed(RuntimeError):
-    """Delivered to every open stream (and raised by `call`) once the engine cannot go on."""
+    """Delivered to every open stream (and raised by `call`) once the engine cannot go on; `cause`, when given,
+    is what clients may be told of why (e.g. the engine-core process was killed)."""
 
-    def __init__(self) -> None:
-        super().__init__(FAILED_MESSAGE)
+    def __init__(self, cause: str = "") -> None:
+        super().__init__(f"{FAILED_MESSAGE} (cause: {cause})" if cause else FAILED_MESSAGE)
 
 
 class EngineService:
-    """Owns the engine thread. `start()`; `ready` is set after warm-up; `stop()` ends the thread."""
+    """Owns the engine thread. `start()`; `ready` is set after warm-up; `stop()` ends the thread.
 
-    def __init__(self, engine: Any, serve: Any, *, warmup: bool = True) -> None:
+    The HTTP app sees only `submit`, `open_stream` / `close_stream`, `snapshot`, `health`, `has_unfinished`,
+    `tokenizer` and `model_info`: the face `serving.core.client.EngineCoreClient` has too, for an engine in a
+    process of its own."""
+
+    def __init__(self, engine: Any, serve: Any, *, warmup: bool = True, tokenizer: Any = None) -> None:
         self.engine = engine
         self.serve = serve
+        self.tokenizer = engine.tokenizer if tokenizer is None else tokenizer
         self.admission = Admission(serve)
         self.engine.scheduler.preempt_for_priority = True  # interactive arrivals preempt batch work
         self._warmup = warmup
@@ -72,6 +79,14 @@ class EngineService:
         self._thread = threading.Thread(target=self._run, name="mmjax-engine", daemon=True)
 
     # -- called from the event loop ---------------------------------------------------------------------------
+
+    @property
+    def model_info(self) -> Any:
+        """What the handlers need of the model: `model_cfg`, `max_model_len`, `prepare_image` (the engine has them)."""
+        return self.engine
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
 
     @property
     def failed(self) -> str | None:
@@ -113,6 +128,30 @@ class EngineService:
             if self._streams.pop(request_id, None) is not None:
                 self.engine.abort(request_id)
         self.post(close)
+
+    async def submit(self, prompt_ids: list[int], images: list[Any], choices: list[tuple[str, Any]], sla_class: str,
+                     priority: int, rows: int) -> Any:
+        """Admit one HTTP request's choices on the current queue state and add them all (or none), in one command
+        on the engine thread; returns admission's Decision (raises RequestError, EngineFailed)."""
+        max_tokens = choices[0][1].max_tokens
+
+        def admit_and_add() -> Any:
+            n_queued, ahead, running = self.queue_state(sla_class)
+            decision = self.admission.decide(sla_class, len(prompt_ids) * rows, max_tokens * rows,
+                                             queue_len=n_queued, tokens_ahead=ahead, num_running=running)
+            if not decision.ok:
+                return decision
+            added = []
+            try:
+                for rid, params in choices:
+                    self.add(prompt_ids, images, params, rid, sla_class, priority)
+                    added.append(rid)
+            except RequestError:
+                for rid in added:
+                    self.engine.abort(rid)
+                raise
+            return decision
+        return await self.call(admit_and_add)
 
     # -- engine thread only -----------------------------------------------------------------------------------
 
@@ -161,7 +200,7 @@ class EngineService:
                 if future.set_running_or_notify_cancel():
                     future.set_exception(EngineFailed())
         for s in list(self._streams.values()):
-            _deliver(s, EngineFailed())
+            deliver(s, EngineFailed())
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -215,7 +254,7 @@ class EngineService:
                 s.last_token_time = now
             if out.finished:
                 self._streams.pop(out.request_id, None)
-            _deliver(s, (out, s))
+            deliver(s, (out, s))
 
     def _refresh(self) -> None:
         sched = self.engine.scheduler
@@ -230,7 +269,7 @@ class EngineService:
                          "compiles_after_warmup": self.engine.runner.num_compiles - self._compiles_at_ready}
 
 
-def _deliver(stream: Stream, item: Any) -> None:
+def deliver(stream: Stream, item: Any) -> None:
     """Hand an output to the stream's handler on its event loop; a closed loop (server shut down) drops it."""
     try:
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

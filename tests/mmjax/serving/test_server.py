@@ -32,11 +32,13 @@ from tokenizers import models, pre_tokenizers
 from mmjax.checkpoint.orbax_state import FORMAT_VERSION, Checkpointer
 from mmjax.config import Config, DataConfig, to_dict
 from mmjax.data.tokenizer import SPECIAL_TOKENS
+from mmjax.serving.core.client import EngineCoreClient
 from mmjax.serving.engine import Engine
 from mmjax.serving.http.admission import Admission
-from mmjax.serving.http.server import make_server
+from mmjax.serving.http.server import make_server, serve_service
 from mmjax.serving.load import load_for_serving
 from mmjax.serving.request import SamplingParams
+from mmjax.serving.served_model import ModelSource
 
 SERVE = ["serve.page_size=4", "serve.num_pages=48", "serve.max_num_batched_tokens=32", "serve.max_num_seqs=4",
          "serve.min_token_bucket=32", "serve.min_slot_bucket=4", "serve.max_logprobs=3",
@@ -106,13 +108,17 @@ def cli_server(run_dir):
         proc.wait()
 
 
-@pytest.fixture(scope="module")
-def server(run_dir, cli_server):
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(request, run_dir, cli_server):
+    """The server on 127.0.0.1, its engine on a thread of this process or in an engine-core process of its own
+    (serve.engine_process); `engine` is an in-process engine of the same checkpoint either way."""
+    mode = request.param
     root, run = run_dir.parent, run_dir
     port = free_port()
-    (root / "media").mkdir()
-    overrides = [*SERVE, f"serve.port={port}", f"serve.request_log={root / 'requests.jsonl'}",
-                 f"serve.allowed_local_media_path={root / 'media'}"]
+    media = root / mode / "media"  # each server's own allowed folder (and files beside it)
+    media.mkdir(parents=True)
+    overrides = [*SERVE, f"serve.port={port}", f"serve.request_log={media.parent / 'requests.jsonl'}",
+                 f"serve.allowed_local_media_path={media}"]
     cfg, model, tok = load_for_serving(run / "checkpoints", overrides=overrides)
     engine = Engine(cfg, model, tok)
     # the engine's offline greedy answer to compare HTTP with, computed before the server owns the engine
@@ -128,15 +134,19 @@ def server(run_dir, cli_server):
     while engine.has_unfinished():
         beams += [o.beams for o in engine.step() if o.finished]
     offline_beams = [tok.decode(tokens) for tokens, _ in beams[0]]
-    srv, service = make_server(engine, tok, cfg.serve, MODEL, log_level="warning")
+    if mode == "process":  # the core loads the checkpoint itself, from the same arguments
+        client = EngineCoreClient(ModelSource(cfg, checkpoint=str(run / "checkpoints")), cfg.serve)
+        srv, service = serve_service(client, MODEL, log_level="warning")
+    else:
+        srv, service = make_server(engine, tok, cfg.serve, MODEL, log_level="warning")
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
     wait_ready(base, lambda: "")
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
-    yield dict(base=base, client=client, service=service, state=srv.app_state, offline=offline, run=run,
-               offline_beams=offline_beams,
-               log=root / "requests.jsonl", cfg=cfg, engine=engine)
+    yield dict(mode=mode, media=media, base=base, client=client, service=service, state=srv.app_state,
+               offline=offline, run=run, offline_beams=offline_beams,
+               log=media.parent / "requests.jsonl", cfg=cfg, engine=engine)
     srv.should_exit = True
     thread.join(10)
     service.stop()
@@ -158,8 +168,20 @@ def metrics(base) -> dict:
     return out
 
 
+class _Resume:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def set(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+
 def hold(service):
-    """Stop the engine thread between two steps; returns the event that lets it go on."""
+    """Stop the engine thread between two steps (an engine-core process: freeze it with SIGSTOP); returns what
+    lets it go on (`.set()`)."""
+    if isinstance(service, EngineCoreClient):
+        os.kill(service.pid, signal.SIGSTOP)
+        return _Resume(service.pid)
     frozen, thaw = threading.Event(), threading.Event()
     service.post(lambda: (frozen.set(), thaw.wait(30)))
     assert frozen.wait(30)
@@ -199,7 +221,7 @@ def test_chat_with_image_streaming_usage(server):
     assert whole.usage.prompt_tokens == 1 + 2 + 1 + 4 + 2 + 1  # bos, user w20 (the system turn), user, 4 image tokens,
     # w9 w11, assistant
     # a local file:// image under serve.allowed_local_media_path reads the same bytes
-    path = server["run"].parent / "media" / "im.png"
+    path = server["media"] / "im.png"
     path.write_bytes(base64.b64decode(png_data_url().split(",", 1)[1]))
     messages[1]["content"][0]["image_url"]["url"] = f"file://{path}"
     again = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
@@ -282,7 +304,13 @@ def test_errors_then_a_good_request(server):
     assert c.chat.completions.create(**good).choices[0].finish_reason in ("stop", "length")
 
 
+def thread_only(server, why):
+    if server["mode"] != "thread":
+        pytest.skip(f"reaches into the engine thread: {why}")
+
+
 def test_overload_429_with_retry_after_while_accepted_complete(server):
+    thread_only(server, "swaps the service's admission (in an engine-core process it lives in the core)")
     service, cfg = server["service"], server["cfg"]
     saved = service.admission
     service.admission = Admission(dataclasses.replace(cfg.serve, token_budget=60.0))  # one 60-token request a second
@@ -308,6 +336,7 @@ def test_overload_429_with_retry_after_while_accepted_complete(server):
 
 
 def test_interactive_preempts_batch(server):
+    thread_only(server, "counts queued commands and reads the scheduler's running list")
     c, log, service = server["client"], server["log"], server["service"]
     batch = dict(model=MODEL, max_tokens=50, temperature=0, extra_body={"ignore_eos": True, "sla_class": "batch"})
     before = metrics(server["base"])["mmjax:num_preemptions_total"]
@@ -523,16 +552,19 @@ def test_abandoned_plain_request_stops_at_once_and_frees_its_pages(server):
     while metrics(base)[running] < 4:  # every sequence slot holds one of its choices
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    steps = service.engine.runner.num_steps
+    thaw = hold(service)  # the client goes away before the running choices can finish
+    steps = metrics(base)["mmjax:engine_steps_total"]
     sock.close()
+    time.sleep(0.2)  # the handler's watcher sees the disconnect and aborts every choice (queued behind the hold)
+    thaw.set()
     while (m := metrics(base))["mmjax:kv_cache_usage_perc"] > 0 or m[running] > 0 or m[waiting] > 0:
         assert time.monotonic() < deadline, m
         time.sleep(0.005)
     records = [json.loads(x) for x in log.read_text().splitlines()[logged:]]
-    assert len(records) == 8 and all(r["status"] == 499 for r in records), records
+    assert len(records) == 8 and all(r["status"] == 499 for r in records), [r["status"] for r in records]
     tokens = sorted(r.get("generated_tokens", 0) for r in records)
     assert tokens[:4] == [0] * 4 and max(tokens) < 55, tokens  # the waiting half never ran, none ran to the end
-    assert service.engine.runner.num_steps - steps < 55
+    assert metrics(base)["mmjax:engine_steps_total"] - steps < 55
 
 
 def png_bytes(size=(12, 12), mode="RGB") -> bytes:
@@ -543,8 +575,8 @@ def png_bytes(size=(12, 12), mode="RGB") -> bytes:
 
 def test_local_media_only_regular_files_under_the_folder(server):
     base = server["base"]
-    root = server["run"].parent
-    media = root / "media"
+    media = server["media"]
+    root = media.parent
     (root / "outside.png").write_bytes(png_bytes())
     (media / "ok.png").write_bytes(png_bytes())
     (media / "link.png").symlink_to(root / "outside.png")
@@ -693,3 +725,52 @@ def test_cli_model_takes_a_known_name_or_a_hugging_face_folder(hf_llama_dir, tmp
     assert served_model.real_model(str(hf_llama_dir))[0] == ckpt  # a folder with config.json, reused
     assert serve.main(["--model", "no-such-model"]) == 1
     assert "neither a known model (smollm2-135m-instruct) nor a Hugging Face folder" in capsys.readouterr().err
+
+
+def test_engine_core_killed_mid_stream_fails_in_flight_requests_and_exits_1(run_dir, spare, monkeypatch):
+    """serve.engine_process: the engine-core process dies (SIGKILL) with a stream and a plain request in flight;
+    both end with a 500 naming the cause, /health turns 503 and the server returns 1."""
+    from fastapi.testclient import TestClient
+
+    from mmjax.serving.http import server as server_module
+
+    _, _, cfg = spare
+    port = free_port()
+    serve = dataclasses.replace(cfg.serve, port=port, drain_timeout_s=600, engine_process=True)
+    client = EngineCoreClient(ModelSource(dataclasses.replace(cfg, serve=serve),
+                                           checkpoint=str(run_dir / "checkpoints")), serve)
+    made = {}
+    make = server_module.serve_service
+    monkeypatch.setattr(server_module, "serve_service", lambda *a, **k: made.setdefault("server", make(*a, **k)))
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(code=server_module.run_service(client, MODEL)),
+                              daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base, lambda: "" if thread.is_alive() else "server exited")
+    srv, _ = made["server"]
+    # 16 choices x 55 tokens each on 4 sequence slots: far from done when the core dies
+    body = {"model": MODEL, "messages": user("w7 w8"), "max_tokens": 55, "n": 16, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool, httpx.stream("POST", base + "/v1/chat/completions", timeout=60,
+                                                     json={**body, "stream": True}) as stream:
+        lines = stream.iter_lines()
+        assert any('"content":"' in line and '"content":""' not in line for line in lines)
+        plain = pool.submit(httpx.post, base + "/v1/chat/completions", json=body, timeout=60)
+        waiting = "mmjax:num_requests_waiting{sla_class=interactive}"
+        deadline = time.monotonic() + 30
+        while metrics(base)[waiting] < 16 + 4:  # the plain request was admitted too
+            assert time.monotonic() < deadline and not plain.done()
+            time.sleep(0.005)
+        hold(client)  # frozen with both requests in flight, then killed
+        os.kill(client.pid, signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data: ")]
+        plain = plain.result()
+    err = assert_openai_error(plain, 500, "engine failed")
+    assert err["type"] == "server_error" and err["code"] == "engine_failed" and "SIGKILL" in err["message"], err
+    event = json.loads(rest[-2][6:])["error"]
+    assert rest[-1] == "data: [DONE]" and event["code"] == "engine_failed" and "SIGKILL" in event["message"], rest[-3:]
+    thread.join(30)
+    assert not thread.is_alive() and result["code"] == 1
+    app = TestClient(srv.config.app)
+    assert_openai_error(app.get("/health"), 503, "engine failed")
+    assert_openai_error(app.post("/v1/completions", json={"model": MODEL, "prompt": "w7"}), 503, "engine failed")
