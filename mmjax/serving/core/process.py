@@ -2,11 +2,11 @@
 
 The API process spawns it (`multiprocessing` spawn: JAX is not fork-safe) with a `ModelSource`
 (`serving.served_model`: the arguments the model was named by) and two ZeroMQ addresses. The core loads the model
-itself, warms up (compiling every bucket), sends `Ready`, then loops: take what the API sent (admit and add requests, abort), expire requests that
-waited too long, run one engine step, send every request's new token ids with the engine's gauges. Text is the
-API process's work: the core's engine gets an `IdsOnlyTokenizer`, and stop strings are found (and the request
-aborted here) on the API side. A step failure no request caused is sent as `CoreFailed` and the process exits
-1; the core also exits when the process that spawned it is gone.
+itself, warms up (compiling every bucket), sends `Ready`, then loops: take what the API sent (admit and add
+requests, abort), expire requests that waited too long, run one engine step, send every request's new token ids with
+the engine's gauges. Text is the API process's work: the core's engine gets an `IdsOnlyTokenizer`, and stop strings
+are found (and the request aborted here) on the API side. A step failure no request caused is sent as `CoreFailed`
+and the process exits 1; the core also exits when the process that spawned it is gone.
 """
 
 from __future__ import annotations
