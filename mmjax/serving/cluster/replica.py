@@ -40,8 +40,8 @@ class EngineReplica:
         configure_backend(cfg)
         served = load_served(cfg, spec.checkpoint, model=spec.model, random_init=spec.random_init,
                              overrides=spec.overrides)
-        self.service = EngineService(served.engine, cfg.serve)
-        self.app = build_app(self.service, served.tokenizer, served.name, RequestLog(cfg.serve.request_log or None))
+        self.service = EngineService(served.engine, cfg.serve, tokenizer=served.tokenizer)
+        self.app = build_app(self.service, served.name, RequestLog(cfg.serve.request_log or None))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.service.start()
         if not self.service.ready.wait(READY_TIMEOUT_S) or self.service.failed:

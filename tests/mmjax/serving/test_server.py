@@ -689,14 +689,15 @@ def test_engine_failure_fails_in_flight_requests_and_exits_1(spare, monkeypatch)
     wait_ready(base, lambda: "" if thread.is_alive() else "server exited")
     srv, service = made["server"]
     body = {"model": MODEL, "messages": user("w7 w8"), "max_tokens": 55, "ignore_eos": True}
+    # the stream's 16 choices of 55 tokens on 4 sequence slots are far from done when the plain request arrives
     with ThreadPoolExecutor(1) as pool, httpx.stream("POST", base + "/v1/chat/completions", timeout=60,
-                                                     json={**body, "stream": True}) as stream:
+                                                     json={**body, "n": 16, "stream": True}) as stream:
         lines = stream.iter_lines()
         assert any('"content":"' in line and '"content":""' not in line for line in lines)
         plain = pool.submit(httpx.post, base + "/v1/chat/completions", json=body, timeout=60)
-        running = "mmjax:num_requests_running{sla_class=interactive}"
+        count = lambda m: sum(m[f"mmjax:num_requests_{k}{{sla_class=interactive}}"] for k in ("running", "waiting"))
         deadline = time.monotonic() + 30
-        while metrics(base)[running] < 2:
+        while count(metrics(base)) < 16 + 1:  # every choice of the stream and the plain request are in flight
             assert time.monotonic() < deadline and not plain.done()
             time.sleep(0.005)
         thaw = hold(service)
