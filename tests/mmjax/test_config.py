@@ -114,7 +114,7 @@ def test_choice_keys_are_literal_types():
         "parallel.pipeline_schedule", "parallel.pipeline_balance", "parallel.pipeline_weight_gather",
         "distributed.cpu_collectives", "data.source", "data.pack_strategy", "data.image_mode", "optim.schedule",
         "observe.sinks", "observe.wandb_mode", "observe.neptune_mode", "observe.nan_policy", "serve.kv_cache_dtype",
-        "serve.quantization", "serve.default_sla_class", "serve.speculative.method"}
+        "serve.quantization", "serve.default_sla_class", "serve.speculative.method", "serve.router"}
     assert load_config(None, ["parallel.zero_stage=1"]).parallel.zero_stage == 1
 
 

@@ -9,17 +9,22 @@ and feature at least once, not the full cross product (one compile per row of LA
 
 import itertools
 import re
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_layouts import IMAGE_ID, MODEL, make_batch, rel_err  # pytest puts this folder on sys.path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))  # the layouts tests' model and batches
+from test_layouts import IMAGE_ID, MODEL, make_batch, rel_err  # noqa: E402
 
 from mmjax.config import load_config
 from mmjax.errors import ConfigError
 from mmjax.parallel.mesh import make_mesh
 from mmjax.parallel.sharding import context_from_config
+from mmjax.training.checks import check_runnable
 from mmjax.training.feed import to_global_batch
 from mmjax.training.init import create_train_state, model_setup, state_shardings
 from mmjax.training.jit_step import jit_train_step
@@ -133,8 +138,8 @@ def test_csv_schedule_loads_checks_and_runs(tmp_path):
         with pytest.raises(ConfigError, match=match):
             sch.load_csv(str(path), p, m)
     with pytest.raises(ConfigError, match="cannot be read"):
-        load_config(MODEL, ["mesh.pipeline=2", "train.grad_accum_steps=4",
-                            f"parallel.pipeline_schedule_file={tmp_path / 'missing.csv'}"])
+        check_runnable(load_config(MODEL, ["mesh.pipeline=2", "train.grad_accum_steps=4",
+                                           f"parallel.pipeline_schedule_file={tmp_path / 'missing.csv'}"]))
 
 
 @pytest.mark.parametrize("n_layers, p, v, mode", [(5, 2, 1, "cost"), (4, 2, 2, "even"), (7, 2, 2, "cost")])
@@ -165,8 +170,10 @@ def test_stage_storage_holds_each_ranks_layers(n_layers, p, v, mode):
     (["mesh.pipeline=2", "mesh.data=4", "train.grad_accum_steps=4", "train.global_batch_size=8"], "multiple of 16"),
 ])
 def test_bad_layouts_fail_at_config_time(overrides, match):
+    """The run's config check (`python -m mmjax.train` exits 2 on it, before anything is built) asks the planner."""
+    cfg = load_config(MODEL, overrides)
     with pytest.raises(ConfigError, match=match):
-        load_config(MODEL, overrides)
+        check_runnable(cfg)
 
 
 # ---------------------------------------------------------------------------------------------- executor
