@@ -23,9 +23,9 @@ from typing import Any
 
 import zmq
 
-from mmjax.observe.memory import is_device_oom
 from mmjax.serving.core import protocol as M
 from mmjax.serving.engine import Engine, RequestMetrics, RequestOutput
+from mmjax.serving.engine_loop import expire_waiting, step_or_abort_on_oom
 from mmjax.serving.http.admission import CLASS_PRIORITY_OFFSET, CLASSES, Admission
 from mmjax.serving.request import RequestError, SamplingParams
 from mmjax.serving.served_model import ModelSource
@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50  # how long an idle core waits for a message before checking on its parent
 PARENT_CHECK_S = 1.0  # how often a busy core checks that the API process is still there
-QUEUE_TIMEOUT = "queue_timeout"
 METRIC_FIELDS = tuple(f.name for f in dataclasses.fields(RequestMetrics))
 
 
@@ -152,24 +151,19 @@ class EngineCore:
     # -- steps ------------------------------------------------------------------------------------------------
 
     def _expire_waiting(self) -> None:
-        limit = self.serve.max_queue_wait_s
-        now = time.monotonic()
-        for r in list(self.engine.scheduler.waiting):
-            if r.first_scheduled_time is None and now - r.arrival_time > limit and r.request_id in self.sla:
-                self.stream_error[r.request_id] = QUEUE_TIMEOUT
-                self.engine.abort(r.request_id)
+        expire_waiting(self.engine, self.serve.max_queue_wait_s, self._fail_request)
+
+    def _fail_request(self, request_id: str, reason: str) -> bool:
+        """Record why `request_id` ends (sent with its last output); False if the API process did not send it."""
+        if request_id not in self.sla:
+            return False
+        self.stream_error[request_id] = reason
+        return True
 
     def _step(self) -> list[RequestOutput]:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            if not is_device_oom(e):
-                raise
+        outputs = step_or_abort_on_oom(self.engine, self._fail_request)
+        if outputs is None:
             self.oom_events += 1
-            log.error("engine step ran out of device memory; aborting the running requests: %s", e)
-            for r in list(self.engine.scheduler.running):
-                self.stream_error[r.request_id] = "oom"
-                self.engine.abort(r.request_id)
             return []
         return outputs
 

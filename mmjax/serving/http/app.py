@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mmjax.serving.engine_loop import QUEUE_TIMEOUT
 from mmjax.serving.http import protocol as P
 from mmjax.serving.http.chat import parse_messages, render_chat
 from mmjax.serving.http.guard import Guard, api_keys
@@ -35,7 +36,7 @@ from mmjax.serving.http.media import ImageRef, load_image
 from mmjax.serving.http.metrics import CONTENT_TYPE, ServerMetrics
 from mmjax.serving.http.protocol import ApiError
 from mmjax.serving.http.request_log import RequestLog
-from mmjax.serving.http.service import QUEUE_TIMEOUT, EngineFailed, EngineService
+from mmjax.serving.http.service import EngineFailed, EngineService
 from mmjax.serving.request import RequestError
 
 log = logging.getLogger(__name__)

@@ -21,14 +21,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mmjax.observe.memory import is_device_oom
+from mmjax.serving.engine_loop import expire_waiting, step_or_abort_on_oom
 from mmjax.serving.http.admission import CLASS_PRIORITY_OFFSET, CLASSES, Admission
 from mmjax.serving.http.health import FAILED_MESSAGE, Health
 from mmjax.serving.request import RequestError
 
 log = logging.getLogger(__name__)
 
-QUEUE_TIMEOUT = "queue_timeout"  # the reason a stream ends when its request waited too long
 
 
 @dataclasses.dataclass
@@ -219,28 +218,20 @@ class EngineService:
                 return
 
     def _expire_waiting(self) -> None:
-        limit = self.serve.max_queue_wait_s
-        now = time.monotonic()
-        for r in list(self.engine.scheduler.waiting):
-            s = self._streams.get(r.request_id)
-            if s is not None and r.first_scheduled_time is None and now - r.arrival_time > limit:
-                s.error = QUEUE_TIMEOUT
-                self.engine.abort(r.request_id)
+        expire_waiting(self.engine, self.serve.max_queue_wait_s, self._fail_stream)
+
+    def _fail_stream(self, request_id: str, reason: str) -> bool:
+        """Record why `request_id`'s stream ends (its client sees `reason`); False if it has no stream here."""
+        s = self._streams.get(request_id)
+        if s is not None:
+            s.error = reason
+        return s is not None
 
     def _step(self) -> None:
         t0 = time.perf_counter()
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            if not is_device_oom(e):
-                raise
+        outputs = step_or_abort_on_oom(self.engine, self._fail_stream)
+        if outputs is None:
             self.oom_events += 1
-            log.error("engine step ran out of device memory; aborting the running requests: %s", e)
-            for r in list(self.engine.scheduler.running):
-                s = self._streams.get(r.request_id)
-                if s is not None:
-                    s.error = "oom"
-                self.engine.abort(r.request_id)
             return
         self.admission.observe_step(time.perf_counter() - t0)
         now = time.monotonic()
