@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from mmjax.config import PACKAGED_CONFIGS, Config, load_config, to_yaml
 from mmjax.errors import ConfigError, MmjaxError
@@ -75,25 +77,34 @@ def main(argv: list[str] | None = None) -> int:
     from mmjax.serving.served_model import ModelSource
 
     source = ModelSource(cfg, args.checkpoint, args.model, args.random_init, tuple(args.overrides))
-    try:
-        if cfg.serve.engine_process:  # HTTP here; the engine in a spawned engine-core process that loads the model
-            from mmjax.serving.core.client import EngineCoreClient
+    return exit_code(lambda: serve_single(cfg, source, server))
 
-            name = source.name()
-            logging.getLogger(__name__).info("serving %r on http://%s:%d (engine-core process)", name,
-                                             cfg.serve.host, cfg.serve.port)
-            return server.run_service(EngineCoreClient(source, cfg.serve), name)
-        engine, tokenizer, where = source.engine()
-        name = source.name()
-        logging.getLogger(__name__).info("serving %s as %r on http://%s:%d", where, name, cfg.serve.host,
-                                         cfg.serve.port)
-        return server.run(engine, tokenizer, cfg.serve, name)
+
+def exit_code(run: Callable[[], int]) -> int:
+    """`run()`'s code; a config error exits 2 with one line naming the key, any other mmjax error 1."""
+    try:
+        return run()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except MmjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+
+def serve_single(cfg: Config, source: Any, server: Any) -> int:
+    """One process serves HTTP; the engine runs on its thread, or in a spawned engine-core process that loads the
+    model itself (`serve.engine_process`)."""
+    name = source.name()
+    if cfg.serve.engine_process:
+        from mmjax.serving.core.client import EngineCoreClient  # local, like main's imports
+
+        logging.getLogger(__name__).info("serving %r on http://%s:%d (engine-core process)", name, cfg.serve.host,
+                                         cfg.serve.port)
+        return server.run_service(EngineCoreClient(source, cfg.serve), name)
+    engine, tokenizer, where = source.engine()
+    logging.getLogger(__name__).info("serving %s as %r on http://%s:%d", where, name, cfg.serve.host, cfg.serve.port)
+    return server.run(engine, tokenizer, cfg.serve, name)
 
 
 def serve_cluster(cfg: Config, args: argparse.Namespace) -> int:
@@ -107,15 +118,7 @@ def serve_cluster(cfg: Config, args: argparse.Namespace) -> int:
 
     spec = EngineSpec(configs=tuple(str(c) for c in (args.config or [DEFAULT_CONFIG])), overrides=tuple(args.overrides),
                       checkpoint=args.checkpoint, random_init=args.random_init, model=args.model)
-    try:
-        return run_cluster(spec, cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except MmjaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-
+    return exit_code(lambda: run_cluster(spec, cfg))
 
 if __name__ == "__main__":
     sys.exit(main())
