@@ -188,6 +188,25 @@ def hold(service):
     return thaw
 
 
+def hold_on_first_output(client: EngineCoreClient) -> _Resume:
+    """Freeze an engine-core process (SIGSTOP) from the client's receiver thread as soon as a token arrives, so the
+    core cannot run far ahead of the test (polling /metrics on a loaded machine can miss a whole request);
+    `.frozen` is set once it is frozen, `.set()` lets it go on."""
+    resume = _Resume(client.pid)
+    resume.frozen = threading.Event()
+    output = client._output
+
+    def freeze_then_output(o, now):
+        if not resume.frozen.is_set() and o.new_token_ids:
+            os.kill(client.pid, signal.SIGSTOP)
+            resume.frozen.set()
+            client._output = output
+        output(o, now)
+
+    client._output = freeze_then_output
+    return resume
+
+
 def user(text):
     return [{"role": "user", "content": text}]
 
@@ -549,10 +568,14 @@ def test_abandoned_plain_request_stops_at_once_and_frees_its_pages(server):
     running = "mmjax:num_requests_running{sla_class=interactive}"
     waiting = "mmjax:num_requests_waiting{sla_class=interactive}"
     deadline = time.monotonic() + 30
-    while metrics(base)[running] < 1:  # its choices decode (held at once: an engine-core process runs on freely)
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
-    thaw = hold(service)  # the client goes away before the running choices can finish
+    if isinstance(service, EngineCoreClient):  # the core runs on freely: freeze it on the first token it sends
+        thaw = hold_on_first_output(service)
+        assert thaw.frozen.wait(30)
+    else:
+        while metrics(base)[running] < 1:  # its choices decode
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        thaw = hold(service)  # the client goes away before the running choices can finish
     steps = metrics(base)["mmjax:engine_steps_total"]
     sock.close()
     time.sleep(0.2)  # the handler's watcher sees the disconnect and aborts every choice (queued behind the hold)
