@@ -497,8 +497,9 @@ class ServeConfig:
     request_log: str = ""  # JSON-lines file of per-request timings; "" = off
     drain_timeout_s: float = 60.0  # SIGTERM: longest wait for running requests before exiting
     # the engine (scheduler, KV pool, device) in a process of its own, fed token ids over ZeroMQ, so HTTP, text and
-    # images never share the interpreter lock with the device loop (mmjax.serving.core); false: an engine thread
-    engine_process: bool = False
+    # images never share the interpreter lock with the device loop (mmjax.serving.core); false: an engine thread of
+    # the HTTP process (measured slower under load: docs/perf, "Serving")
+    engine_process: bool = True
     # security (docs/serving.md, "Security"): keys, open routes, local media, input limits
     api_key: str = ""  # `Authorization: Bearer <key>` required off public_paths; comma-separated keys; "" = none
     # (the MMJAX_API_KEY environment variable adds keys the same way, and keeps them out of config files)

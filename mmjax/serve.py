@@ -95,6 +95,7 @@ def exit_code(run: Callable[[], int]) -> int:
 def serve_single(cfg: Config, source: Any, server: Any) -> int:
     """One process serves HTTP; the engine runs on its thread, or in a spawned engine-core process that loads the
     model itself (`serve.engine_process`)."""
+    source.check()
     name = source.name()
     if cfg.serve.engine_process:
         from mmjax.serving.core.client import EngineCoreClient  # local, like main's imports

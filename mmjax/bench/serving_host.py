@@ -1,17 +1,25 @@
-"""Host time per engine step: `Engine.step()`'s wall time minus the time it waits for the device, for one-token
-decode steps of `batch` sequences, on a tiny decoder so the device part is small (the CPU works).
+"""Where an engine step's host time goes: `Engine.step()`'s wall time split into scheduling, building and
+launching the device call, waiting for the device, reading its outputs and reporting (stops, detokenizing,
+outputs), for decode steps of `batch` sequences.
 
-    python -m mmjax.bench.serving_host [--batch 64] [--steps 100] [--repeats 2] [overrides ...]
+    python -m mmjax.bench.serving_host [--batch 1 32 64] [--steps 100] [--repeats 2] [--full] [--out F.json]
+                                       [overrides ...]
 
-What it measures is the scheduler, input building, output handling and detokenization per step: the work the
-device waits for between single-step decode calls (`serve.decode_steps=1`; with more steps per call and
-`serve.overlap_decode` it runs while the device computes).
+By default on a tiny decoder, so the device part is small and the CPU works; `--full` serves the 1.24B decoder
+of `models/llama_1b.yaml` (bf16, text only) to see the same split where the device time is real. With
+overlapped scheduling (`serve.async_scheduling`, the default) the device runs step N while the host prepares
+N+1, so only `device_wait` is time the host had nothing to do; `launch` is the jitted call itself (argument
+handling and the enqueueing of the device work), `build` the input arrays around it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -25,65 +33,111 @@ from mmjax.serving.request import SamplingParams
 TINY = ("model.text_only=true", "model.text.dim=64", "model.text.n_layers=2", "model.text.n_heads=4",
         "model.text.n_kv_heads=2", "model.text.head_dim=16", "model.text.mlp_dim=128", "model.vocab_size=512",
         "model.compute_dtype=float32", "model.param_dtype=float32")
+FULL = ("model.text_only=true", "model.compute_dtype=bfloat16", "model.param_dtype=bfloat16")
+PHASES = ("schedule", "build", "launch", "device_wait", "read", "report")
 
 
-class DeviceWait:
-    """Sums the time `PackedStep.outputs` blocks on the device's result (while installed)."""
+class Phases:
+    """Sums the wall time of an engine's step phases while installed (each wraps one method in place)."""
 
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._orig = transfer.PackedStep.outputs
+    def __init__(self, engine: Engine) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._undo: list[Callable[[], None]] = []
+        self._engine = engine
 
-    def __enter__(self) -> DeviceWait:
-        orig, wait = self._orig, self
+    def _time(self, owner: Any, name: str, phase: str, exclusive: tuple[str, ...] = ()) -> None:
+        """Shadow `owner.name` with an instance attribute that adds its time to `phase`, less the time its callees
+        spent in the `exclusive` phases."""
+        orig, seconds = getattr(owner, name), self.seconds
+
+        def timed(*args, **kwargs):
+            inner = sum(seconds[p] for p in exclusive)
+            t = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                seconds[phase] += time.perf_counter() - t - (sum(seconds[p] for p in exclusive) - inner)
+
+        setattr(owner, name, timed)
+        self._undo.append(lambda: owner.__dict__.pop(name, None))
+
+    def __enter__(self) -> Phases:
+        e, seconds = self._engine, self.seconds
+        self._time(e.scheduler, "schedule", "schedule")
+        self._time(e.scheduler, "advance", "schedule")
+        self._time(e.runner, "dispatch", "build", exclusive=("launch",))
+        self._time(e.runner, "collect", "read", exclusive=("device_wait",))
+        self._time(e, "_report", "report")
+        orig_dispatch, orig_outputs = transfer.PackedStep.dispatch, transfer.PackedStep.outputs
+
+        def dispatch(step, *args):
+            t = time.perf_counter()
+            try:
+                return orig_dispatch(step, *args)
+            finally:
+                seconds["launch"] += time.perf_counter() - t
 
         def outputs(step, handle):
             t = time.perf_counter()
             handle[0].block_until_ready()
-            wait.seconds += time.perf_counter() - t
-            return orig(step, handle)
-        transfer.PackedStep.outputs = outputs
+            seconds["device_wait"] += time.perf_counter() - t
+            return orig_outputs(step, handle)
+
+        transfer.PackedStep.dispatch, transfer.PackedStep.outputs = dispatch, outputs
+        self._undo.append(lambda: setattr(transfer.PackedStep, "dispatch", orig_dispatch))
+        self._undo.append(lambda: setattr(transfer.PackedStep, "outputs", orig_outputs))
         return self
 
     def __exit__(self, *exc) -> None:
-        transfer.PackedStep.outputs = self._orig
+        for undo in reversed(self._undo):
+            undo()
 
 
-def measure(engine: Engine, batch: int, steps: int, rng: np.random.Generator) -> dict:
-    """One pass: `batch` requests prefilled untimed, then their decode steps timed."""
+def measure(engine: Engine, batch: int, steps: int, rng: np.random.Generator, prompt_len: int = 64) -> dict:
+    """One pass: `batch` requests prefilled untimed, then their decode steps timed, phase by phase (ms/step)."""
     params = SamplingParams(max_tokens=steps, ignore_eos=True)
     for _ in range(batch):
-        engine.add_request(rng.integers(0, engine.model_cfg.vocab_size, 64).tolist(), sampling_params=params)
+        engine.add_request(rng.integers(0, engine.model_cfg.vocab_size, prompt_len).tolist(), sampling_params=params)
     started: set[str] = set()
     while len(started) < batch:
         started.update(o.request_id for o in engine.step() if o.new_token_ids)
-    with DeviceWait() as wait:
+    with Phases(engine) as phases:
         n, t0 = 0, time.perf_counter()
         while engine.has_unfinished():
             engine.step()
             n += 1
         wall = time.perf_counter() - t0
-    return {"batch": batch, "steps": n, "wall_ms": 1e3 * wall / n, "device_wait_ms": 1e3 * wait.seconds / n,
-            "host_ms": 1e3 * (wall - wait.seconds) / n}
+    ms = {k: 1e3 * v / n for k, v in phases.seconds.items()}
+    ms["other"] = 1e3 * wall / n - sum(ms.values())
+    return {"batch": batch, "steps": n, "wall_ms": 1e3 * wall / n, "tok_s": batch * n / wall,
+            "host_ms": 1e3 * wall / n - ms["device_wait"], **{f"{k}_ms": v for k, v in ms.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, nargs="+", default=[64])
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("overrides", nargs="*", help="dotted config overrides on the tiny decoder")
+    p.add_argument("--full", action="store_true", help="the 1.24B decoder (bf16), not the tiny one")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--out", help="write the rows (the last repeat of each batch) to this JSON file")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides")
     args = p.parse_args(argv)
-    cfg = load_config("models/llama_1b.yaml", [*TINY, *args.overrides])
-    cfg = serving_config(cfg, BenchSpec(batches=(args.batch,), prompt_len=64, new_tokens=args.steps + 4,
-                                        ttft_prompts=(), num_requests=0))
+    cfg = load_config("models/llama_1b.yaml", [*(FULL if args.full else TINY), *args.overrides])
+    cfg = serving_config(cfg, BenchSpec(batches=tuple(args.batch), prompt_len=args.prompt_len,
+                                        new_tokens=args.steps + 4, ttft_prompts=(), num_requests=0))
     engine = Engine(cfg, build_model(cfg, None), IdTokenizer())
     rng = np.random.default_rng(0)
-    measure(engine, args.batch, args.steps, rng)  # compiles
-    for _ in range(args.repeats):
-        r = measure(engine, args.batch, args.steps, rng)
-        print(f"batch {r['batch']}: {r['steps']} steps, wall {r['wall_ms']:.2f} ms/step, device wait "
-              f"{r['device_wait_ms']:.2f}, host {r['host_ms']:.2f}")
+    rows = []
+    for batch in args.batch:
+        measure(engine, batch, args.steps, rng, args.prompt_len)  # compiles
+        for _ in range(args.repeats):
+            r = measure(engine, batch, args.steps, rng, args.prompt_len)
+            print(f"batch {batch}: {r['steps']} steps, {r['tok_s']:.0f} tok/s, wall {r['wall_ms']:.3f} ms/step = "
+                  + " + ".join(f"{k} {r[k + '_ms']:.3f}" for k in (*PHASES, "other")), flush=True)
+        rows.append({**r, "overrides": args.overrides, "full": args.full})
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0
 
 

@@ -66,9 +66,13 @@ def real_model(model: str) -> tuple[Path, Any, str]:
         folder = hf_folder(f"hf:{hf_source(model)}")
         name = folder.name
     else:
-        raise CheckpointError(f"--model {model}: neither a known model ({', '.join(KNOWN_MODELS)}) nor a Hugging "
-                              "Face folder (hf:PATH, or a folder holding config.json)")
+        raise _unknown_model(model)
     return converted_copy(folder, "float32", cache_root()), Tokenizer.from_file(folder), name
+
+
+def _unknown_model(model: str) -> CheckpointError:
+    return CheckpointError(f"--model {model}: neither a known model ({', '.join(KNOWN_MODELS)}) nor a Hugging Face "
+                           "folder (hf:PATH, or a folder holding config.json)")
 
 
 def tensor_mesh(cfg: Config) -> ShardingContext | None:
@@ -113,6 +117,17 @@ class ModelSource:
     model: str = ""
     random_init: bool = False
     overrides: tuple[str, ...] = ()  # the command line's; its model.* entries apply to a checkpoint's model
+
+    def check(self) -> None:
+        """Raise `CheckpointError` for a source that cannot load (an unknown model name, no checkpoint), without
+        loading anything: the process a user started says so before it spawns an engine-core process."""
+        if self.random_init:
+            return
+        if self.model:
+            if self.model not in KNOWN_MODELS and hf_source(self.model) is None:
+                raise _unknown_model(self.model)
+            return
+        checkpoint_dir(self.checkpoint or self.cfg.train.output_dir)
 
     def name(self) -> str:
         """The id clients pass as `model` (`serve.model_name` wins), known without loading anything."""

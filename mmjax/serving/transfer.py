@@ -41,30 +41,61 @@ class Layout:
     treedef: Any
     fields: tuple[Field, ...]
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.treedef, self.fields)))
+
+    def __hash__(self) -> int:  # hashed by every step's jit call (a static argument): computed once
+        return self._hash
+
 
 def pack(tree: Any) -> tuple[np.ndarray, np.ndarray, tuple[Any, ...], Layout]:
-    """(int32 buffer, float32 buffer, leaves passed as they are, layout) of a pytree of host arrays."""
+    """(int32 buffer, float32 buffer, leaves passed as they are, layout) of a pytree of host arrays.
+
+    The layout depends only on the leaves' kinds and shapes, so it is built once per signature and the same
+    `Layout` object comes back for every step of a bucket: the jit's static-argument lookup then hashes a cached
+    value and compares by identity, and no `Field` is built per step (this runs on the host every step)."""
     leaves, treedef = jax.tree.flatten(tree)
+    signature = (treedef, *[(leaf.dtype, leaf.shape) if isinstance(leaf, np.ndarray) else (type(leaf), np.shape(leaf))
+                            for leaf in leaves])
+    cached = _LAYOUTS.get(signature)
+    if cached is None:
+        cached = _LAYOUTS[signature] = _layout(leaves, treedef)
+        if len(_LAYOUTS) > _MAX_LAYOUTS:  # a runaway set of shapes: start over rather than grow without end
+            _LAYOUTS.clear()
+    layout, kinds = cached
     ints: list[np.ndarray] = []
     floats: list[np.ndarray] = []
     passed: list[Any] = []
+    for leaf, kind in zip(leaves, kinds):
+        if kind == "float32":
+            floats.append(leaf.ravel())
+        elif kind == "pass":
+            passed.append(leaf)
+        else:
+            ints.append(leaf.astype(np.int32).ravel() if kind == "bool" else leaf.ravel().view(np.int32))
+    cat = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype)  # noqa: E731
+    return cat(ints, np.int32), cat(floats, np.float32), tuple(passed), layout
+
+
+_LAYOUTS: dict[tuple, tuple[Layout, tuple[str, ...]]] = {}
+_MAX_LAYOUTS = 4096
+
+
+def _layout(leaves: list[Any], treedef: Any) -> tuple[Layout, tuple[str, ...]]:
+    """The layout of `leaves` and each leaf's kind (see `Field`)."""
     fields = []
-    n_int = n_float = 0
+    n_int = n_float = n_passed = 0
     for leaf in leaves:
         if isinstance(leaf, np.ndarray) and leaf.dtype in _INT_KINDS:
-            kind = _INT_KINDS[leaf.dtype]
-            ints.append(leaf.astype(np.int32).ravel() if kind == "bool" else leaf.ravel().view(np.int32))
-            fields.append(Field(kind, leaf.shape, n_int, leaf.size))
+            fields.append(Field(_INT_KINDS[leaf.dtype], leaf.shape, n_int, leaf.size))
             n_int += leaf.size
         elif isinstance(leaf, np.ndarray) and leaf.dtype == np.float32 and leaf.size <= MAX_PACKED_FLOATS:
-            floats.append(leaf.ravel())
             fields.append(Field("float32", leaf.shape, n_float, leaf.size))
             n_float += leaf.size
         else:
-            fields.append(Field("pass", tuple(np.shape(leaf)), len(passed), 0))
-            passed.append(leaf)
-    cat = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype)  # noqa: E731
-    return cat(ints, np.int32), cat(floats, np.float32), tuple(passed), Layout(treedef, tuple(fields))
+            fields.append(Field("pass", tuple(np.shape(leaf)), n_passed, 0))
+            n_passed += 1
+    return Layout(treedef, tuple(fields)), tuple(f.kind for f in fields)
 
 
 def unpack(ints: jax.Array, floats: jax.Array, passed: tuple[Any, ...], layout: Layout) -> Any:
@@ -131,6 +162,9 @@ class PackedStep:
         `handle[2]` the kept device value when `fn` returns one."""
         ints, floats, passed, layout = pack(inputs)
         flat, pools, *kept = self._jit(state, pools, *self._put((ints, floats, passed)), layout)
+        # queued now, behind this step's kernels: the host reads it later without a copy of its own (which would
+        # wait for the transfer's round trip after the next step's launch)
+        flat.copy_to_host_async()
         return (flat, layout, *kept), pools
 
     def outputs(self, handle: tuple[Any, ...]) -> tuple[np.ndarray, ...]:
