@@ -552,6 +552,9 @@ class ServeConfig:
     # with decode_steps = 1: launch step N+1 before step N's tokens reach the host, its inputs fed from N's samples
     # on the device; the host reconciles stops one step behind (docs/serving.md, "Overlapped scheduling")
     async_scheduling: bool = True
+    # make each device call (the jitted step: argument handling, enqueueing its kernels) on a launcher thread, so
+    # the engine's Python work for the step before (reading, reporting) and the next one runs meanwhile
+    launch_thread: bool = False
     # run the layers unrolled over per-layer weights (a scanned checkpoint is converted once at start-up); a scan
     # over stacked weights copies each layer's weights every step (mmjax.serving.unroll; docs/serving.md)
     unroll_layers: bool = True

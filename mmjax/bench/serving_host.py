@@ -9,13 +9,16 @@ By default on a tiny decoder, so the device part is small and the CPU works; `--
 of `models/llama_1b.yaml` (bf16, text only) to see the same split where the device time is real. With
 overlapped scheduling (`serve.async_scheduling`, the default) the device runs step N while the host prepares
 N+1, so only `device_wait` is time the host had nothing to do; `launch` is the jitted call itself (argument
-handling and the enqueueing of the device work), `build` the input arrays around it.
+handling and the enqueueing of the device work), `build` the input arrays around it. With
+`serve.launch_thread=true` the call runs on the launcher thread: its time is `launch_async` (not part of the
+step's sum), and `build` includes waiting for the call before (the pools it returns).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,14 +37,14 @@ TINY = ("model.text_only=true", "model.text.dim=64", "model.text.n_layers=2", "m
         "model.text.n_kv_heads=2", "model.text.head_dim=16", "model.text.mlp_dim=128", "model.vocab_size=512",
         "model.compute_dtype=float32", "model.param_dtype=float32")
 FULL = ("model.text_only=true", "model.compute_dtype=bfloat16", "model.param_dtype=bfloat16")
-PHASES = ("schedule", "build", "launch", "device_wait", "read", "report")
+PHASES = ("schedule", "build", "launch", "device_wait", "read", "report")  # on the engine thread
 
 
 class Phases:
     """Sums the wall time of an engine's step phases while installed (each wraps one method in place)."""
 
     def __init__(self, engine: Engine) -> None:
-        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.seconds = dict.fromkeys((*PHASES, "launch_async"), 0.0)
         self._undo: list[Callable[[], None]] = []
         self._engine = engine
 
@@ -68,14 +71,16 @@ class Phases:
         self._time(e.runner, "dispatch", "build", exclusive=("launch",))
         self._time(e.runner, "collect", "read", exclusive=("device_wait",))
         self._time(e, "_report", "report")
-        orig_dispatch, orig_outputs = transfer.PackedStep.dispatch, transfer.PackedStep.outputs
+        orig_launch, orig_outputs = transfer.PackedStep.launch, transfer.PackedStep.outputs
+        engine_thread = threading.current_thread()
 
-        def dispatch(step, *args):
+        def launch(step, *args):
             t = time.perf_counter()
             try:
-                return orig_dispatch(step, *args)
+                return orig_launch(step, *args)
             finally:
-                seconds["launch"] += time.perf_counter() - t
+                on_engine = threading.current_thread() is engine_thread
+                seconds["launch" if on_engine else "launch_async"] += time.perf_counter() - t
 
         def outputs(step, handle):
             t = time.perf_counter()
@@ -83,8 +88,8 @@ class Phases:
             seconds["device_wait"] += time.perf_counter() - t
             return orig_outputs(step, handle)
 
-        transfer.PackedStep.dispatch, transfer.PackedStep.outputs = dispatch, outputs
-        self._undo.append(lambda: setattr(transfer.PackedStep, "dispatch", orig_dispatch))
+        transfer.PackedStep.launch, transfer.PackedStep.outputs = launch, outputs
+        self._undo.append(lambda: setattr(transfer.PackedStep, "launch", orig_launch))
         self._undo.append(lambda: setattr(transfer.PackedStep, "outputs", orig_outputs))
         return self
 
@@ -108,7 +113,7 @@ def measure(engine: Engine, batch: int, steps: int, rng: np.random.Generator, pr
             n += 1
         wall = time.perf_counter() - t0
     ms = {k: 1e3 * v / n for k, v in phases.seconds.items()}
-    ms["other"] = 1e3 * wall / n - sum(ms.values())
+    ms["other"] = 1e3 * wall / n - sum(ms[p] for p in PHASES)
     return {"batch": batch, "steps": n, "wall_ms": 1e3 * wall / n, "tok_s": batch * n / wall,
             "host_ms": 1e3 * wall / n - ms["device_wait"], **{f"{k}_ms": v for k, v in ms.items()}}
 
@@ -134,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             r = measure(engine, batch, args.steps, rng, args.prompt_len)
             print(f"batch {batch}: {r['steps']} steps, {r['tok_s']:.0f} tok/s, wall {r['wall_ms']:.3f} ms/step = "
-                  + " + ".join(f"{k} {r[k + '_ms']:.3f}" for k in (*PHASES, "other")), flush=True)
+                  + " + ".join(f"{k} {r[k + '_ms']:.3f}" for k in (*PHASES, "other"))
+                  + (f" (launcher thread {r['launch_async_ms']:.3f})" if r["launch_async_ms"] else ""), flush=True)
         rows.append({**r, "overrides": args.overrides, "full": args.full})
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -31,7 +32,7 @@ from mmjax.serving.sampling import SamplingTensors, full_sampler_history, sample
 from mmjax.serving.scheduler import SchedulerOutput
 from mmjax.serving.sizing import size_serving
 from mmjax.serving.speculative.verify import verify
-from mmjax.serving.transfer import PackedStep
+from mmjax.serving.transfer import PackedStep, pack
 from mmjax.serving.unroll import serving_layout
 
 
@@ -121,10 +122,23 @@ class PendingStep:
 
     out: SchedulerOutput
     result: dict[str, SampledToken] | None = None
-    handle: Any = None
-    last: Any = None
+    # (handle, last); while the launcher thread makes the call, a Future of ((handle, last), pools)
+    launched: Any = None
     multi: bool = False
     packed: Any = None  # the PackedStep whose `outputs` reads `handle` (single steps)
+
+    @property
+    def handle(self) -> Any:
+        return self._launched()[0]
+
+    @property
+    def last(self) -> Any:
+        return self._launched()[1]
+
+    def _launched(self) -> tuple[Any, Any]:
+        if isinstance(self.launched, Future):  # as a rule the call returned long ago: it is a step back
+            self.launched = self.launched.result()[0]
+        return (None, None) if self.launched is None else self.launched
 
 
 @dataclasses.dataclass
@@ -191,6 +205,8 @@ class ModelRunner:
         self.embed_dim = self.model_cfg.text.dim
         self.embed_dtype = abstract.compute_dtype
         # made where they live (on a mesh each device makes its own heads' pages: never the whole pool on one)
+        self._pools_from: Future | None = None  # the launcher thread's call that returns the current pools
+        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="mmjax-launch") if serve.launch_thread else None
         self.pools = jax.jit(lambda: abstract.decoder.init_pools(serve.num_pages, serve.page_size, kv_dtype),
                              out_shardings=pool_sharding)()
         self.image_cache = ImageCache(serve.image_cache_size)
@@ -424,11 +440,9 @@ class ModelRunner:
             if entry.chained:  # the previous call's tokens are not in the request yet: its draws come first
                 batch["chain_src"][i], produced = prev[entry.request_id]
                 sampling.step[i] += produced
-        handle, self.pools = self._multi.dispatch(self._leaves, self.pools, batch, sampling,
-                                                  self._no_last if chain is None else chain.last)
-        self.num_steps += 1
+        launched = self._launch(self._multi, batch, sampling, self._no_last if chain is None else chain.last)
         self.num_chained += chain is not None
-        return PendingStep(out, handle=handle[:2], last=handle[2], multi=True)
+        return PendingStep(out, launched=launched, multi=True)
 
     def _collect_multi(self, pending: PendingStep) -> dict[str, SampledToken]:
         # one host conversion per output (Python lists, [K, S] and [K, S, top]); top lists only for rows that use them
@@ -530,11 +544,36 @@ class ModelRunner:
             self._zero_rows[t] = self._put(jnp.zeros((t, self.embed_dim), self.embed_dtype))
         return self._zero_rows[t]
 
-    def _launch(self, batch: dict[str, Any], sampling: Any, step: PackedStep | None = None) -> tuple[Any, ...]:
-        """Launch one step (asynchronously) of `step` (default: the general step); returns its handle."""
-        handle, self.pools = (step or self._step).dispatch(self._leaves, self.pools, batch, sampling)
+    @property
+    def pools(self) -> Any:
+        """The KV pools: the last launched call's (waits for that call to return from the launcher thread)."""
+        if self._pools_from is not None:
+            self._pools, self._pools_from = self._pools_from.result()[1], None
+        return self._pools
+
+    @pools.setter
+    def pools(self, value: Any) -> None:
+        self._pools, self._pools_from = value, None
+
+    def _launch(self, step: PackedStep, *inputs: Any) -> Any:
+        """Launch one call of `step` (asynchronously); returns (handle, last) for `PendingStep.launched`.
+
+        With `serve.launch_thread` the inputs are packed here and the jitted call (argument handling, the device
+        work's enqueueing) runs on the launcher thread, so this thread goes on to read and report the step
+        before while it runs; then a Future of them is returned, and `pools` waits for it when next needed."""
         self.num_steps += 1
-        return handle
+        if self._launcher is None:
+            handle, self.pools = step.dispatch(self._leaves, self.pools, *inputs)
+            return handle[:2], handle[2]
+        state, pools, packed = self._leaves, self.pools, pack(inputs)
+
+        def call() -> tuple[tuple[Any, Any], Any]:
+            handle, new_pools = step.launch(state, pools, packed)
+            return (handle[:2], handle[2]), new_pools
+
+        called = self._launcher.submit(call)
+        self._pools_from = called
+        return called
 
     def _run(self, batch: dict[str, Any], sampling: Any) -> tuple[np.ndarray, ...]:
         outs, self.pools = self._step(self._leaves, self.pools, batch, sampling)
@@ -604,8 +643,7 @@ class ModelRunner:
             batch["prev_tokens"] = chain.last
             self.num_chained += 1
         sampling = self._sampling([self._requests[e.owner or e.request_id].request for e in out.scheduled], s)
-        handle = self._launch(batch, sampling, self._decode)
-        return PendingStep(out, handle=handle[:2], last=handle[2], packed=self._decode)
+        return PendingStep(out, launched=self._launch(self._decode, batch, sampling), packed=self._decode)
 
     def _dispatch_one(self, out: SchedulerOutput, draft_probs: Any, chain: PendingStep | None) -> PendingStep:
         t, s = self.step_shape(out.num_scheduled_tokens, len(out.scheduled))
@@ -668,8 +706,7 @@ class ModelRunner:
             self.num_chained += 1
         slot_requests = [self._requests[e.owner or e.request_id].request for e in out.scheduled]
         sampling = self._sampling(slot_requests, s)
-        handle = self._launch(batch, sampling)
-        return PendingStep(out, handle=handle[:2], last=handle[2], packed=self._step)
+        return PendingStep(out, launched=self._launch(self._step, batch, sampling), packed=self._step)
 
     def _collect_one(self, pending: PendingStep) -> dict[str, SampledToken]:
         tokens, logprobs, top_ids, top_lp, *spec = pending.packed.outputs(pending.handle)

@@ -160,7 +160,12 @@ class PackedStep:
     def dispatch(self, state: Any, pools: Any, *inputs: Any) -> tuple[tuple[Any, ...], Any]:
         """Launch the step (asynchronously); returns (handle, the new pools): `handle[:2]` is for `outputs`,
         `handle[2]` the kept device value when `fn` returns one."""
-        ints, floats, passed, layout = pack(inputs)
+        return self.launch(state, pools, pack(inputs))
+
+    def launch(self, state: Any, pools: Any, packed: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
+        """`dispatch` of inputs `pack` already made: safe on another thread than the one that builds the next
+        step's inputs, since the packed buffers are this call's own copies."""
+        ints, floats, passed, layout = packed
         flat, pools, *kept = self._jit(state, pools, *self._put((ints, floats, passed)), layout)
         # queued now, behind this step's kernels: the host reads it later without a copy of its own (which would
         # wait for the transfer's round trip after the next step's launch)

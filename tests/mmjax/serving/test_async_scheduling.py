@@ -29,11 +29,12 @@ def engines(tiny):
     serve = tiny["serve"](page_size=4, num_pages=14, max_num_batched_tokens=16, max_num_seqs=4, min_token_bucket=8,
                           max_model_len=40, max_beam_width=2)
 
-    def make(overlap: bool) -> Engine:
-        cfg = dataclasses.replace(Config(), model=model_cfg, serve=dataclasses.replace(serve, async_scheduling=overlap))
+    def make(overlap: bool, launch_thread: bool = False) -> Engine:
+        cfg = dataclasses.replace(Config(), model=model_cfg, serve=dataclasses.replace(
+            serve, async_scheduling=overlap, launch_thread=launch_thread))
         return Engine(cfg, model, FrequentEosTokenizer(), warmup=True)
 
-    return make(False), make(True)
+    return make(False), make(True), make(True, launch_thread=True)
 
 
 def run_stream(engine, jobs, abort_at):
@@ -63,7 +64,8 @@ def run_stream(engine, jobs, abort_at):
 
 
 def test_overlapped_equals_synchronous_on_a_mixed_stream(engines):
-    sync, overlap = engines
+    """...and so does the overlapped engine whose device calls are made on a launcher thread."""
+    sync, overlap, threaded = engines
     rng = np.random.default_rng(0)
     prompts = [rng.integers(4, 64, int(n)).tolist() for n in rng.integers(3, 22, 16)]
     plain = [SamplingParams(max_tokens=int(m), ignore_eos=bool(i % 2)) for i, m in enumerate(rng.integers(3, 16, 16))]
@@ -83,7 +85,7 @@ def test_overlapped_equals_synchronous_on_a_mixed_stream(engines):
     abort_at = {4: 2, 9: 3, 13: 1}
 
     results = []
-    for engine in (sync, overlap):
+    for engine in (sync, overlap, threaded):
         compiles, chained = engine.runner.num_compiles, engine.runner.num_chained
         preemptions = engine.scheduler.num_preemptions
         results.append(run_stream(engine, jobs, abort_at))
@@ -94,10 +96,16 @@ def test_overlapped_equals_synchronous_on_a_mixed_stream(engines):
         assert kv.num_free_pages == kv.num_usable_pages  # every page is back, the dropped steps' too
         assert not engine.scheduler.requests
         results[-1] += (engine.runner.num_chained - chained,)
-    (want, want_lp, want_final, sync_inflight, sync_chained), (got, got_lp, got_final, inflight, chained) = results
+    (want, want_lp, want_final, sync_inflight, sync_chained), (got, got_lp, got_final, inflight, chained) = results[:2]
     assert sync_inflight == 0 and sync_chained == 0
     assert inflight > 0 and chained > 0  # steps ran ahead of their report, inputs taken on the device
     assert got == want
+    threaded_got, threaded_lp, threaded_final, threaded_inflight, _ = results[2]
+    assert threaded_inflight > 0 and threaded_got == want
+    assert {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in threaded_final.items()} == \
+        {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in want_final.items()}
+    np.testing.assert_allclose([lp.logprob for r in want_lp for lp in threaded_lp[r]],
+                               [lp.logprob for r in want_lp for lp in want_lp[r]], atol=1e-5)
     for rid, w in want_final.items():
         g = got_final[rid]
         assert (g.token_ids, g.text, g.finish_reason, g.stop_reason, g.beams) == \

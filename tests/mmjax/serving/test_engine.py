@@ -215,8 +215,9 @@ def test_overlapped_decode_equals_single_steps(setup):
     """serve.overlap_decode: each multi-step call is launched before the previous one's tokens are read. Requests
     that stop inside a call (a stop token, a stop string, max_tokens) or are aborted while the next call is
     already queued give exactly the tokens of one step at a time; the chained work is dropped, pages all return
-    and nothing compiles after warm-up."""
-    serve = dataclasses.replace(setup["cfg"].serve, decode_steps=4)
+    and nothing compiles after warm-up. The calls are made on the launcher thread (`serve.launch_thread`; the
+    multi-step test above makes them on the engine's own)."""
+    serve = dataclasses.replace(setup["cfg"].serve, decode_steps=4, launch_thread=True)
     multi = Engine(dataclasses.replace(setup["cfg"], serve=serve), setup["model"], CharTokenizer(), warmup=True)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(4, 64, int(n)).tolist() for n in (6, 10, 4, 8)]
