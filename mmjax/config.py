@@ -473,9 +473,23 @@ class SpeculativeConfig:
     ngram_min: int = 1
     draft_checkpoint: str = ""  # draft: an mmjax checkpoint (same tokenizer), served text-only
     draft_overrides: tuple[str, ...] = ()  # draft: dotted config overrides for loading it
+    # dynamic: per step, a cost model (mmjax.serving.speculative.policy) picks k in [0, num_tokens] from the step
+    # times the engine measures (plain multi-step calls and speculative steps at each k, per batch-size bucket) and
+    # each request's measured acceptance; k = 0 runs the plain fast path (decode_steps calls, async scheduling)
+    dynamic: bool = False
+    dynamic_ema: float = 0.2  # weight of a new sample in the step-time and acceptance averages, in (0, 1]
+    dynamic_prior_acceptance: float = 0.5  # acceptance assumed before any request was measured, in [0, 1)
+    dynamic_probe_every: int = 64  # while off: a speculative step every this many steps (0 = never) re-measures
 
     def validate(self) -> None:
         need(1 <= self.num_tokens <= 16, f"serve.speculative.num_tokens={self.num_tokens} must be in [1, 16]")
+        need(not self.dynamic or self.method != "none",
+             "serve.speculative.dynamic=true needs serve.speculative.method=ngram or draft (nothing to switch on)")
+        need(0.0 < self.dynamic_ema <= 1.0, f"serve.speculative.dynamic_ema={self.dynamic_ema} must be in (0, 1]")
+        need(0.0 <= self.dynamic_prior_acceptance < 1.0,
+             f"serve.speculative.dynamic_prior_acceptance={self.dynamic_prior_acceptance} must be in [0, 1)")
+        need(self.dynamic_probe_every >= 0,
+             f"serve.speculative.dynamic_probe_every={self.dynamic_probe_every} must be >= 0 (0 = never probe)")
         need(1 <= self.ngram_min <= self.ngram_max, f"serve.speculative.ngram_min={self.ngram_min} / ngram_max="
              f"{self.ngram_max}: need 1 <= ngram_min <= ngram_max")
 

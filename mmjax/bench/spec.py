@@ -1,5 +1,5 @@
 """Benchmark of speculative decoding and beam search in the engine (`python -m mmjax.tools.bench_serving
---mode speculative`).
+--mode speculative`), and speculation's acceptance with real weights (`--mode spec-acceptance`, `run_acceptance`).
 
 * **Speculation**: greedy tok/s at each batch size with speculation off, n-gram lookup and a draft model, on a
   repetitive workload (each prompt is a random block of tokens repeated, as code or extraction prompts that
@@ -27,9 +27,11 @@ import numpy as np
 from mmjax.bench.serving import BenchSpec, IdTokenizer, hf_peer
 from mmjax.checkpoint.orbax_state import package_versions
 from mmjax.config import Config, SpeculativeConfig
+from mmjax.data.tokenizer import render_chat
 from mmjax.serving.engine import Engine
 from mmjax.serving.load import build_model
 from mmjax.serving.request import SamplingParams
+from mmjax.serving.speculative.self_draft import first_layers_draft
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,4 +151,96 @@ def table(r: dict) -> str:
         peer = "skipped: " + hf["skipped"] if "skipped" in hf else f"{hf['rows'][0]['e2e_tok_s']:.1f} tok/s"
         lines += ["", f"Beam search, {b['batch']} requests x {b['num_beams']} beams: mmjax {b['tok_s']:.1f} tok/s "
                       f"(best-beam tokens); Hugging Face generate(num_beams={b['num_beams']}): {peer}"]
+    return "\n".join(lines)
+
+
+# -- acceptance with real weights -------------------------------------------------------------------------------
+
+PASSAGE = ("The lighthouse stood at the edge of the cliff for more than a hundred years. Every night its keeper "
+           "climbed the narrow stairs, trimmed the wick and watched the beam sweep across the water, warning ships "
+           "away from the rocks below. When the storms came in winter, the waves reached almost to the lamp room, "
+           "and the keeper wrote in his log that the whole tower shook like a tree in the wind.")
+CODE = ("def add_all(values):\n    result = 0\n    for value in values:\n        result = result + value\n"
+        "    return result\n\n\nprint(add_all([1, 2, 3]))\nprint(add_all(range(10)))\n")
+WORKLOADS = {
+    # prompts that quote their input: the answer repeats much of it (n-gram lookup's best case)
+    "repeat_edit": (f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
+                    "Correct the spelling mistakes in this text and return the whole corrected text:\n\n"
+                    + PASSAGE.replace("lighthouse", "lighthuose").replace("narrow", "narow").replace("below", "bellow"),
+                    f"Rename the function add_all to total everywhere in this code and return the code:\n\n{CODE}"),
+    "chat": ("What are three tips for staying healthy?", "Explain how a rainbow forms, in a short paragraph.",
+             "Write a short poem about the sea."),
+}
+
+
+def run_acceptance(cfg: Config, model: Any, tokenizer: Any, *, num_tokens: int = 4, draft_layers: int = 8,
+                   new_tokens: int = 96, methods: tuple[str, ...] = ("none", "ngram", "draft")) -> dict[str, Any]:
+    """Greedy, batch 1, through the engine: per method (none, n-gram lookup, a draft of the target's first
+    `draft_layers` layers) and workload (`WORKLOADS`, chat-templated), the acceptance rate (accepted / proposed),
+    accepted tokens per decode step and per verifying step, tokens per decode step, and whether the tokens equal
+    the plain run's (greedy speculation must not change them). Wall times are recorded but, on a CPU, say
+    nothing about speed."""
+    prompts = {w: [render_chat(tokenizer, [{"role": "user", "content": p}]) for p in ps] for w, ps in WORKLOADS.items()}
+    longest = max(len(p) for ps in prompts.values() for p in ps)
+    max_len = -(-(longest + new_tokens + num_tokens + 1) // 64) * 64
+    serve = dataclasses.replace(cfg.serve, page_size=16, num_pages=1 + 2 * max_len // 16, max_num_seqs=2,
+                                max_num_batched_tokens=max(512, 2 * (num_tokens + 1)), max_model_len=max_len,
+                                max_beam_width=0, max_logprobs=0)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+    dev = jax.devices()[0]
+    record: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
+        "model": {"layers": cfg.model.text.n_layers, "dim": cfg.model.text.dim, "vocab": cfg.model.vocab_size},
+        "num_tokens": num_tokens, "draft_layers": draft_layers, "new_tokens": new_tokens, "rows": []}
+    plain: dict[tuple[str, int], list[int]] = {}
+    for method in methods:
+        draft = first_layers_draft(cfg, model, draft_layers) if method == "draft" else None
+        sc = SpeculativeConfig(method=method, num_tokens=num_tokens)
+        engine = Engine(dataclasses.replace(cfg, serve=dataclasses.replace(serve, speculative=sc)), model, tokenizer,
+                        draft_model=draft)
+        for workload, ps in prompts.items():
+            row = {"method": method, "workload": workload, "tokens": 0, "decode_steps": 0, "verify_steps": 0,
+                   "drafted": 0, "accepted": 0, "seconds": 0.0, "same_as_plain": True}
+            for i, ids in enumerate(ps):
+                t0 = time.perf_counter()
+                engine.add_request(ids, sampling_params=params)
+                tokens: list[int] = []
+                drafted = 0
+                while engine.has_unfinished():
+                    for o in engine.step():
+                        if not o.new_token_ids:
+                            continue
+                        if tokens:  # the first token comes from the prefill
+                            row["decode_steps"] += 1
+                            row["verify_steps"] += o.metrics.num_draft_tokens > drafted
+                        drafted = o.metrics.num_draft_tokens
+                        tokens = list(o.token_ids)
+                        if o.finished:
+                            row["drafted"] += o.metrics.num_draft_tokens
+                            row["accepted"] += o.metrics.num_accepted_tokens
+                row["seconds"] += time.perf_counter() - t0
+                row["tokens"] += len(tokens)
+                if method == "none":
+                    plain[workload, i] = tokens
+                elif (workload, i) in plain:
+                    row["same_as_plain"] &= plain[workload, i] == tokens
+            d, steps = row["drafted"], row["decode_steps"]
+            row["acceptance"] = row["accepted"] / d if d else None
+            row["accepted_per_decode_step"] = row["accepted"] / steps if steps else None
+            row["accepted_per_verify_step"] = row["accepted"] / row["verify_steps"] if row["verify_steps"] else None
+            row["tokens_per_decode_step"] = (row["tokens"] - len(ps)) / steps if steps else None
+            record["rows"].append(row)
+        del engine
+    return record
+
+
+def acceptance_table(r: dict) -> str:
+    f = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
+    lines = ["| method | workload | acceptance | accepted / decode step | accepted / verify step | tokens / decode "
+             "step | same tokens as plain |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for x in r["rows"]:
+        lines.append(f"| {x['method']} | {x['workload']} | {f(x['acceptance'])} | {f(x['accepted_per_decode_step'])} "
+                     f"| {f(x['accepted_per_verify_step'])} | {f(x['tokens_per_decode_step'])} | "
+                     f"{x['same_as_plain']} |")
     return "\n".join(lines)

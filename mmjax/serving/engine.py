@@ -27,6 +27,7 @@ from mmjax.serving.load import load_for_serving
 from mmjax.serving.request import ExtraKey, Request, RequestError, RequestStatus, SamplingParams, StepRequestError
 from mmjax.serving.runner import ImageInput, ModelRunner, PendingStep, SampledToken, image_hash
 from mmjax.serving.scheduler import Scheduler, SchedulerOutput
+from mmjax.serving.speculative.policy import SpeculationPolicy
 from mmjax.serving.speculative.proposers import make_proposer
 
 FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
@@ -120,6 +121,11 @@ class Engine:
         # speculative decoding (serve.speculative): draft_model is an MLLM for method=draft (else its checkpoint)
         self.proposer = make_proposer(serve, max_model_len=self.max_model_len, seeds=self.runner.seeds,
                                       draft_model=draft_model)
+        # serve.speculative.dynamic: a cost model picks the step's proposals per request (0: the plain fast path)
+        self.policy = SpeculationPolicy(serve.speculative) if self.proposer and serve.speculative.dynamic else None
+        self._next_k: int | None = None  # the k already chosen for the next step (when a call was chained)
+        self.num_spec_steps = 0  # steps that verified proposals (or could have: k > 0)
+        self.num_plain_calls = 0  # decode-only calls without speculation (one or several steps each)
         self._live: dict[str, _Live] = {}
         self._aborted: list[str] = []
         self._beam_ids: set[str] = set()  # live beam searches (they run synchronous steps)
@@ -312,35 +318,86 @@ class Engine:
 
     def _run_step(self, touched: list[SchedulerOutput], outputs: list[RequestOutput]) -> list[RequestOutput]:
         """One step's new outputs; `touched` collects the scheduler outputs it launched (see `_fail_request`)."""
-        if self._overlap():
-            return self._step_overlapped(touched, outputs)
-        if self._inflight is not None:  # overlap just ended (a beam search came): report the step on the device
+        start = time.perf_counter()
+        k = self._spec_k()
+        if self._overlap(k):
+            return self._step_overlapped(touched, outputs, start)
+        if self._inflight is not None:  # overlap just ended (speculation or a beam search came): report it
             pending, self._inflight = self._inflight, None
+            self._next_k = k  # decided: the next step speculates
             return self._report(pending.out, self.runner.collect(pending))
         if self._ahead is not None:  # launched by the previous step, while its own call ran
             (out, pending), self._ahead = self._ahead, None
             touched.append(out)
+            k = 0
         else:
-            draft_probs = self.proposer.propose(self.scheduler.running) if self.proposer is not None else None
+            draft_probs = None
+            if k:
+                self.proposer.limit = k
+                draft_probs = self.proposer.propose(self.scheduler.running)
             out = self.scheduler.schedule()
             touched.append(out)
             pending = self.runner.dispatch(out, draft_probs)
-        if self.serve.overlap_decode and pending.multi:  # a multi-step call is running: queue the next
+        if self.serve.overlap_decode and pending.multi and not self._chain_stops():  # queue the next call
             ahead = self.scheduler.schedule_chained(out)
             if ahead is not None:
                 touched.append(ahead)
                 self._ahead = (ahead, self.runner.dispatch(ahead, chain=pending))
-        reported = self._report(out, self.runner.collect(pending))
+        sampled = self.runner.collect(pending)
+        self._measure(out, sampled, k, time.perf_counter() - start)
+        reported = self._report(out, sampled)
         if self._ahead is not None and not any(e.request_id in self._live for e in self._ahead[0].scheduled):
             self._ahead = None  # every request of the call launched ahead has finished: nothing to read
         return reported
 
-    def _overlap(self) -> bool:
-        """Whether this step runs overlapped: one decode step per call, no speculation, no beam search live."""
-        return (self.serve.async_scheduling and self.runner.decode_steps == 1 and self.proposer is None
-                and not self._beam_ids)
+    def _spec_k(self) -> int:
+        """Proposals per request for this step: 0 without speculation, `num_tokens` with it always on, the
+        policy's choice for the running requests with `serve.speculative.dynamic`."""
+        if self.proposer is None:
+            return 0
+        if self._next_k is not None:
+            k, self._next_k = self._next_k, None
+            return k
+        if self.policy is None:
+            return self.proposer.k
+        return self.policy.choose([r.request_id for r in self.scheduler.running if r.beam is None])
 
-    def _step_overlapped(self, touched: list[SchedulerOutput], outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def _chain_stops(self) -> bool:
+        """Whether the chain of multi-step calls ends here because the next step should speculate (chosen now:
+        the next step runs the choice, `_next_k`)."""
+        if self.policy is None:
+            return False
+        self._next_k = self._spec_k()
+        return self._next_k > 0
+
+    def _measure(self, out: SchedulerOutput, sampled: Mapping[str, SampledToken], k: int, seconds: float) -> None:
+        """Feed the policy a reported step: its time, keyed by the batch and k (only steps in which every entry
+        decodes), and each speculating request's acceptance."""
+        entries = [e for e in out.scheduled if not e.owner]
+        if not entries or len(entries) != len(out.scheduled):
+            return
+        if not k:
+            if all(e.num_tokens == 1 for e in entries):
+                self.num_plain_calls += 1
+                if self.policy is not None:
+                    self.policy.record_plain(len(entries), seconds, max(e.num_steps for e in entries))
+            return
+        self.num_spec_steps += 1
+        if self.policy is None or not all(e.samples and e.num_tokens - e.num_draft == 1 for e in entries):
+            return
+        self.policy.record_spec(len(entries), k, seconds)
+        for e in entries:
+            s = sampled.get(e.request_id)
+            if s is not None:
+                self.policy.record_acceptance(e.request_id, k, len(s.tokens) - 1 if e.num_draft else 0)
+
+    def _overlap(self, k: int) -> bool:
+        """Whether this step runs overlapped: one decode step per call, no speculation, no beam search live."""
+        return (self.serve.async_scheduling and self.runner.decode_steps == 1 and not k
+                and (self.proposer is None or self.policy is not None) and not self._beam_ids)
+
+    def _step_overlapped(self, touched: list[SchedulerOutput], outputs: list[RequestOutput],
+                         start: float) -> list[RequestOutput]:
         """Launch the next step, fed on the device by the one in flight, then report the one in flight.
 
         If one request's values break the new step's inputs (`StepRequestError`, raised before anything is
@@ -358,10 +415,16 @@ class Engine:
         if out.scheduled:
             self.scheduler.advance(out)
             self._inflight = pending
-        return [] if prev is None else self._report(prev.out, self.runner.collect(prev))
+        if prev is None:
+            return []
+        sampled = self.runner.collect(prev)
+        self._measure(prev.out, sampled, 0, time.perf_counter() - start)
+        return self._report(prev.out, sampled)
 
     def _pop(self, rid: str) -> _Live:
         self._beam_ids.discard(rid)
+        if self.policy is not None:
+            self.policy.drop(rid)
         return self._live.pop(rid)
 
     def _report(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[RequestOutput]:
@@ -458,7 +521,9 @@ class Engine:
         """Scheduler gauges plus the runner's compile, step and image-cache counters."""
         return {**self.scheduler.stats(), "num_compiles": self.runner.num_compiles,
                 "num_steps": self.runner.num_steps, "image_cache_hits": self.runner.image_cache.hits,
-                "image_cache_misses": self.runner.image_cache.misses}
+                "image_cache_misses": self.runner.image_cache.misses, "spec_steps": self.num_spec_steps,
+                "spec_plain_calls": self.num_plain_calls,
+                "spec_policy_k": self.policy.last_k if self.policy is not None else 0}
 
 
 class LLM:

@@ -200,6 +200,8 @@ class ModelRunner:
         self.num_logprobs = max(serve.max_logprobs, 2 * serve.max_beam_width)  # beam search's candidates
         self.spec_k = serve.speculative.num_tokens if serve.speculative.method != "none" else 0
         self.spec_draft_probs = serve.speculative.method == "draft"  # else drafts are one-hot guesses
+        # dynamic speculation: steps without proposals take the plain fast paths (decode and multi-step calls)
+        self.spec_dynamic = bool(self.spec_k) and serve.speculative.dynamic
         self._seed_rng = np.random.default_rng(serve.seed)
         self.seeds: dict[str, int] = {}  # drawn once per unseeded random-sampling request
         self.embed_dim = self.model_cfg.text.dim
@@ -223,8 +225,8 @@ class ModelRunner:
         self._step = PackedStep(self._step_fn, wrap=wrap, put=self._put,
                                 out_shardings=None if out is None else (*out, rep))
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), out_shardings=pool_sharding)
-        # multi-step decode; not with speculative decoding (its steps verify drafts) nor in its draft runner
-        self.decode_steps = serve.decode_steps if serve.speculative.method == "none" else 1
+        # multi-step decode; not with speculation always on (its steps verify drafts) nor in its draft runner
+        self.decode_steps = serve.decode_steps if serve.speculative.method == "none" or self.spec_dynamic else 1
         self._multi = PackedStep(self._multi_step_fn, wrap=wrap, put=self._put,
                                  out_shardings=None if out is None else (*out, rep))
         self._decode = PackedStep(self._decode_step_fn, wrap=wrap, put=self._put,
@@ -364,8 +366,8 @@ class ModelRunner:
     @property
     def decode_shapes(self) -> list[tuple[int, int]]:
         """The step shapes of a step in which every sequence decodes one token (`_decode_step_fn`); none with
-        speculative decoding (its decode steps verify drafts)."""
-        if self.spec_k:
+        speculation always on (its decode steps verify drafts)."""
+        if self.spec_k and not self.spec_dynamic:
             return []
         most = pick_bucket(self.token_buckets, min(self.max_slots, self.token_buckets[-1]))
         return [(t, s) for t, s in self.step_shapes if t <= most]
@@ -601,7 +603,7 @@ class ModelRunner:
             return self._dispatch_multi(out, chain)
         if not out.scheduled:
             return PendingStep(out, result={})
-        if not self.spec_k and all(e.num_tokens == 1 for e in out.scheduled):
+        if (not self.spec_k or self.spec_dynamic) and all(e.num_tokens == 1 for e in out.scheduled):
             return self._dispatch_decode(out, chain)
         return self._dispatch_one(out, draft_probs, chain)
 

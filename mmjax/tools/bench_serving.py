@@ -34,8 +34,12 @@ from mmjax.bench import spec as bench_spec
 from mmjax.bench.latest import DEFAULT_LATEST, update_latest
 from mmjax.checkpoint.convert import load_params
 from mmjax.checkpoint.convert.hf import text_config_to_hf
+from mmjax.checkpoint.convert.init_from import converted_copy
+from mmjax.checkpoint.known_models import KNOWN_MODELS, cache_root, model_folder
 from mmjax.config import load_config
+from mmjax.data.tokenizer import Tokenizer
 from mmjax.parallel.distributed import configure_backend
+from mmjax.serving.load import load_for_serving
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,8 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     d = bench.BenchSpec()
     p.add_argument("--config", default="models/llama_1b.yaml")
     p.add_argument("--checkpoint", default="", help="mmjax checkpoint whose parameters to serve (default: random)")
-    p.add_argument("--mode", choices=("serving", "speculative"), default="serving",
-                   help="speculative: speculation off, n-gram, draft; beam search vs HF (serving.bench_spec)")
+    p.add_argument("--mode", choices=("serving", "speculative", "spec-acceptance"), default="serving",
+                   help="speculative: speculation off, n-gram, draft; beam search vs HF (bench/spec.py); "
+                        "spec-acceptance: acceptance of n-gram and first-layers drafts with --model's real weights")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="spec-acceptance: a known real model's name, or an mmjax checkpoint with its tokenizer")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="spec-acceptance: the weights' dtype")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes")
     p.add_argument("--spec-k", type=int, default=4, help="speculative mode: tokens proposed per step")
     p.add_argument("--draft-layers", type=int, default=2, help="speculative mode: the draft model's layers")
@@ -85,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.server:
         return server_main(args, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.mode == "spec-acceptance":
+        return _spec_acceptance(args)
     overrides = ["model.text_only=true", "model.compute_dtype=bfloat16", "model.param_dtype=bfloat16",
                  "serve.max_num_batched_tokens=2048", *args.overrides]
     cfg = load_config(args.config, overrides)
@@ -120,6 +131,24 @@ def main(argv: list[str] | None = None) -> int:
     print(bench.table(record))
     print(f"wrote {out}")
     _update_latest(args, "serving", bench.latest_values(record, str(out)), record, command)
+    return 0
+
+
+def _spec_acceptance(args: argparse.Namespace) -> int:
+    """Acceptance of speculation with real weights, greedy at batch 1 (bench/spec.py, `run_acceptance`)."""
+    ckpt, tokenizer = args.model, None
+    if args.model in KNOWN_MODELS:
+        folder = model_folder(args.model)
+        ckpt, tokenizer = converted_copy(folder, args.dtype, cache_root()), Tokenizer.from_file(folder)
+    cfg, model, tok = load_for_serving(ckpt, tokenizer, overrides=args.overrides, dtype=args.dtype)
+    record = bench_spec.run_acceptance(cfg, model, tok, num_tokens=args.spec_k, draft_layers=args.draft_layers,
+                                       new_tokens=args.new_tokens)
+    out = Path(args.out or f"docs/perf/results/spec/spec-acceptance-{datetime.date.today().isoformat()}.json")
+    record["command"] = "python -m mmjax.tools.bench_serving " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    print(bench_spec.acceptance_table(record))
+    print(f"wrote {out}")
     return 0
 
 

@@ -76,6 +76,7 @@ class NgramProposer:
     def __init__(self, cfg: SpeculativeConfig) -> None:
         self.k, self.n_min, self.n_max = cfg.num_tokens, cfg.ngram_min, cfg.ngram_max
         self.length = DraftLength(cfg)
+        self.limit = self.k  # most proposals per request this step (the engine's speculation policy sets it)
 
     def lookup(self, tokens: Sequence[int], k: int | None = None) -> list[int]:
         """Up to k tokens after the latest earlier match of the longest suffix n-gram that has one."""
@@ -92,7 +93,7 @@ class NgramProposer:
         self.length.keep_only({r.request_id for r in requests})
         for r in requests:
             if decoding(r):
-                r.spec_token_ids = self.lookup(r.all_token_ids, self.length(r))
+                r.spec_token_ids = self.lookup(r.all_token_ids, min(self.length(r), self.limit))
         return {}
 
 
@@ -182,6 +183,7 @@ class DraftProposer:
     def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int, seeds: Mapping[str, int]) -> None:
         self.k = serve.speculative.num_tokens
         self.length = DraftLength(serve.speculative)
+        self.limit = self.k  # most proposals per request this step (the engine's speculation policy sets it)
         draft_serve = dataclasses.replace(serve, speculative=SpeculativeConfig(), max_beam_width=0, max_logprobs=0)
         self.runner = DraftRunner(model, draft_serve, max_model_len=max_model_len)
         self.max_model_len = max_model_len
@@ -225,7 +227,7 @@ class DraftProposer:
         for r in requests:
             if not decoding(r):
                 continue
-            k = min(self.length(r), self.max_model_len - r.num_tokens - 1,
+            k = min(self.length(r), self.limit, self.max_model_len - r.num_tokens - 1,
                     r.sampling_params.max_tokens - len(r.output_token_ids) - 1)
             if k < 1:
                 continue

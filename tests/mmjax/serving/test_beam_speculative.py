@@ -254,3 +254,29 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert stats.chisquare(np.bincount(tokens[:, 0], minlength=v), p[0] * n).pvalue > 1e-3
     np.testing.assert_allclose((num == 2).mean(), p[0][drafts[:, 0]].mean(), atol=0.01)
     assert stats.chisquare(np.bincount(tokens[num == 2, 1], minlength=v), p[1] * (num == 2).sum()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_dynamic_speculation_greedy_equals_plain_and_compiles_nothing(hf, ngram_llm, decode_steps):
+    """serve.speculative.dynamic: the policy turns n-gram speculation on and off between steps (off: plain
+    multi-step calls, or overlapped single steps with decode_steps=1); greedy tokens equal plain greedy
+    (transformers') and speculation always on, nothing compiles after warm-up (the first pass warms the
+    overlapped engine up: one warm-up is enough to test), every page returns."""
+    prompts = [*REPETITIVE, [1, 9, 9, 9, 9, 9], [1, 2, 3, 4, 2, 3, 4]]
+    want = [hf_generate(hf["torch"], p, 18)[0] for p in prompts]
+    assert _greedy_stream(ngram_llm, prompts, 18) == want
+    sc = SpeculativeConfig(method="ngram", num_tokens=3, dynamic=True, dynamic_probe_every=2)
+    cfg = dataclasses.replace(hf["cfg"], serve=ServeConfig(**SERVE, decode_steps=decode_steps, speculative=sc))
+    llm = LLM(cfg, hf["model"], IdTokenizer(), warmup=decode_steps > 1)
+    eng = llm.engine
+    compiles = eng.runner.num_compiles
+    assert _greedy_stream(llm, prompts, 18) == want
+    if decode_steps == 1:
+        compiles = eng.runner.num_compiles
+    assert _greedy_stream(llm, prompts[::-1], 18) == want[::-1]  # with measured times and acceptance
+    st = eng.stats()
+    assert st["spec_steps"] > 0 and st["spec_plain_calls"] > 0 and st["spec_accepted_tokens"] > 0
+    assert eng.runner.num_chained > 0  # chained multi-step calls, or overlapped steps
+    assert eng.runner.num_compiles == compiles
+    eng.kv.check_consistency()
+    assert eng.kv.num_free_pages == eng.kv.num_usable_pages
