@@ -123,8 +123,9 @@ def run_spec_bench(cfg: Config, spec: SpecBenchSpec = SpecBenchSpec(), *, params
         "model": {"layers": m.text.n_layers, "dim": m.text.dim, "vocab": m.vocab_size, "random_weights": params is None,
                   "draft_layers": spec.draft_layers},
         "speculation": [], "beam": None, "hf_beam": hf}
-    for method in methods:
-        sc = SpeculativeConfig(method=method, num_tokens=spec.num_tokens)
+    for method in methods:  # the config's other speculative settings (e.g. `dynamic`) apply to each method
+        sc = dataclasses.replace(s.speculative, method=method, num_tokens=spec.num_tokens,
+                                 dynamic=s.speculative.dynamic and method != "none")
         draft = None
         if method == "draft":
             text = dataclasses.replace(cfg.model.text, n_layers=spec.draft_layers)

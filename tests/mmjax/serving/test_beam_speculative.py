@@ -183,14 +183,14 @@ def test_speculative_greedy_equals_plain_greedy(hf, ngram_llm, method):
         eng.proposer.propose = checked_propose
         launch = eng.runner._launch
 
-        def checked_launch(batch, sampling):  # the target step gathers each slot's draft rows from the bank
+        def checked_launch(step, batch, sampling):  # the target step gathers each slot's draft rows from the bank
             if "draft_bank" in batch:
                 bank = np.asarray(batch["draft_bank"])
                 for i, d in enumerate(batch["num_draft"]):
                     for j in range(d):
                         assert bank[batch["draft_rows"][i, j], batch["drafts"][i, j]] > 0
                         checked.append("verify")
-            return launch(batch, sampling)
+            return launch(step, batch, sampling)
         eng.runner._launch = checked_launch
     ids = [eng.add_request(p, sampling_params=sp) for p, sp in zip(prompts, params)]
     events = dict.fromkeys(ids, 0)  # steps in which a request got tokens

@@ -697,6 +697,7 @@ def test_engine_failure_fails_in_flight_requests_and_exits_1(spare, monkeypatch)
     def failing_dispatch(*args, **kwargs):
         if broken.is_set():
             raise RuntimeError("injected: the device step failed")
+        time.sleep(0.01)  # steps slow enough that a loaded machine's /metrics polls see everything in flight
         return dispatch(*args, **kwargs)
     monkeypatch.setattr(engine.runner, "dispatch", failing_dispatch)
     made = {}
@@ -720,8 +721,8 @@ def test_engine_failure_fails_in_flight_requests_and_exits_1(spare, monkeypatch)
         plain = pool.submit(httpx.post, base + "/v1/chat/completions", json=body, timeout=60)
         count = lambda m: sum(m[f"mmjax:num_requests_{k}{{sla_class=interactive}}"] for k in ("running", "waiting"))
         deadline = time.monotonic() + 30
-        while count(metrics(base)) < 16 + 1:  # every choice of the stream and the plain request are in flight
-            assert time.monotonic() < deadline and not plain.done()
+        while (seen := count(metrics(base))) < 16 + 1:  # every choice of the stream and the plain request in flight
+            assert time.monotonic() < deadline and not plain.done(), seen
             time.sleep(0.005)
         thaw = hold(service)
         broken.set()
