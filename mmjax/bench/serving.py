@@ -120,6 +120,7 @@ class IdTokenizer:
     """No text: prompts are token ids and decoding yields nothing, so no tokenizer cost is timed."""
 
     eos_id = None
+    decodes_text = False
 
     def decode(self, ids: Sequence[int]) -> str:
         return ""

@@ -32,6 +32,11 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
                  include_stop_str: bool = False, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        # a tokenizer with `decodes_text = False` (an engine-core process's: text is the API process's work) has
+        # no text to give: every call returns "" at once, the per-token host work of a step it would waste
+        self._no_text = getattr(tokenizer, "decodes_text", True) is False
+        if self._no_text and any(stop):
+            raise ValueError("stop strings need a tokenizer that decodes text")
         self._decode_kwargs = {}
         try:
             if "skip_special_tokens" in inspect.signature(tokenizer.decode).parameters:
@@ -46,8 +51,8 @@ class IncrementalDetokenizer:
         self.include_stop_str = include_stop_str
         self._max_stop = max((len(s) for s in self.stop), default=0)
         # window: ids[:read] were decoded already (context only), ids[read:] are pending
-        self._ids = [int(i) for i in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]]
-        if self._decode(self._ids).endswith(REPLACEMENT_CHAR):
+        self._ids = [] if self._no_text else [int(i) for i in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]]
+        if self._ids and self._decode(self._ids).endswith(REPLACEMENT_CHAR):
             self._ids = []  # the prompt ends inside a character: such context would garble the first text
         self._read = len(self._ids)
         self._text = ""  # decoded output text, including what is held back
@@ -65,7 +70,7 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: int | Sequence[int]) -> str:
         """Add newly generated tokens; returns only the text that became final since the last call."""
-        if self.stopped:
+        if self.stopped or self._no_text:
             return ""
         self._ids.extend([int(token_ids)] if isinstance(token_ids, numbers.Integral) else
                          (int(t) for t in token_ids))
@@ -123,6 +128,8 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """The request ended without a stop string: return everything still held back (a partial stop
         string, or the bytes of an incomplete character, decoded as they are)."""
+        if self._no_text:
+            return ""
         out = ""
         if not self.stopped and self._read < len(self._ids):
             out = self._append(self._advance(hold_incomplete=False))

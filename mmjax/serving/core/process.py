@@ -41,6 +41,8 @@ class IdsOnlyTokenizer:
     """The tokenizer the core's engine sees: the special ids it stops on, and no text. The core receives token ids
     and sends token ids; decoding happens in the API process, so the engine's detokenizer decodes to ""."""
 
+    decodes_text = False  # the engine's detokenizer skips its work (see IncrementalDetokenizer)
+
     def __init__(self, tokenizer: Any) -> None:
         self.eos_id = getattr(tokenizer, "eos_id", None)
         self.stop_ids = list(getattr(tokenizer, "stop_ids", []) or [])

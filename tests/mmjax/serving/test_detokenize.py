@@ -101,3 +101,18 @@ def test_invalid_bytes_are_released_not_held_forever(tok):
     ids = lone * 6 + tok.encode("ok")
     d, pieces = stream(tok, ids)
     assert "".join(pieces) == d.text and d.text.endswith("ok") and len(d._ids) <= 2 * (MAX_PENDING_TOKENS + 1)
+
+
+def test_a_tokenizer_without_text_costs_nothing_and_refuses_stop_strings():
+    """`decodes_text = False` (an engine-core process's tokenizer): no decode call, no text, no stop strings."""
+
+    class NoText:
+        decodes_text = False
+
+        def decode(self, ids):
+            raise AssertionError("decoded")
+
+    d = IncrementalDetokenizer(NoText(), [1, 2, 3])
+    assert d.push([4, 5]) == "" and d.push(6) == "" and d.flush() == "" and d.text == ""
+    with pytest.raises(ValueError, match="stop strings"):
+        IncrementalDetokenizer(NoText(), [1], stop=["x"])
