@@ -7,11 +7,13 @@
     python -m mmjax.tools.eval_quant --checkpoint DIR --schemes int8 int8+head   # + the int8 output matmul
     python -m mmjax.tools.eval_quant --checkpoint DIR --save-quantized int8 OUT   # a pre-quantized model folder
 
-The decoder is served text-only (`model.text_only=true`; only the decoder's matmuls are quantized). `--model` takes a
-known real model's name or a Hugging Face folder (`hf:PATH`, or a folder holding config.json), converted once
-into the cache as `python -m mmjax.serve --model` does. Held-out text: `--text FILE` (perplexity over every
-token; with `--model` the default is the packaged English paragraphs, `mmjax/bench/texts/english.txt`), else for a model trained on the built-in shapes dataset its
-eval split in the training chat template, the images' placeholder tokens kept without images (perplexity over
+The decoder is served text-only (`model.text_only=true`; only the decoder's matmuls are quantized). `--model`
+takes a known real model's name or a Hugging Face folder (`hf:PATH`, or a folder holding config.json),
+converted once into the cache as `python -m mmjax.serve --model` does. The scheme `bf16` (all parameters
+rounded to bfloat16) is a reference row: how far the metrics move under a perturbation that small. Held-out
+text: `--text FILE` (perplexity over every token; with `--model` the default is the packaged English
+paragraphs, `mmjax/bench/texts/english.txt`), else for a model trained on the built-in shapes dataset its eval
+split in the training chat template, the images' placeholder tokens kept without images (perplexity over
 the answer tokens, the training loss's), else random token ids (perplexity then means nothing). For each
 weight scheme: max / mean |logit difference| and top-1 agreement with the unquantized forward, and both
 perplexities, over `--num-seqs` windows of `--seq-len` tokens; for each (scheme, KV dtype): greedy agreement
@@ -33,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmjax.bench.quant_quality import evaluate
+from mmjax.bench.quant_quality import BF16, evaluate
 from mmjax.config import load_config
 from mmjax.data.builtin.shapes import generate_records
 from mmjax.data.pipeline import SHAPES_SEED
@@ -102,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                                                "or a Hugging Face folder (hf:PATH)")
     p.add_argument("--config", default="models/tiny_mllm.yaml", help="model config without --checkpoint/--model")
     p.add_argument("--text", default="", help=f"held-out text file (with --model default {ENGLISH_TEXT.name})")
-    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=VARIANTS,
-                   help="weight schemes; '+head' adds the int8 output matmul (serve.quantize_lm_head)")
+    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=(*VARIANTS, BF16),
+                   help="weight schemes; '+head' adds the int8 output matmul (serve.quantize_lm_head); bf16: "
+                        "the parameters rounded to bfloat16 (a reference row, no quantization)")
     p.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES)
     p.add_argument("--num-seqs", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)

@@ -1,6 +1,7 @@
 """An MLLM on SmolLM2-135M-Instruct's decoder (`finetune_smollm2_mllm.yaml`): the text model's folder gets an image
 token and a grown embedding, the run trains on images, and before training the original vocabulary's logits of
-text are `transformers`' own."""
+text are `transformers`' own. The grown folder and its converted weights go to the user's cache (keyed by the
+source folder's files), so only a machine's first run writes them."""
 
 import io
 import json
@@ -14,6 +15,7 @@ from PIL import Image
 
 from mmjax.checkpoint.convert.image_token import IMAGE_TOKEN, VOCAB_MULTIPLE
 from mmjax.checkpoint.convert.init_from import load_run_config
+from mmjax.checkpoint.known_models import cache_root
 from mmjax.data.tokenizer import Tokenizer
 from mmjax.serving.load import build_model
 from mmjax.training.trainer import Trainer
@@ -39,7 +41,7 @@ def _llava_records(root):
 def test_mllm_on_smollm2_adds_the_image_token_keeps_text_logits_and_trains(smollm2, tmp_path):
     data = _llava_records(tmp_path)
     cfg = load_run_config("finetune_smollm2_mllm.yaml", [
-        f"model.init_from=hf:{smollm2}", f"data.paths=[{data}]", f"data.cache_dir={tmp_path / 'cache'}",
+        f"model.init_from=hf:{smollm2}", f"data.paths=[{data}]", f"data.cache_dir={cache_root() / 'test_cache'}",
         f"train.output_dir={tmp_path / 'run'}", "model.max_seq_len=64", "model.compute_dtype=float32",
         "model.remat=none", "model.vision.image_size=32", "model.vision.dim=64", "model.vision.n_layers=1",
         "model.vision.n_heads=2", "model.vision.mlp_dim=128", "data.packing=false", "data.num_workers=0",
