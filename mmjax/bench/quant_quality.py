@@ -108,7 +108,10 @@ def evaluate(cfg: Config, model: Any, tokenizer: Any, tokens: np.ndarray, prompt
     rows = []
     for scheme in schemes:
         base, head = ("none", False) if scheme == BF16 else parse_variant(scheme)
-        qstate = bf16_rounded(state) if scheme == BF16 else quantize_state(state, base, lm_head=head)
+        if scheme == BF16:
+            qstate = bf16_rounded(state)
+        else:
+            qstate = quantize_state(state, base, lm_head=head, group=cfg.serve.quant_group)
         served = nnx.merge(graphdef, qstate) if scheme == BF16 else model
         nbytes = weight_bytes(jax.tree.map(_to_bf16, state) if scheme == BF16 else qstate)
         logits = logit_report(forward, state, qstate, tokens, ref_logits, mask)

@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 
         scheme, folder = args.save_quantized
         base, head = parse_variant(scheme)
-        nnx.update(model, quantize_state(nnx.state(model, nnx.Param), base, lm_head=head))
+        nnx.update(model, quantize_state(nnx.state(model, nnx.Param), base, lm_head=head,
+                                                   group=cfg.serve.quant_group))
         print(f"wrote {save_quantized(folder, cfg, model)} ({scheme})")
         return 0
     max_len = args.prompt_len + args.new_tokens
