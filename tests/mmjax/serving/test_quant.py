@@ -258,6 +258,23 @@ def test_runner_quantizes_at_load_and_on_update(quant):
     assert isinstance(runner.state["decoder"]["layers"][0]["down"][...], QuantizedWeight)
 
 
+def test_runner_takes_the_int4_group_from_serve_config(quant):
+    """A model whose matmuls contract a non-multiple of 128 (here dim 32; SmolLM2-135M's 576) serves int4 with
+    `serve.quant_group` dividing them; the default group is refused naming the key."""
+    from mmjax.config import ServeConfig
+    from mmjax.serving.runner import ModelRunner
+
+    small = quant["tiny"]["model"](quant["tiny"]["config"](text_only=True))
+    with pytest.raises(ConfigError, match="serve.quant_group"):
+        ModelRunner(small, quant["tiny"]["serve"](page_size=4, num_pages=8, quantization="int4"), max_model_len=16)
+    runner = ModelRunner(small, quant["tiny"]["serve"](page_size=4, num_pages=8, quantization="int4", quant_group=16),
+                         max_model_len=16)
+    qkv = runner.state["decoder"]["layers"][0]["qkv"][...]
+    assert isinstance(qkv, QuantizedWeight) and qkv.group == 16 and qkv.scale.shape[0] == 32 // 16
+    with pytest.raises(ConfigError, match="serve.quant_group=3"):
+        ServeConfig(quant_group=3).check(16)
+
+
 def test_bench_sweep_rooflines_from_own_bytes(quant):
     from mmjax.bench import quant as bench_quant
     from mmjax.bench import serving as bench
