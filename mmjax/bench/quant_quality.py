@@ -94,12 +94,28 @@ def greedy_agreement(ref: Sequence[Sequence[int]], got: Sequence[Sequence[int]])
                 greedy_first_token_agreement=float(np.mean([f > 0 for f in first])))
 
 
+def forced_greedy_agreement(forward: LogitForward, state: Any, prompts: Sequence[Sequence[int]],
+                            ref: Sequence[Sequence[int]]) -> float:
+    """Share of the reference's greedy tokens that `state`'s forward also ranks first when fed the reference's
+    own prefix (teacher-forced): each generation step judged alone, so one flip does not carry on as it does in
+    free-running greedy agreement. Weights only (the training forward has no KV pool)."""
+    hits = []
+    by_len: dict[int, list[list[int]]] = {}
+    for p, r in zip(prompts, ref, strict=True):
+        by_len.setdefault(len(p), []).append(list(p) + list(r))
+    for plen, seqs in by_len.items():
+        seq = np.asarray(seqs, np.int32)
+        pred = forward(state, seq).argmax(-1)[:, plen - 1:-1]
+        hits.append((pred == seq[:, plen:]).ravel())
+    return float(np.mean(np.concatenate(hits)))
+
+
 def evaluate(cfg: Config, model: Any, tokenizer: Any, tokens: np.ndarray, prompts: Sequence[Sequence[int]], *,
              schemes: Sequence[str], kv_dtypes: Sequence[str], new_tokens: int,
              mask: np.ndarray | None = None) -> list[dict[str, Any]]:
     """One row per (weight scheme, KV dtype): bytes, logit metrics (per scheme; perplexity over the `mask`ed
-    targets of `tokens`) and greedy agreement. A scheme may carry '+head' (the int8 output matmul too); `bf16`
-    is the reference variant (see the module docstring)."""
+    targets of `tokens`), greedy agreement and teacher-forced greedy agreement (per scheme). A scheme may carry
+    '+head' (the int8 output matmul too); `bf16` is the reference variant (see the module docstring)."""
     graphdef, state = nnx.split(model)
     forward = LogitForward(graphdef)
     ref_logits = forward(state, tokens)
@@ -115,6 +131,7 @@ def evaluate(cfg: Config, model: Any, tokenizer: Any, tokens: np.ndarray, prompt
         served = nnx.merge(graphdef, qstate) if scheme == BF16 else model
         nbytes = weight_bytes(jax.tree.map(_to_bf16, state) if scheme == BF16 else qstate)
         logits = logit_report(forward, state, qstate, tokens, ref_logits, mask)
+        logits["greedy_forced_agreement"] = forced_greedy_agreement(forward, qstate, prompts, ref_greedy)
         for kv in kv_dtypes:
             row = dict(scheme=scheme, kv_cache_dtype=kv, weight_bytes=nbytes, **logits)
             got = ref_greedy if (scheme, kv) == ("none", "auto") else greedy_tokens(

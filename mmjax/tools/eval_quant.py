@@ -18,7 +18,9 @@ the answer tokens, the training loss's), else random token ids (perplexity then 
 weight scheme: max / mean |logit difference| and top-1 agreement with the unquantized forward, and both
 perplexities, over `--num-seqs` windows of `--seq-len` tokens; for each (scheme, KV dtype): greedy agreement
 of the serving engine's output with the unquantized engine's on `--num-prompts` prompts (the first
-`--prompt-len` tokens of held-out windows), `--new-tokens` each. Writes JSON (`--out`) and prints a table.
+`--prompt-len` tokens of held-out windows), `--new-tokens` each, and per weight scheme the teacher-forced
+agreement on the unquantized engine's outputs ("forced": each step judged alone, flips do not carry on).
+Writes JSON (`--out`) and prints a table.
 """
 
 from __future__ import annotations
@@ -86,14 +88,15 @@ def held_out_tokens(cfg, tokenizer: Any, text_file: str, n: int, length: int,
 
 def table(rows: list[dict]) -> str:
     head = ("scheme", "kv", "weight MB", "max dlogit", "mean dlogit", "top-1", "ppl", "ppl ref", "greedy tok",
-            "greedy seq", "first diff", "first tok")
+            "greedy seq", "first diff", "first tok", "forced")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         lines.append(" | ".join([r["scheme"], r["kv_cache_dtype"], f"{r['weight_bytes'] / 1e6:.2f}",
                                  f"{r['max_logit_diff']:.4f}", f"{r['mean_logit_diff']:.4f}",
                                  f"{r['top1_agreement']:.4f}", f"{r['perplexity']:.3f}", f"{r['ref_perplexity']:.3f}",
                                  f"{r['greedy_token_agreement']:.4f}", f"{r['greedy_sequence_agreement']:.3f}",
-                                 f"{r['greedy_first_diff_mean']:.1f}", f"{r['greedy_first_token_agreement']:.3f}"]))
+                                 f"{r['greedy_first_diff_mean']:.1f}", f"{r['greedy_first_token_agreement']:.3f}",
+                                 f"{r['greedy_forced_agreement']:.4f}"]))
     return "\n".join(lines)
 
 
