@@ -241,6 +241,19 @@ def test_greedy_agreement_tells_a_drift_from_one_wrong_position():
         greedy_agreement(ref, [[1, 2, 3]])
 
 
+def test_forced_greedy_agreement_judges_each_step_alone():
+    from mmjax.bench.quant_quality import forced_greedy_agreement
+
+    def next_is_plus_one(state, seq):  # logits ranking token t + 1 (+ state) first after token t
+        return np.eye(16)[(np.asarray(seq) + 1 + state) % 16]
+
+    prompts, ref = [[1, 2], [5, 6, 7]], [[3, 4, 5], [8, 9, 9]]  # the second output breaks the rule at its end
+    assert forced_greedy_agreement(next_is_plus_one, 0, prompts, ref) == 5 / 6
+    assert forced_greedy_agreement(next_is_plus_one, 1, prompts, ref) == 0.0
+    # a step off the rule does not carry on: the step after it is judged on the reference's prefix
+    assert forced_greedy_agreement(next_is_plus_one, 0, [[1, 2]], [[3, 9, 10]]) == 2 / 3
+
+
 def test_runner_quantizes_at_load_and_on_update(quant):
     from mmjax.serving.runner import ModelRunner
 
