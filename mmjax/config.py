@@ -555,6 +555,9 @@ class ServeConfig:
     # int8 / fp8 (e4m3): quantized pool with a scale per token and kv head (mmjax.kernels.kv_pages)
     quantization: Literal["none", "int8", "fp8", "int4"] = "none"  # decoder matmul weights (mmjax.quant), at load
     quantize_lm_head: bool = False  # the output matmul (tied embedding table or lm_head) in int8 per vocabulary row
+    # int4: contracted values per scale; it must divide every decoder matmul's contraction (64 for a hidden size
+    # of 576, e.g. SmolLM2-135M); a multiple of 128 keeps the packed layout and the fused decode kernel
+    quant_group: int = 128
     image_cache_size: int = 64  # encoded images kept (LRU by content hash) so a repeated image is encoded once
     max_logprobs: int = 5  # most top logprobs a request may ask for (every step computes this many)
     seed: int = 0  # draws the sampling seed of each request that gives none, so a run is reproducible
@@ -586,6 +589,8 @@ class ServeConfig:
              f"serve.num_pages={self.num_pages} must be 0 (sized from device memory) or >= 2 (page 0 is the "
              "reserved null page)")
         need(self.max_num_seqs >= 0, f"serve.max_num_seqs={self.max_num_seqs} must be >= 1, or 0 (sized from the pool)")
+        need(self.quant_group >= 2 and self.quant_group % 2 == 0,
+             f"serve.quant_group={self.quant_group} must be an even number >= 2 (int4 values per scale)")
         need(0.0 < self.memory_utilization <= 1.0,
              f"serve.memory_utilization={self.memory_utilization} must be in (0, 1]")
         need(self.max_model_len == 0 or self.max_model_len >= 2,

@@ -4,6 +4,9 @@
 quantized weights: max / mean |logit difference|, top-1 agreement and each side's perplexity. `greedy_report`
 generates greedily through the serving engine (quantized weights and KV pool as served) and compares the tokens
 with the float engine's, position by position and whole sequences.
+
+The reference variant `bf16` (every parameter rounded to bfloat16, computed as before) is no quantization
+scheme: it is the noise floor of these metrics, what a perturbation as small as bfloat16 weights already moves.
 """
 
 from __future__ import annotations
@@ -56,6 +59,18 @@ def logit_report(forward: LogitForward, ref_state: Any, state: Any, tokens: np.n
                 perplexity=perplexity(got, tokens, mask), ref_perplexity=perplexity(ref, tokens, mask))
 
 
+BF16 = "bf16"  # the reference variant: parameters rounded to bfloat16, the compute dtype unchanged
+
+
+def _to_bf16(x: Any) -> Any:
+    return x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+def bf16_rounded(state: Any) -> Any:
+    """`state` with every floating parameter rounded to bfloat16 and kept in its dtype."""
+    return jax.tree.map(lambda x: _to_bf16(x).astype(x.dtype), state)
+
+
 def greedy_tokens(cfg: Config, model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], new_tokens: int,
                   **serve: Any) -> list[list[int]]:
     """Greedy outputs (EOS ignored) of the serving engine with `serve` keys overridden (quantization, KV dtype)."""
@@ -79,11 +94,28 @@ def greedy_agreement(ref: Sequence[Sequence[int]], got: Sequence[Sequence[int]])
                 greedy_first_token_agreement=float(np.mean([f > 0 for f in first])))
 
 
+def forced_greedy_agreement(forward: LogitForward, state: Any, prompts: Sequence[Sequence[int]],
+                            ref: Sequence[Sequence[int]]) -> float:
+    """Share of the reference's greedy tokens that `state`'s forward also ranks first when fed the reference's
+    own prefix (teacher-forced): each generation step judged alone, so one flip does not carry on as it does in
+    free-running greedy agreement. Weights only (the training forward has no KV pool)."""
+    hits = []
+    by_len: dict[int, list[list[int]]] = {}
+    for p, r in zip(prompts, ref, strict=True):
+        by_len.setdefault(len(p), []).append(list(p) + list(r))
+    for plen, seqs in by_len.items():
+        seq = np.asarray(seqs, np.int32)
+        pred = forward(state, seq).argmax(-1)[:, plen - 1:-1]
+        hits.append((pred == seq[:, plen:]).ravel())
+    return float(np.mean(np.concatenate(hits)))
+
+
 def evaluate(cfg: Config, model: Any, tokenizer: Any, tokens: np.ndarray, prompts: Sequence[Sequence[int]], *,
              schemes: Sequence[str], kv_dtypes: Sequence[str], new_tokens: int,
              mask: np.ndarray | None = None) -> list[dict[str, Any]]:
     """One row per (weight scheme, KV dtype): bytes, logit metrics (per scheme; perplexity over the `mask`ed
-    targets of `tokens`) and greedy agreement. A scheme may carry '+head' (the int8 output matmul too)."""
+    targets of `tokens`), greedy agreement and teacher-forced greedy agreement (per scheme). A scheme may carry
+    '+head' (the int8 output matmul too); `bf16` is the reference variant (see the module docstring)."""
     graphdef, state = nnx.split(model)
     forward = LogitForward(graphdef)
     ref_logits = forward(state, tokens)
@@ -91,13 +123,19 @@ def evaluate(cfg: Config, model: Any, tokenizer: Any, tokens: np.ndarray, prompt
                                kv_cache_dtype="auto")
     rows = []
     for scheme in schemes:
-        base, head = parse_variant(scheme)
-        qstate = quantize_state(state, base, lm_head=head)
+        base, head = ("none", False) if scheme == BF16 else parse_variant(scheme)
+        if scheme == BF16:
+            qstate = bf16_rounded(state)
+        else:
+            qstate = quantize_state(state, base, lm_head=head, group=cfg.serve.quant_group)
+        served = nnx.merge(graphdef, qstate) if scheme == BF16 else model
+        nbytes = weight_bytes(jax.tree.map(_to_bf16, state) if scheme == BF16 else qstate)
         logits = logit_report(forward, state, qstate, tokens, ref_logits, mask)
+        logits["greedy_forced_agreement"] = forced_greedy_agreement(forward, qstate, prompts, ref_greedy)
         for kv in kv_dtypes:
-            row = dict(scheme=scheme, kv_cache_dtype=kv, weight_bytes=weight_bytes(qstate), **logits)
+            row = dict(scheme=scheme, kv_cache_dtype=kv, weight_bytes=nbytes, **logits)
             got = ref_greedy if (scheme, kv) == ("none", "auto") else greedy_tokens(
-                cfg, model, tokenizer, prompts, new_tokens, quantization=base, quantize_lm_head=head,
+                cfg, served, tokenizer, prompts, new_tokens, quantization=base, quantize_lm_head=head,
                 kv_cache_dtype=kv)
             rows.append({**row, **greedy_agreement(ref_greedy, got)})
     return rows

@@ -149,7 +149,8 @@ def quantize(w: jax.Array, scheme: str, *, n_contract: int = 1, n_lead: int = 0,
     c = math.prod(wf.shape[n_lead:n_lead + n_contract])
     if c % group:
         raise ConfigError(f"serve.quantization=int4: {name} {tuple(wf.shape)} contracts {c} values, not a multiple "
-                          f"of the group size {group}; use int8 or fp8 for this model")
+                          f"of the group size {group}; set serve.quant_group to an even divisor of {c}, or use int8 or "
+                          "fp8")
     wg = wf.reshape(*lead, c // group, group, *out)
     scale = jnp.maximum(jnp.max(jnp.abs(wg), axis=n_lead + 1), _TINY) / QMAX["int4"]  # [*lead, groups, *out]
     q = jnp.clip(jnp.round(wg / jnp.expand_dims(scale, n_lead + 1)), -7, 7).astype(jnp.int8)

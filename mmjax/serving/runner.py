@@ -171,7 +171,8 @@ class ModelRunner:
         self._given_graphdef = graphdef  # update_weights converts new weights of this form the same way
         self.graphdef, self.state = serving_layout(graphdef, state, serve.unroll_layers)
         # none: unchanged; pre-quantized: kept
-        self.state = quantize_state(self.state, serve.quantization, lm_head=serve.quantize_lm_head)
+        self.state = quantize_state(self.state, serve.quantization, lm_head=serve.quantize_lm_head,
+                                    group=serve.quant_group)
         abstract = nnx.merge(self.graphdef, self.state)
         self.model_cfg = abstract.cfg
         self.image_token_id = abstract.image_token_id
@@ -269,7 +270,8 @@ class ModelRunner:
         nothing recompiles. Encoded images of the old weights are dropped; the caller resets the prefix cache.
         Float weights are quantized as at construction (`serve.quantization`)."""
         state = quantize_state(serving_layout(self._given_graphdef, state, self.serve.unroll_layers)[1],
-                               self.serve.quantization, lm_head=self.serve.quantize_lm_head)
+                               self.serve.quantization, lm_head=self.serve.quantize_lm_head,
+                               group=self.serve.quant_group)
         old = jax.tree.map(lambda x: (x.shape, x.dtype), self.state)
         new = jax.tree.map(lambda x: (x.shape, x.dtype), state)
         if jax.tree.structure(old) != jax.tree.structure(new) or jax.tree.leaves(old) != jax.tree.leaves(new):

@@ -1,19 +1,26 @@
 """Quality report of quantized serving: per weight scheme and KV dtype against the unquantized model.
 
     python -m mmjax.tools.eval_quant --checkpoint runs/x/checkpoints              # a trained or imported model
+    python -m mmjax.tools.eval_quant --model smollm2-135m-instruct                # a real model, English text
     python -m mmjax.tools.eval_quant --config models/tiny_mllm.yaml --text held_out.txt
     python -m mmjax.tools.eval_quant --checkpoint DIR --schemes none int8 fp8 int4 --kv-dtypes auto fp8
     python -m mmjax.tools.eval_quant --checkpoint DIR --schemes int8 int8+head   # + the int8 output matmul
     python -m mmjax.tools.eval_quant --checkpoint DIR --save-quantized int8 OUT   # a pre-quantized model folder
 
-The decoder is served text-only (`model.text_only=true`; only the decoder's matmuls are quantized). Held-out
-text: `--text FILE` (perplexity over every token), else for a model trained on the built-in shapes dataset its
-eval split in the training chat template, the images' placeholder tokens kept without images (perplexity over
+The decoder is served text-only (`model.text_only=true`; only the decoder's matmuls are quantized). `--model`
+takes a known real model's name or a Hugging Face folder (`hf:PATH`, or a folder holding config.json),
+converted once into the cache as `python -m mmjax.serve --model` does. The scheme `bf16` (all parameters
+rounded to bfloat16) is a reference row: how far the metrics move under a perturbation that small. Held-out
+text: `--text FILE` (perplexity over every token; with `--model` the default is the packaged English
+paragraphs, `mmjax/bench/texts/english.txt`), else for a model trained on the built-in shapes dataset its eval
+split in the training chat template, the images' placeholder tokens kept without images (perplexity over
 the answer tokens, the training loss's), else random token ids (perplexity then means nothing). For each
 weight scheme: max / mean |logit difference| and top-1 agreement with the unquantized forward, and both
 perplexities, over `--num-seqs` windows of `--seq-len` tokens; for each (scheme, KV dtype): greedy agreement
 of the serving engine's output with the unquantized engine's on `--num-prompts` prompts (the first
-`--prompt-len` tokens of held-out windows), `--new-tokens` each. Writes JSON (`--out`) and prints a table.
+`--prompt-len` tokens of held-out windows), `--new-tokens` each, and per weight scheme the teacher-forced
+agreement on the unquantized engine's outputs ("forced": each step judged alone, flips do not carry on).
+Writes JSON (`--out`) and prints a table.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmjax.bench.quant_quality import evaluate
+from mmjax.bench.quant_quality import BF16, evaluate
 from mmjax.config import load_config
 from mmjax.data.builtin.shapes import generate_records
 from mmjax.data.pipeline import SHAPES_SEED
@@ -39,8 +46,10 @@ from mmjax.quant import quantize_state
 from mmjax.quant.apply import SCHEMES, VARIANTS, parse_variant
 from mmjax.quant.store import save_quantized
 from mmjax.serving.load import build_model, load_for_serving
+from mmjax.serving.served_model import real_model
 
 KV_DTYPES = ("auto", "fp8", "int8")
+ENGLISH_TEXT = Path(__file__).resolve().parents[1] / "bench" / "texts" / "english.txt"  # --model's default text
 
 
 class _IdsTokenizer:
@@ -79,24 +88,28 @@ def held_out_tokens(cfg, tokenizer: Any, text_file: str, n: int, length: int,
 
 def table(rows: list[dict]) -> str:
     head = ("scheme", "kv", "weight MB", "max dlogit", "mean dlogit", "top-1", "ppl", "ppl ref", "greedy tok",
-            "greedy seq", "first diff", "first tok")
+            "greedy seq", "first diff", "first tok", "forced")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         lines.append(" | ".join([r["scheme"], r["kv_cache_dtype"], f"{r['weight_bytes'] / 1e6:.2f}",
                                  f"{r['max_logit_diff']:.4f}", f"{r['mean_logit_diff']:.4f}",
                                  f"{r['top1_agreement']:.4f}", f"{r['perplexity']:.3f}", f"{r['ref_perplexity']:.3f}",
                                  f"{r['greedy_token_agreement']:.4f}", f"{r['greedy_sequence_agreement']:.3f}",
-                                 f"{r['greedy_first_diff_mean']:.1f}", f"{r['greedy_first_token_agreement']:.3f}"]))
+                                 f"{r['greedy_first_diff_mean']:.1f}", f"{r['greedy_first_token_agreement']:.3f}",
+                                 f"{r['greedy_forced_agreement']:.4f}"]))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default="", help="mmjax checkpoint (default: random weights of --config)")
-    p.add_argument("--config", default="models/tiny_mllm.yaml", help="model config without --checkpoint")
-    p.add_argument("--text", default="", help="held-out text file")
-    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=VARIANTS,
-                   help="weight schemes; '+head' adds the int8 output matmul (serve.quantize_lm_head)")
+    p.add_argument("--model", default="", help="a known real model's name (python -m mmjax.tools.get_model --list) "
+                                               "or a Hugging Face folder (hf:PATH)")
+    p.add_argument("--config", default="models/tiny_mllm.yaml", help="model config without --checkpoint/--model")
+    p.add_argument("--text", default="", help=f"held-out text file (with --model default {ENGLISH_TEXT.name})")
+    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=(*VARIANTS, BF16),
+                   help="weight schemes; '+head' adds the int8 output matmul (serve.quantize_lm_head); bf16: "
+                        "the parameters rounded to bfloat16 (a reference row, no quantization)")
     p.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES)
     p.add_argument("--num-seqs", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
@@ -112,7 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     overrides = ["model.text_only=true", *args.overrides]
-    if args.checkpoint:
+    if args.checkpoint and args.model:
+        raise SystemExit("pass --checkpoint or --model, not both")
+    if args.model:
+        ckpt, tokenizer, _ = real_model(args.model)
+        cfg, model, tokenizer = load_for_serving(ckpt, tokenizer, overrides=overrides)
+        args.text = args.text or str(ENGLISH_TEXT)
+    elif args.checkpoint:
         cfg, model, tokenizer = load_for_serving(args.checkpoint, overrides=overrides)
     else:
         cfg = load_config(args.config, overrides)
@@ -122,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
 
         scheme, folder = args.save_quantized
         base, head = parse_variant(scheme)
-        nnx.update(model, quantize_state(nnx.state(model, nnx.Param), base, lm_head=head))
+        nnx.update(model, quantize_state(nnx.state(model, nnx.Param), base, lm_head=head,
+                                                   group=cfg.serve.quant_group))
         print(f"wrote {save_quantized(folder, cfg, model)} ({scheme})")
         return 0
     max_len = args.prompt_len + args.new_tokens
@@ -135,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = evaluate(cfg, model, tokenizer or _IdsTokenizer(), tokens, prompts, schemes=args.schemes,
                     kv_dtypes=args.kv_dtypes, new_tokens=args.new_tokens, mask=mask)
     record = dict(rows=rows, held_out=source, backend=jax.default_backend(), checkpoint=args.checkpoint,
-                  config=args.config if not args.checkpoint else "",
+                  model=args.model, config=args.config if not (args.checkpoint or args.model) else "",
                   compute_dtype=jnp.dtype(resolve_dtype(cfg.model.compute_dtype)).name,
                   argv=sys.argv[1:] if argv is None else argv)
     if args.out:

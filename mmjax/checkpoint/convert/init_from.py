@@ -8,6 +8,10 @@ checkpoint, keyed by the folder's files and the parameter dtype) and a fresh run
 a run that already has its own checkpoints resumes from those (`train.resume` is for resuming only).
 `model.init_from=gguf:FILE` (llama.cpp's format) first converts the file into such a folder under
 `<data.cache_dir>/gguf_import/` (`mmjax.checkpoint.gguf`) and continues as `hf:` that folder.
+With `model.text_only=false` (an MLLM: fresh vision tower and projector on the folder's decoder), a folder
+whose tokenizer has no image token (SmolLM2, Llama) is first copied with `<image>` added to the tokenizer and
+the embedding grown by its row (`mmjax.checkpoint.convert.image_token`, once into
+`<data.cache_dir>/image_token/`), and the run continues as `hf:` that copy.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 from mmjax.checkpoint.convert import import_hf
 from mmjax.checkpoint.convert.hf import ConversionError, model_config_from_hf
+from mmjax.checkpoint.convert.image_token import with_image_token
 from mmjax.checkpoint.gguf import gguf_to_hf
 from mmjax.checkpoint.orbax_state import FORMAT_VERSION, Checkpointer
 from mmjax.config import Config, DataConfig, deep_merge, from_tree, load_yaml_tree, to_dict, validate
@@ -114,6 +119,10 @@ def load_run_config(path: str | os.PathLike | Sequence[str | os.PathLike] | None
     if isinstance(init_from, str) and init_from.startswith(GGUF_PREFIX):
         cache = _get(tree, "data.cache_dir") or DataConfig.cache_dir
         init_from = PREFIX + str(gguf_folder(init_from, cache))
+        tree = {**tree, "model": {**tree["model"], "init_from": init_from}}
+    if isinstance(init_from, str) and init_from.startswith(PREFIX) and _get(tree, "model.text_only") is False:
+        cache = _get(tree, "data.cache_dir") or DataConfig.cache_dir  # an MLLM on a text model: add <image>
+        init_from = PREFIX + str(with_image_token(hf_folder(init_from), cache))
         tree = {**tree, "model": {**tree["model"], "init_from": init_from}}
     if isinstance(init_from, str) and init_from.startswith(PREFIX):
         tree = with_hf_model(tree)

@@ -1,13 +1,13 @@
 """The real model every machine can fetch: SmolLM2-135M-Instruct (`python -m mmjax.tools.get_model`), against
 `transformers` on the same folder: the chat template renders to the same ids, and greedy answers are the same
 tokens. The folder is fetched and converted once into the user's cache (`$MMJAX_CACHE` moves it) and reused by
-later runs; the module is marked `real_model` (`-m "not real_model"` leaves it out)."""
+later runs (the `smollm2` fixture, conftest.py); the module is marked `real_model` (`-m "not real_model"` leaves
+it out)."""
 
 import pytest
 import torch
 import transformers as T
 
-from mmjax.checkpoint.known_models import model_folder
 from mmjax.data.tokenizer import Tokenizer, render_chat
 
 pytestmark = pytest.mark.real_model
@@ -20,11 +20,6 @@ CHATS = [
      {"role": "user", "content": "What is 12 + 7?"}],
 ]
 MAX_TOKENS = 20
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return model_folder("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="module")

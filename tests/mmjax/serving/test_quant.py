@@ -241,6 +241,19 @@ def test_greedy_agreement_tells_a_drift_from_one_wrong_position():
         greedy_agreement(ref, [[1, 2, 3]])
 
 
+def test_forced_greedy_agreement_judges_each_step_alone():
+    from mmjax.bench.quant_quality import forced_greedy_agreement
+
+    def next_is_plus_one(state, seq):  # logits ranking token t + 1 (+ state) first after token t
+        return np.eye(16)[(np.asarray(seq) + 1 + state) % 16]
+
+    prompts, ref = [[1, 2], [5, 6, 7]], [[3, 4, 5], [8, 9, 9]]  # the second output breaks the rule at its end
+    assert forced_greedy_agreement(next_is_plus_one, 0, prompts, ref) == 5 / 6
+    assert forced_greedy_agreement(next_is_plus_one, 1, prompts, ref) == 0.0
+    # a step off the rule does not carry on: the step after it is judged on the reference's prefix
+    assert forced_greedy_agreement(next_is_plus_one, 0, [[1, 2]], [[3, 9, 10]]) == 2 / 3
+
+
 def test_runner_quantizes_at_load_and_on_update(quant):
     from mmjax.serving.runner import ModelRunner
 
@@ -256,6 +269,23 @@ def test_runner_quantizes_at_load_and_on_update(quant):
     assert runner.pools[0].data.dtype == jnp.int8 and runner.pools[0].scale.shape == (2, 4, 8, 4)
     runner.update_weights(quant["state"])  # stacked float weights are unrolled and quantized as at load
     assert isinstance(runner.state["decoder"]["layers"][0]["down"][...], QuantizedWeight)
+
+
+def test_runner_takes_the_int4_group_from_serve_config(quant):
+    """A model whose matmuls contract a non-multiple of 128 (here dim 32; SmolLM2-135M's 576) serves int4 with
+    `serve.quant_group` dividing them; the default group is refused naming the key."""
+    from mmjax.config import ServeConfig
+    from mmjax.serving.runner import ModelRunner
+
+    small = quant["tiny"]["model"](quant["tiny"]["config"](text_only=True))
+    with pytest.raises(ConfigError, match="serve.quant_group"):
+        ModelRunner(small, quant["tiny"]["serve"](page_size=4, num_pages=8, quantization="int4"), max_model_len=16)
+    runner = ModelRunner(small, quant["tiny"]["serve"](page_size=4, num_pages=8, quantization="int4", quant_group=16),
+                         max_model_len=16)
+    qkv = runner.state["decoder"]["layers"][0]["qkv"][...]
+    assert isinstance(qkv, QuantizedWeight) and qkv.group == 16 and qkv.scale.shape[0] == 32 // 16
+    with pytest.raises(ConfigError, match="serve.quant_group=3"):
+        ServeConfig(quant_group=3).check(16)
 
 
 def test_bench_sweep_rooflines_from_own_bytes(quant):
