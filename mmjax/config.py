@@ -34,6 +34,14 @@ REMOVED_KEYS = {
 }
 
 
+def cache_root() -> Path:
+    """mmjax's cache folder: $MMJAX_CACHE, else $XDG_CACHE_HOME/mmjax, else ~/.cache/mmjax."""
+    if os.environ.get("MMJAX_CACHE"):
+        return Path(os.environ["MMJAX_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "mmjax"
+
+
 def need(ok: bool, msg: str) -> None:
     """Raise `ConfigError(msg)` unless `ok`: the one-line check each section's `validate` is written in."""
     if not ok:
@@ -254,8 +262,15 @@ class ParallelConfig:
     # 0 = JAX's choice). A training process owns its GPUs; the slack keeps steps of several shapes (data.buckets)
     # from fragmenting the pool. An allocator setting already in the environment wins.
     gpu_memory_fraction: float = 0.9
+    # XLA's persistent compilation cache: compiled programs kept on disk, so a rerun of the same step (same model,
+    # shapes, flags and jax version) loads its executable instead of compiling it. auto: $JAX_COMPILATION_CACHE_DIR
+    # if set, else <mmjax cache>/xla ($MMJAX_CACHE/xla, else ~/.cache/mmjax/xla); "": no cache; or a folder.
+    compilation_cache_dir: str = "auto"
 
     def validate(self, cfg: Config) -> None:
+        cache = Path(self.compilation_cache_dir).expanduser()
+        need(self.compilation_cache_dir in ("", "auto") or not cache.exists() or cache.is_dir(),
+             f"parallel.compilation_cache_dir={cache} exists and is not a folder; use auto, \"\" (off) or a folder")
         need(0.0 <= self.gpu_memory_fraction <= 1.0,
              f"parallel.gpu_memory_fraction={self.gpu_memory_fraction} must be in (0, 1], or 0 for JAX's default")
         axes = ("data", "fsdp", "pipeline", "sequence", "tensor")
