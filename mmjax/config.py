@@ -119,6 +119,10 @@ class VisionConfig:
     pre_norm: bool = False  # LayerNorm on the embeddings before the first block (CLIP's pre_layrnorm)
     final_norm: bool = True  # LayerNorm after the last block (LLaVA reads CLIP features without it)
     act: Literal["gelu", "gelu_tanh", "quick_gelu"] = "gelu"  # MLP activation: gelu is exact; quick_gelu: CLIP
+    # the tower's layer loop: null follows model.scan_layers; true scans it, false unrolls it, whatever the decoder
+    # does. A scanned tower over unrolled decoder layers keeps most of the unrolled step's speed at a shorter
+    # compile (docs/perf/train.md, "Compile time of the MLLM").
+    scan_layers: bool | None = None
 
     @property
     def num_patches(self) -> int:
@@ -193,6 +197,16 @@ class ModelConfig:
     def image_tokens(self) -> int:
         """Placeholder tokens one image fills in the text sequence."""
         return self.vision.num_patches
+
+    @property
+    def vision_scan_layers(self) -> bool:
+        """Whether the vision tower scans its layers: model.vision.scan_layers, else model.scan_layers."""
+        return self.scan_layers if self.vision.scan_layers is None else self.vision.scan_layers
+
+    @property
+    def layer_layout(self) -> dict[str, bool]:
+        """Each tower's layer loop (true: stacked and scanned), by its name in the params tree."""
+        return {"decoder": self.scan_layers, "vision": self.vision_scan_layers}
 
     def validate(self, cfg: Config) -> None:
         """Shapes only: whether a model.*_impl kernel can run on this machine is checked where the model is
