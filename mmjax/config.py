@@ -381,6 +381,10 @@ class OptimConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_grad_norm: float = 1.0  # 0 = no clipping
+    # true: the optimizer updates a few flat buffers (parameters of one dtype and weight-decay class concatenated)
+    # instead of each parameter apart: a few large kernels instead of one per parameter, the same updates.
+    # One device only; its checkpoints keep the moments in that form (resume them with the same setting).
+    fused: bool = False
     loss_scale_init: float = 2.0**15  # fp16 only
     loss_scale_growth_interval: int = 1000
     loss_scale_factor: float = 2.0

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mmjax.config import Config
+from mmjax.errors import ConfigError
 from mmjax.model import MLLM
 from mmjax.model.fp8 import log_training_fp8
 from mmjax.model.layers import param_logical_axes, resolve_dtype
@@ -80,6 +81,9 @@ def model_setup(cfg: Config, mesh: Mesh, image_token_id: int) -> ModelSetup:
 def create_train_state(cfg: Config, mesh: Mesh, setup: ModelSetup,
                        optimizer: optax.GradientTransformation) -> tuple[TrainState, Any]:
     """(state, state_shardings): optimizer moments take their parameter's sharding, scalars replicate."""
+    if cfg.optim.fused and mesh.devices.size > 1:
+        raise ConfigError(f"optim.fused=true concatenates the parameters into flat buffers, which a mesh of "
+                          f"{mesh.devices.size} devices would gather; set optim.fused=false or run on one device")
     params = setup.make_params()
     abstract_opt = jax.eval_shape(optimizer.init, params)
     opt_shardings = opt_state_shardings(mesh, setup, optimizer, abstract_opt)
