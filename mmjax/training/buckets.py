@@ -59,7 +59,12 @@ def unflatten(buckets: dict[str, jax.Array], groups: dict[str, list[int]], like:
     return jax.tree.unflatten(treedef, out)
 
 
-def bucketed(inner: optax.GradientTransformation, decay_mask: Callable[[Any], Any]) -> optax.GradientTransformation:
+class Bucketed(optax.GradientTransformation):
+    """A `bucketed` optimizer: its state holds buckets, not trees shaped as the parameters (so `optax.tree_map_params`
+    cannot map it onto them; on its one device every array sits in the same place anyway)."""
+
+
+def bucketed(inner: optax.GradientTransformation, decay_mask: Callable[[Any], Any]) -> Bucketed:
     """`inner` (whose weight-decay mask is `decayed_buckets`) applied to the parameters' buckets.
 
     `decay_mask(params)` says which parameters are decayed (the mask the leaf-by-leaf optimizer takes)."""
@@ -73,4 +78,4 @@ def bucketed(inner: optax.GradientTransformation, decay_mask: Callable[[Any], An
         flat_updates, state = inner.update(flatten(updates, groups), state, flat_params)
         return unflatten(flat_updates, groups, updates), state
 
-    return optax.GradientTransformation(init, update)
+    return Bucketed(init, update)
