@@ -97,7 +97,8 @@ def run_variant(args: argparse.Namespace, stem: str, name: str, flags: str, over
         return {**row, "error": last[-1][:300] if last else f"exit status {done.returncode}"}
     r = json.loads(path.read_text())
     return {**row, "result_file": str(path), "step_time_s": r["step_time_s"], "tokens_per_sec": r["tokens_per_sec"],
-            "mfu": r["mfu"], "compile_s": r["compile_s"],
+            "mfu": r["mfu"], "compile_s": r["compile_s"], "lower_s": r["lower_s"],
+            "compile_from_cache": r.get("compile_from_cache"),
             "memcpy_share": (r.get("profile") or {}).get("memcpy_share")}
 
 
@@ -111,17 +112,19 @@ def variants_table(result: dict) -> str:
     base = result["tokens_per_sec"]
     profile = result.get("profile") or {}
     rows = [dict(variant="default", xla_flags="", overrides="", step_time_s=result["step_time_s"], tokens_per_sec=base,
-                 mfu=result["mfu"], compile_s=result["compile_s"], memcpy_share=profile.get("memcpy_share")),
+                 mfu=result["mfu"], compile_s=result["compile_s"], lower_s=result["lower_s"],
+                 compile_from_cache=result.get("compile_from_cache"), memcpy_share=profile.get("memcpy_share")),
             *result["xla_variants"]]
-    lines = ["| variant | step ms | tokens/s | MFU | compile s | memcpy share | vs default | flags / overrides |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| variant | step ms | tokens/s | MFU | compile s (tracing + lowering) | memcpy share | vs default | "
+             "flags / overrides |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | | `{change(r)}` |")
             continue
         pct = lambda v: "" if v is None else f"{100 * v:.1f}%"  # noqa: E731  (no MFU without a peak FLOP/s)
         lines.append(f"| {r['variant']} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_sec']:,.0f} | "
-                     f"{pct(r['mfu'])} | {r['compile_s']:.1f} | {pct(r['memcpy_share'])} | "
+                     f"{pct(r['mfu'])} | {r['compile_s']:.1f} ({r['lower_s']:.1f}"
+                     f"{', cached' if r.get('compile_from_cache') else ''}) | {pct(r['memcpy_share'])} | "
                      f"{r['tokens_per_sec'] / base:.3f}x | `{change(r)}` |")
     return "\n".join(lines)
 
