@@ -123,8 +123,12 @@ def apply_compilation_cache(cfg: Config) -> Path | None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"parallel.compilation_cache_dir: cannot create {folder} ({e}); set another folder "
-                          "or \"\" (off)") from None
+        if cfg.parallel.compilation_cache_dir != "auto":
+            raise ConfigError(f"parallel.compilation_cache_dir: cannot create {folder} ({e}); set another folder "
+                              "or \"\" (off)") from None
+        log.warning("no persistent compilation cache: cannot create %s (%s); every run compiles afresh "
+                    "(set parallel.compilation_cache_dir to a writable folder)", folder, e)
+        return None
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(folder))
     for name, value in (("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_S),

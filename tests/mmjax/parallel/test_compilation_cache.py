@@ -26,8 +26,16 @@ def test_auto_is_the_jax_variable_else_the_mmjax_cache(monkeypatch, tmp_path):
     assert compilation_cache_dir(load_config(None, ["parallel.compilation_cache_dir="])) is None
 
 
-def test_bad_folder_is_a_config_error(tmp_path):
+def test_bad_folder_is_a_config_error(tmp_path, monkeypatch):
+    from mmjax.parallel.distributed import apply_compilation_cache
+
     (tmp_path / "file").write_text("x")
+    # a folder that cannot be made: an error where it was asked for, a warning (no cache) where it is the default
+    blocked = tmp_path / "file" / "xla"
+    with pytest.raises(ConfigError, match="cannot create .*file/xla"):
+        apply_compilation_cache(load_config(None, [f"parallel.compilation_cache_dir={blocked}"]))
+    monkeypatch.setenv(CACHE_ENV, str(blocked))
+    assert apply_compilation_cache(load_config(None, [])) is None
     with pytest.raises(ConfigError, match="parallel.compilation_cache_dir=.*file exists and is not a folder"):
         load_config(None, [f"parallel.compilation_cache_dir={tmp_path / 'file'}"])
 
