@@ -34,6 +34,14 @@ REMOVED_KEYS = {
 }
 
 
+def cache_root() -> Path:
+    """mmjax's cache folder: $MMJAX_CACHE, else $XDG_CACHE_HOME/mmjax, else ~/.cache/mmjax."""
+    if os.environ.get("MMJAX_CACHE"):
+        return Path(os.environ["MMJAX_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "mmjax"
+
+
 def need(ok: bool, msg: str) -> None:
     """Raise `ConfigError(msg)` unless `ok`: the one-line check each section's `validate` is written in."""
     if not ok:
@@ -111,6 +119,10 @@ class VisionConfig:
     pre_norm: bool = False  # LayerNorm on the embeddings before the first block (CLIP's pre_layrnorm)
     final_norm: bool = True  # LayerNorm after the last block (LLaVA reads CLIP features without it)
     act: Literal["gelu", "gelu_tanh", "quick_gelu"] = "gelu"  # MLP activation: gelu is exact; quick_gelu: CLIP
+    # the tower's layer loop: null follows model.scan_layers; true scans it, false unrolls it, whatever the decoder
+    # does. A scanned tower over unrolled decoder layers keeps most of the unrolled step's speed at a shorter
+    # compile (docs/perf/train.md, "Compile time of the MLLM").
+    scan_layers: bool | None = None
 
     @property
     def num_patches(self) -> int:
@@ -186,6 +198,16 @@ class ModelConfig:
         """Placeholder tokens one image fills in the text sequence."""
         return self.vision.num_patches
 
+    @property
+    def vision_scan_layers(self) -> bool:
+        """Whether the vision tower scans its layers: model.vision.scan_layers, else model.scan_layers."""
+        return self.scan_layers if self.vision.scan_layers is None else self.vision.scan_layers
+
+    @property
+    def layer_layout(self) -> dict[str, bool]:
+        """Each tower's layer loop (true: stacked and scanned), by its name in the params tree."""
+        return {"decoder": self.scan_layers, "vision": self.vision_scan_layers}
+
     def validate(self, cfg: Config) -> None:
         """Shapes only: whether a model.*_impl kernel can run on this machine is checked where the model is
         built (`mmjax.model.kernel_choices`), since asking needs the kernels."""
@@ -254,8 +276,15 @@ class ParallelConfig:
     # 0 = JAX's choice). A training process owns its GPUs; the slack keeps steps of several shapes (data.buckets)
     # from fragmenting the pool. An allocator setting already in the environment wins.
     gpu_memory_fraction: float = 0.9
+    # XLA's persistent compilation cache: compiled programs kept on disk, so a rerun of the same step (same model,
+    # shapes, flags and jax version) loads its executable instead of compiling it. auto: $JAX_COMPILATION_CACHE_DIR
+    # if set, else <mmjax cache>/xla ($MMJAX_CACHE/xla, else ~/.cache/mmjax/xla); "": no cache; or a folder.
+    compilation_cache_dir: str = "auto"
 
     def validate(self, cfg: Config) -> None:
+        cache = Path(self.compilation_cache_dir).expanduser()
+        need(self.compilation_cache_dir in ("", "auto") or not cache.exists() or cache.is_dir(),
+             f"parallel.compilation_cache_dir={cache} exists and is not a folder; use auto, \"\" (off) or a folder")
         need(0.0 <= self.gpu_memory_fraction <= 1.0,
              f"parallel.gpu_memory_fraction={self.gpu_memory_fraction} must be in (0, 1], or 0 for JAX's default")
         axes = ("data", "fsdp", "pipeline", "sequence", "tensor")
@@ -352,6 +381,10 @@ class OptimConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_grad_norm: float = 1.0  # 0 = no clipping
+    # true: the optimizer updates a few flat buffers (parameters of one dtype and weight-decay class concatenated)
+    # instead of each parameter apart: a few large kernels instead of one per parameter, the same updates.
+    # One device only; its checkpoints keep the moments in that form (resume them with the same setting).
+    fused: bool = False
     loss_scale_init: float = 2.0**15  # fp16 only
     loss_scale_growth_interval: int = 1000
     loss_scale_factor: float = 2.0

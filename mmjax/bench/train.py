@@ -57,6 +57,20 @@ def synthetic_batch(cfg: Config, batch_size: int, seed: int = 0) -> dict[str, np
     return batch
 
 
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_cache_hits = [0]  # persistent compilation cache hits in this process (jax.monitoring events)
+_counting = []
+
+
+def cache_hits() -> int:
+    """Programs this process has loaded from the persistent compilation cache so far."""
+    if not _counting:  # one listener for the process: jax.monitoring has no public way to remove one
+        jax.monitoring.register_event_listener(
+            lambda event, **kw: _cache_hits.__setitem__(0, _cache_hits[0] + (event == CACHE_HIT_EVENT)))
+        _counting.append(True)
+    return _cache_hits[0]
+
+
 def image_token_id(cfg: Config) -> int:
     return cfg.model.vocab_size - 1
 
@@ -82,6 +96,7 @@ def run_train_bench(cfg: Config, *, steps: int = 20, warmup: int = 3, profile_st
     host = synthetic_batch(cfg, cfg.train.global_batch_size, cfg.train.seed)
     batch = to_global_batch(host, mesh)
 
+    hits_before = cache_hits()
     start = time.perf_counter()
     lowered = step_fn.lower(state, batch)
     lower_s = time.perf_counter() - start
@@ -92,6 +107,8 @@ def run_train_bench(cfg: Config, *, steps: int = 20, warmup: int = 3, profile_st
         jax.profiler.start_trace(str(compile_trace), profiler_options=options)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start
+    # a step loaded from the persistent compilation cache (parallel.compilation_cache_dir) is not a cold compile
+    from_cache = cache_hits() > hits_before
     compile_profile = None
     if profile_compile:
         jax.profiler.stop_trace()
@@ -147,6 +164,7 @@ def run_train_bench(cfg: Config, *, steps: int = 20, warmup: int = 3, profile_st
         "mfu": flops / step_s / (n_dev * peak) if peak else None,
         "compile_s": compile_s,
         "lower_s": lower_s,
+        "compile_from_cache": from_cache,
         "compiled_memory": memory_analysis,
         "memory": memory_metrics(),
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
@@ -176,7 +194,8 @@ def format_result(r: dict[str, Any]) -> str:
         f"step time         {1e3 * r['step_time_s']:.1f} ms",
         f"tokens/s          {r['tokens_per_sec']:,.0f}",
         f"MFU               {mfu}  ({r['achieved_tflops_per_device']:.0f} TFLOP/s per device)",
-        f"compile           {r['compile_s']:.1f} s (tracing and lowering {r['lower_s']:.1f} s)",
+        f"compile           {r['compile_s']:.1f} s (tracing and lowering {r['lower_s']:.1f} s"
+        f"{'; loaded from the persistent compilation cache' if r.get('compile_from_cache') else ''})",
         f"peak memory       {mem / 2**30:.1f} GiB" if mem else "peak memory       n/a",
     ]
     if phases := (r.get("compile_profile") or {}).get("phases"):

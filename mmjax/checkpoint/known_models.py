@@ -21,6 +21,7 @@ from pathlib import Path
 
 from mmjax.checkpoint.convert.hf import ConversionError
 from mmjax.checkpoint.gguf import DTYPES, gguf_to_hf
+from mmjax.config import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +43,6 @@ KNOWN_MODELS = {m.name: m for m in (
                "Hugging Face's SmolLM2-135M-Instruct (Llama architecture, 30 layers, 135M parameters, ChatML "
                "template), from its 4-bit GGUF (Q4_1) dequantized"),
 )}
-
-
-def cache_root() -> Path:
-    """mmjax's cache folder: $MMJAX_CACHE, else $XDG_CACHE_HOME/mmjax, else ~/.cache/mmjax."""
-    if os.environ.get("MMJAX_CACHE"):
-        return Path(os.environ["MMJAX_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "mmjax"
 
 
 def known_model(name: str) -> KnownModel:

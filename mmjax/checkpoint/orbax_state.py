@@ -224,8 +224,11 @@ def _layer_layout_hint(missing: list[str], extra: list[str]) -> str:
     saved, wanted = unrolled(extra), unrolled(missing)
     if saved is None or wanted is None or saved == wanted:
         return ""
-    return (f": its layers are {'unrolled' if saved else 'stacked'} and this run's are "
-            f"{'unrolled' if wanted else 'stacked'}; resume it with model.scan_layers={str(not saved).lower()}")
+    vision_only = all("/vision/" in k for k in missing + extra if "/layers/" in k)
+    key = "model.vision.scan_layers" if vision_only else "model.scan_layers"
+    return (f": its {'vision tower' if vision_only else ''}{' ' if vision_only else ''}layers are "
+            f"{'unrolled' if saved else 'stacked'} and this run's are {'unrolled' if wanted else 'stacked'}; "
+            f"resume it with {key}={str(not saved).lower()}")
 
 
 def _dropped_fields(saved: Any, target: Any) -> dict[str, Any]:

@@ -237,10 +237,15 @@ def stack_in_layout(layers: dict, *, scan: bool) -> dict:
     return jax.tree.map(stack, *(by_index[i] for i in range(len(layers))))
 
 
-def params_in_layout(params: dict, *, scan: bool) -> dict:
-    """`params` (a pure dict of towers) with every tower's `layers` stack in the form `scan` builds."""
-    return {name: ({**tower, "layers": stack_in_layout(tower["layers"], scan=scan)}
-                   if isinstance(tower, dict) and isinstance(tower.get("layers"), dict) else tower)
+def params_in_layout(params: dict, *, scan: bool | dict[str, bool]) -> dict:
+    """`params` (a pure dict of towers) with every tower's `layers` stack in the form `scan` builds; `scan` may
+    name each tower's form (`ModelConfig.layer_layout`; a tower it leaves out is kept as it is)."""
+    def form(name: str) -> bool | None:
+        return scan.get(name) if isinstance(scan, dict) else scan
+
+    return {name: ({**tower, "layers": stack_in_layout(tower["layers"], scan=form(name))}
+                   if isinstance(tower, dict) and isinstance(tower.get("layers"), dict) and form(name) is not None
+                   else tower)
             for name, tower in params.items()}
 
 

@@ -80,7 +80,7 @@ class VisionEncoder(nnx.Module):
         v = cfg.vision
         self.vcfg = v
         self.compute_dtype = compute_dtype
-        self.scan = cfg.scan_layers
+        self.scan = cfg.vision_scan_layers
         self.remat = cfg.remat
         patch_in = v.patch_size * v.patch_size * v.channels
         self.patch_embed = param(rngs, normal(0.02), (patch_in, v.dim), (None, "embed"), param_dtype)
@@ -95,7 +95,7 @@ class VisionEncoder(nnx.Module):
             self.pre_norm = LayerNorm(v.dim, **norm)
         self.layers = make_stack(
             lambda r: VisionLayer(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=r),
-            v.n_layers, rngs, scan=cfg.scan_layers)
+            v.n_layers, rngs, scan=cfg.vision_scan_layers)
         if v.final_norm:
             self.final_norm = LayerNorm(v.dim, **norm)
 

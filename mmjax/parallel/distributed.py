@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import jax
 
-from mmjax.config import Config
+from mmjax.config import Config, cache_root
 from mmjax.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,53 @@ def apply_gpu_memory_fraction(cfg: Config) -> None:
     log.info("%s=%g (parallel.gpu_memory_fraction)", MEM_FRACTION_ENV[0], fraction)
 
 
+# The persistent compilation cache's thresholds (jax's own defaults skip compiles under 1 s): every compile of
+# 0.1 s or more is written, so a warm start also skips the dozens of sub-second compiles of parameter init,
+# sharding and evaluation, not only the train step's. Entries of any size are kept.
+CACHE_MIN_COMPILE_S = 0.1
+CACHE_MIN_ENTRY_BYTES = 0
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def compilation_cache_dir(cfg: Config) -> Path | None:
+    """The folder `parallel.compilation_cache_dir` names: auto = $JAX_COMPILATION_CACHE_DIR, else
+    <mmjax cache>/xla; None for "" (off)."""
+    setting = cfg.parallel.compilation_cache_dir
+    if setting == "":
+        return None
+    if setting == "auto":
+        return Path(os.environ[CACHE_ENV]).expanduser() if os.environ.get(CACHE_ENV) else cache_root() / "xla"
+    return Path(setting).expanduser()
+
+
+def apply_compilation_cache(cfg: Config) -> Path | None:
+    """Turn XLA's persistent compilation cache on (or off) before the first compile; returns its folder.
+
+    The thresholds above apply unless the environment sets jax's own (JAX_PERSISTENT_CACHE_MIN_*)."""
+    folder = compilation_cache_dir(cfg)
+    if folder is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        log.info("persistent compilation cache off (parallel.compilation_cache_dir is empty)")
+        return None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if cfg.parallel.compilation_cache_dir != "auto":
+            raise ConfigError(f"parallel.compilation_cache_dir: cannot create {folder} ({e}); set another folder "
+                              "or \"\" (off)") from None
+        log.warning("no persistent compilation cache: cannot create %s (%s); every run compiles afresh "
+                    "(set parallel.compilation_cache_dir to a writable folder)", folder, e)
+        return None
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    for name, value in (("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_S),
+                        ("jax_persistent_cache_min_entry_size_bytes", CACHE_MIN_ENTRY_BYTES)):
+        if name.upper() not in os.environ:
+            jax.config.update(name, value)
+    log.info("persistent compilation cache: %s", folder)
+    return folder
+
+
 def distributed_args(cfg: Config) -> dict | None:
     """kwargs for `jax.distributed.initialize`, or None for a single-process run."""
     d = cfg.distributed
@@ -120,9 +168,10 @@ def distributed_args(cfg: Config) -> dict | None:
 
 
 def configure_backend(cfg: Config) -> None:
-    """The environment the backend reads when it starts: XLA flags and the GPU memory share."""
+    """What the backend reads when it starts: XLA flags, the GPU memory share, the persistent compilation cache."""
     apply_xla_flags(cfg)
     apply_gpu_memory_fraction(cfg)
+    apply_compilation_cache(cfg)
 
 
 def setup_runtime(cfg: Config) -> None:

@@ -121,8 +121,8 @@ def image_token_id(meta: dict, cfg: Config, tokenizer: Any = None) -> int:
 def build_model(cfg: Config, params: dict | None = None, image_token_id: int | None = None) -> MLLM:
     """The model of `cfg.model`, randomly initialised on the device in one jitted call, or holding `params`
     (a nested dict of arrays as `nnx.to_pure_dict` gives, e.g. a checkpoint's), cast to the model's
-    parameter dtypes. Layer stacks convert to `model.scan_layers`' form (a scanned run's checkpoint serves
-    with unrolled layers and back)."""
+    parameter dtypes. Layer stacks convert to the form `model.scan_layers` and `model.vision.scan_layers`
+    ask for (a scanned run's checkpoint serves with unrolled layers and back)."""
     token = cfg.model.vocab_size - 1 if image_token_id is None else image_token_id
     make = lambda: MLLM(cfg.model, image_token_id=token, rngs=nnx.Rngs(params=cfg.train.seed))  # noqa: E731
     model = nnx.eval_shape(make)
@@ -130,7 +130,7 @@ def build_model(cfg: Config, params: dict | None = None, image_token_id: int | N
         nnx.update(model, jax.jit(lambda: nnx.state(make()))())
         return model
     state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, params_in_layout(params, scan=cfg.model.scan_layers))
+    nnx.replace_by_pure_dict(state, params_in_layout(params, scan=cfg.model.layer_layout))
     nnx.update(model, jax.tree.map(lambda a, like: jax.numpy.asarray(a, like.dtype), state,
                                    nnx.state(model, nnx.Param)))
     return model

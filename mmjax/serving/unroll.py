@@ -24,9 +24,10 @@ def unroll_layers(graphdef: nnx.GraphDef, state: nnx.State) -> tuple[nnx.GraphDe
     """(graphdef, state) of the same MLLM with `model.scan_layers=false`: one module per layer holding that
     layer's slice of each stacked weight (float or `QuantizedWeight`). An unrolled model comes back as it is."""
     model = nnx.merge(graphdef, state)
-    if not model.cfg.scan_layers:
+    if not any(model.cfg.layer_layout.values()):
         return graphdef, state
-    cfg = dataclasses.replace(model.cfg, scan_layers=False)
+    cfg = dataclasses.replace(model.cfg, scan_layers=False,
+                              vision=dataclasses.replace(model.cfg.vision, scan_layers=False))
     target = nnx.eval_shape(lambda: MLLM(cfg, image_token_id=model.image_token_id, rngs=nnx.Rngs(0)))
     target_graphdef, target_state = nnx.split(target)
     nnx.replace_by_pure_dict(target_state, params_in_layout(nnx.to_pure_dict(state), scan=False))

@@ -7,7 +7,8 @@ Prints a table and writes the JSON to docs/perf/results/train/ (or --out). `--pe
 in Hugging Face transformers + torch in a separate process (float32 weights and AdamW, bfloat16 autocast, SDPA;
 `hf-torch-compile` adds `torch.compile`) and reports its tokens/s and mmjax's ratio to it. `--xla-variant
 NAME=FLAGS` (repeatable) runs the same step once more per variant, each in its own process with FLAGS added to
-`XLA_FLAGS` (the backend reads them once, at start), and reports each against the default flags:
+`XLA_FLAGS` (the backend reads them once, at start), and reports each against the default flags; `--variant
+NAME=OVERRIDES` does the same with config overrides (e.g. `--variant fused='optim.fused=true'`):
 
     python -m mmjax.tools.bench_train --text-only train.global_batch_size=8 \
         --xla-variant dsf=--xla_gpu_enable_dynamic_slice_fusion=true \
@@ -64,44 +65,67 @@ def parse_variants(items: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def run_variant(args: argparse.Namespace, stem: str, name: str, flags: str) -> dict:
-    """This benchmark once more in a child process with `flags` appended to XLA_FLAGS; its result's summary."""
+def parse_config_variants(items: list[str]) -> list[tuple[str, list[str]]]:
+    """'NAME=OVERRIDES' strings (space-separated config overrides) -> (name, overrides)."""
+    out = []
+    for item in items:
+        name, sep, rest = item.partition("=")
+        overrides = rest.split()
+        if not sep or not name.replace("_", "").replace("-", "").isalnum() or not overrides \
+                or not all("=" in o for o in overrides):
+            raise ValueError(f"--variant {item!r}: want NAME=OVERRIDES, e.g. fused='optim.fused=true'")
+        out.append((name, overrides))
+    return out
+
+
+def run_variant(args: argparse.Namespace, stem: str, name: str, flags: str, overrides: tuple[str, ...] = ()
+                ) -> dict:
+    """This benchmark once more in a child process with `flags` appended to XLA_FLAGS and `overrides` after the
+    command's own; its result's summary."""
     child = ["--config", args.config, "--steps", str(args.steps), "--warmup", str(args.warmup), "--profile-steps",
              str(args.profile_steps), "--out", args.out, "--name", f"{stem}_{name}",
              *(["--text-only"] if args.text_only else []), *(["--remat", args.remat] if args.remat else []),
              *(["--dump-hlo"] if args.dump_hlo else []), *(["--profile-compile"] if args.profile_compile else []),
-             *args.overrides]
+             *args.overrides, *overrides]
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
     done = subprocess.run([sys.executable, "-m", "mmjax.tools.bench_train", *child], env=env, capture_output=True,
                           text=True)
-    row = {"variant": name, "xla_flags": flags}
+    row = {"variant": name, "xla_flags": flags, "overrides": " ".join(overrides)}
     path = Path(args.out) / f"{stem}_{name}.json"
     if done.returncode != 0 or not path.is_file():
         last = (done.stderr or done.stdout).strip().splitlines()
         return {**row, "error": last[-1][:300] if last else f"exit status {done.returncode}"}
     r = json.loads(path.read_text())
     return {**row, "result_file": str(path), "step_time_s": r["step_time_s"], "tokens_per_sec": r["tokens_per_sec"],
-            "mfu": r["mfu"], "compile_s": r["compile_s"],
+            "mfu": r["mfu"], "compile_s": r["compile_s"], "lower_s": r["lower_s"],
+            "compile_from_cache": r.get("compile_from_cache"),
             "memcpy_share": (r.get("profile") or {}).get("memcpy_share")}
+
+
+def change(row: dict) -> str:
+    """What a variant changes: its XLA flags and config overrides."""
+    return " ".join(x for x in (row.get("xla_flags", ""), row.get("overrides", "")) if x)
 
 
 def variants_table(result: dict) -> str:
     """Markdown rows: the default flags, then each variant with its ratio of tokens/s to the default."""
     base = result["tokens_per_sec"]
     profile = result.get("profile") or {}
-    rows = [dict(variant="default", xla_flags="", step_time_s=result["step_time_s"], tokens_per_sec=base,
-                 mfu=result["mfu"], compile_s=result["compile_s"], memcpy_share=profile.get("memcpy_share")),
+    rows = [dict(variant="default", xla_flags="", overrides="", step_time_s=result["step_time_s"], tokens_per_sec=base,
+                 mfu=result["mfu"], compile_s=result["compile_s"], lower_s=result["lower_s"],
+                 compile_from_cache=result.get("compile_from_cache"), memcpy_share=profile.get("memcpy_share")),
             *result["xla_variants"]]
-    lines = ["| variant | step ms | tokens/s | MFU | compile s | memcpy share | vs default | flags |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| variant | step ms | tokens/s | MFU | compile s (tracing + lowering) | memcpy share | vs default | "
+             "flags / overrides |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | | `{r['xla_flags']}` |")
+            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | | `{change(r)}` |")
             continue
         pct = lambda v: "" if v is None else f"{100 * v:.1f}%"  # noqa: E731  (no MFU without a peak FLOP/s)
         lines.append(f"| {r['variant']} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_sec']:,.0f} | "
-                     f"{pct(r['mfu'])} | {r['compile_s']:.1f} | {pct(r['memcpy_share'])} | "
-                     f"{r['tokens_per_sec'] / base:.3f}x | `{r['xla_flags']}` |")
+                     f"{pct(r['mfu'])} | {r['compile_s']:.1f} ({r['lower_s']:.1f}"
+                     f"{', cached' if r.get('compile_from_cache') else ''}) | {pct(r['memcpy_share'])} | "
+                     f"{r['tokens_per_sec'] / base:.3f}x | `{change(r)}` |")
     return "\n".join(lines)
 
 
@@ -122,13 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-on-cpu", action="store_true", help="let the torch peer run on the CPU (tiny models only)")
     p.add_argument("--xla-variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="also run with FLAGS added to XLA_FLAGS, in its own process (repeatable)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES",
+                   help="also run with these config overrides (space-separated) after the command's, in its own "
+                        "process (repeatable), e.g. --variant fused='optim.fused=true'")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.global_batch_size=8")
     args = p.parse_args(argv)
     peers = [n for n in args.peer.split(",") if n]
     if unknown := [n for n in peers if n not in PEERS]:
         p.error(f"--peer {','.join(unknown)}: not one of {', '.join(PEERS)}")
     try:
-        variants = parse_variants(args.xla_variant)
+        variants = [(name, flags, ()) for name, flags in parse_variants(args.xla_variant)]
+        variants += [(name, "", tuple(o)) for name, o in parse_config_variants(args.variant)]
     except ValueError as e:
         p.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -139,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     stem = args.name or f"train_{'decoder' if cfg.model.text_only else 'mllm'}_{datetime.date.today()}"
     peer_results = run_peers(cfg, peers, steps=args.steps, warmup=args.warmup, on_cpu=args.peer_on_cpu)
-    variant_rows = [run_variant(args, stem, name, flags) for name, flags in variants]  # before this process's backend
+    # before this process's backend
+    variant_rows = [run_variant(args, stem, name, flags, o) for name, flags, o in variants]
     result = run_with_remat_fallback(cfg, remats, steps=args.steps, warmup=args.warmup,
                                      profile_steps=args.profile_steps, out_dir=out / f"{stem}_trace",
                                      hlo_path=out / f"{stem}.hlo.txt" if args.dump_hlo else None,

@@ -19,10 +19,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mmjax.config import Config
+from mmjax.errors import ConfigError
 from mmjax.model import MLLM
 from mmjax.model.fp8 import log_training_fp8
 from mmjax.model.layers import param_logical_axes, resolve_dtype
 from mmjax.parallel.zero import ShardingPlan, sharding_plan
+from mmjax.training.buckets import Bucketed
 from mmjax.training.pipeline.stage_storage import StageStorage, stage_storage
 from mmjax.training.precision import initial_loss_scale
 from mmjax.training.state import TrainState
@@ -80,6 +82,9 @@ def model_setup(cfg: Config, mesh: Mesh, image_token_id: int) -> ModelSetup:
 def create_train_state(cfg: Config, mesh: Mesh, setup: ModelSetup,
                        optimizer: optax.GradientTransformation) -> tuple[TrainState, Any]:
     """(state, state_shardings): optimizer moments take their parameter's sharding, scalars replicate."""
+    if cfg.optim.fused and mesh.devices.size > 1:
+        raise ConfigError(f"optim.fused=true concatenates the parameters into flat buffers, which a mesh of "
+                          f"{mesh.devices.size} devices would gather; set optim.fused=false or run on one device")
     params = setup.make_params()
     abstract_opt = jax.eval_shape(optimizer.init, params)
     opt_shardings = opt_state_shardings(mesh, setup, optimizer, abstract_opt)
@@ -100,6 +105,8 @@ def opt_state_shardings(mesh: Mesh, setup: ModelSetup, optimizer: optax.Gradient
                         opt_state: Any) -> Any:
     """Per-parameter optimizer state follows the ZeRO plan; counters and other scalars replicate."""
     replicated = NamedSharding(mesh, PartitionSpec())
+    if isinstance(optimizer, Bucketed):  # one device (create_train_state refuses more): nothing to place
+        return jax.tree.map(lambda _: replicated, opt_state)
     per_param = setup.plan.opt_params if setup.plan is not None else setup.param_shardings
     return optax.tree_map_params(optimizer, lambda _, s: s, opt_state, per_param,
                                  transform_non_params=lambda _: replicated)

@@ -6,6 +6,7 @@ import jax
 import optax
 
 from mmjax.config import Config
+from mmjax.training.buckets import bucketed, decayed_buckets
 
 
 def learning_rate_schedule(cfg: Config) -> optax.Schedule:
@@ -54,8 +55,14 @@ def _decay_mask(params):
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW with the run's schedule; `optim.fused`: the same over a few flat
+    buckets of parameters (`training.buckets`) instead of leaf by leaf."""
     o = cfg.optim
-    parts = [optax.clip_by_global_norm(o.clip_grad_norm)] if o.clip_grad_norm > 0 else []
-    parts.append(optax.adamw(learning_rate_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
-                             weight_decay=o.weight_decay, mask=_decay_mask))
-    return optax.chain(*parts)
+
+    def chain(mask) -> optax.GradientTransformation:
+        parts = [optax.clip_by_global_norm(o.clip_grad_norm)] if o.clip_grad_norm > 0 else []
+        parts.append(optax.adamw(learning_rate_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
+                                 weight_decay=o.weight_decay, mask=mask))
+        return optax.chain(*parts)
+
+    return bucketed(chain(decayed_buckets), _decay_mask) if o.fused else chain(_decay_mask)

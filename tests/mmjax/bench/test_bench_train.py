@@ -1,5 +1,7 @@
 """The library side of `mmjax.tools.bench_train` on a tiny text-only model: it trains, counts FLOPs, profiles."""
 
+import os
+
 import jax
 import numpy as np
 
@@ -73,7 +75,7 @@ def test_bench_train_cli_runs_the_torch_peer_on_the_same_shape(tmp_path, capsys)
         bench_train.main(["--peer", "hf-torch-nope"])
 
 
-def test_bench_train_xla_variants_run_in_their_own_processes(tmp_path, capsys):
+def test_bench_train_xla_variants_run_in_their_own_processes(tmp_path, capsys, monkeypatch):
     """`--xla-variant NAME=FLAGS`: the step again per variant in a child process with the flags added to XLA_FLAGS
     (a flag the backend rejects is a failed row, not a failed run), reported against the default flags."""
     import json
@@ -82,17 +84,28 @@ def test_bench_train_xla_variants_run_in_their_own_processes(tmp_path, capsys):
 
     from mmjax.tools import bench_train
 
+    # the children see one CPU device (optim.fused runs on one device); this process keeps the session's
+    jax.devices()
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1")
     rc = bench_train.main(["--config", "tiny_shapes.yaml", "--steps", "1", "--warmup", "1", "--profile-steps", "0",
                            "--out", str(tmp_path), "--name", "r", "--xla-variant",
                            "dsf=--xla_gpu_enable_dynamic_slice_fusion=true", "--xla-variant",
-                           "bad=--xla_no_such_flag_in_any_backend=1", *TINY_TEXT])
+                           "bad=--xla_no_such_flag_in_any_backend=1", "--variant", "fused=optim.fused=true",
+                           *TINY_TEXT])
     assert rc == 0
     r = json.loads((tmp_path / "r.json").read_text())
-    good, bad = r["xla_variants"]
+    good, bad, fused = r["xla_variants"]
+    # `--variant NAME=OVERRIDES`: config overrides instead of flags (the fused optimizer: the same first loss)
+    assert fused["variant"] == "fused" and fused["overrides"] == "optim.fused=true" and fused["tokens_per_sec"] > 0
+    fused_run = json.loads((tmp_path / "r_fused.json").read_text())
+    assert fused_run["command"].endswith("optim.fused=true") and fused_run["devices"] == 1
+    assert fused_run["loss_first"] == pytest.approx(r["loss_first"], rel=1e-5)
     assert good["variant"] == "dsf" and good["tokens_per_sec"] > 0 and (tmp_path / "r_dsf.json").is_file()
     assert json.loads((tmp_path / "r_dsf.json").read_text())["model"] == r["model"]  # the same step
     assert bad["variant"] == "bad" and "error" in bad
     table = capsys.readouterr().out
-    assert "| default |" in table and "| dsf |" in table and "| bad | failed" in table
+    assert "| default |" in table and "| dsf |" in table and "| bad | failed" in table and "| fused |" in table
     with pytest.raises(SystemExit):
         bench_train.main(["--xla-variant", "no flags"])
+    with pytest.raises(SystemExit):
+        bench_train.main(["--variant", "fused=notanoverride"])

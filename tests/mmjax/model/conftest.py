@@ -40,10 +40,12 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> MLLM:
 
 
 def scan_to_loop(scan_model: MLLM, loop_cfg: ModelConfig) -> MLLM:
-    """A scan_layers=False model holding exactly the weights of `scan_model`."""
+    """A model of `loop_cfg` (scan_layers=False, each tower's layers as it says) holding exactly the weights of
+    `scan_model`."""
     loop = nnx.eval_shape(lambda: MLLM(loop_cfg, image_token_id=IMAGE_TOKEN, rngs=nnx.Rngs(0)))
     state = nnx.state(loop, nnx.Param)
-    nnx.replace_by_pure_dict(state, params_in_layout(nnx.to_pure_dict(nnx.state(scan_model, nnx.Param)), scan=False))
+    nnx.replace_by_pure_dict(state, params_in_layout(nnx.to_pure_dict(nnx.state(scan_model, nnx.Param)),
+                                                     scan=loop_cfg.layer_layout))
     nnx.update(loop, state)
     return loop
 

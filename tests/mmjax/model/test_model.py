@@ -1,5 +1,7 @@
 """MLLM: axes, init, masking (causal / packed / image blocks), merge, scan vs loop, remat."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,6 +206,20 @@ def test_scan_matches_loop(helpers):
     for (path, a), (_, b) in zip(sorted(nnx.traversals.flatten_mapping(gs).items()),
                                  sorted(nnx.traversals.flatten_mapping(gl).items()), strict=True):
         np.testing.assert_allclose(b, a, atol=1e-6, rtol=1e-5, err_msg=str(path))
+
+
+def test_vision_tower_scans_over_unrolled_decoder_layers(helpers):
+    """model.vision.scan_layers picks the tower's loop apart from the decoder's: stacked vision layers beside
+    unrolled decoder layers, the same forward as both scanned."""
+    cfg = helpers["tiny_config"]()
+    scan = helpers["random_model"](cfg, seed=8)
+    mixed_cfg = helpers["tiny_config"](scan_layers=False, vision=dataclasses.replace(cfg.vision, scan_layers=True))
+    assert mixed_cfg.layer_layout == {"decoder": False, "vision": True}
+    mixed = helpers["scan_to_loop"](scan, mixed_cfg)
+    params = nnx.to_pure_dict(nnx.state(mixed, nnx.Param))
+    assert set(params["decoder"]["layers"]) == {0, 1} and "attn_norm" in params["vision"]["layers"]
+    batch = helpers["make_batch"](seed=9)
+    np.testing.assert_allclose(helpers["forward"](scan, batch), helpers["forward"](mixed, batch), atol=1e-6)
 
 
 def _loss_and_grads(module, inputs, targets):
