@@ -50,8 +50,17 @@ def resumed_schedule_warning(saved: dict, cfg: Config, step: int) -> str | None:
 
 
 def _decay_mask(params):
-    """Weight decay on matrices only: norms, biases and other vectors are not decayed."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    """Weight decay on matrices only: norms, biases and other vectors are not decayed. A scanned (stacked) layer
+    stack's leaves carry a leading layer axis that does not count, so scanned and unrolled layers (and the
+    pipeline's stage-ordered stack) decay the same parameters."""
+    return jax.tree_util.tree_map_with_path(lambda path, p: p.ndim - _stacked(path) >= 2, params)
+
+
+def _stacked(path: tuple) -> bool:
+    """Whether a leaf at `path` sits in a stacked layer stack: under a `layers` node whose children are not the
+    numbered layers of an unrolled stack."""
+    names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    return any(n == "layers" and i + 1 < len(names) and not names[i + 1].isdigit() for i, n in enumerate(names))
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:

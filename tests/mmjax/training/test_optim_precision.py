@@ -40,6 +40,32 @@ def test_weight_decay_only_on_matrices():
     np.testing.assert_allclose(updates["b"], 0.0)  # not decayed
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_scanned_and_unrolled_layers_decay_the_same_parameters(fused):
+    """A stacked layer stack's [layers, dim] norm scale is a vector per layer, not a matrix: like the unrolled
+    stack's [dim] scales it is not decayed, while its [layers, dim, dim] weights are."""
+    cfg = load_config(None, ["optim.lr=1.0", "optim.weight_decay=0.5", "optim.warmup_steps=0",
+                             "optim.schedule=constant", f"optim.fused={str(fused).lower()}"])
+    layer = lambda lead: {"attn": {"wq": jnp.ones((*lead, 2, 2))}, "norm": {"scale": jnp.ones((*lead, 2))}}
+    scanned = {"decoder": {"layers": layer((3,)), "embedding": jnp.ones((4, 2)), "norm": {"scale": jnp.ones(2)}}}
+    unrolled = {"decoder": {"layers": {str(i): layer(()) for i in range(3)}, "embedding": jnp.ones((4, 2)),
+                            "norm": {"scale": jnp.ones(2)}}}
+    moved = []
+    for params in (scanned, unrolled):
+        opt = make_optimizer(cfg)
+        updates, _ = opt.update(jax.tree.map(jnp.zeros_like, params), opt.init(params), params)
+        moved.append(updates)
+    s, u = moved
+    np.testing.assert_allclose(s["decoder"]["layers"]["attn"]["wq"], -0.5, rtol=1e-6)
+    np.testing.assert_allclose(s["decoder"]["layers"]["norm"]["scale"], 0.0)
+    for i in range(3):
+        np.testing.assert_allclose(u["decoder"]["layers"][str(i)]["attn"]["wq"], -0.5, rtol=1e-6)
+        np.testing.assert_allclose(u["decoder"]["layers"][str(i)]["norm"]["scale"], 0.0)
+    for tree in moved:
+        np.testing.assert_allclose(tree["decoder"]["embedding"], -0.5, rtol=1e-6)
+        np.testing.assert_allclose(tree["decoder"]["norm"]["scale"], 0.0)
+
+
 def test_fp16_loss_scale_backs_off_on_overflow_and_grows():
     cfg = load_config(None, ["optim.loss_scale_init=1024", "optim.loss_scale_growth_interval=3"])
     ls = initial_loss_scale(cfg, jnp.float16)
