@@ -59,7 +59,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     new_token_ids: list[int]
     new_text: str
-    token_ids: list[int]  # every output token so far
+    token_ids: list[int]  # every output token so far: the request's own list, growing as it goes (copy to keep)
     text: str  # output text released so far
     finished: bool
     finish_reason: str | None  # "stop" (EOS, stop token or stop string), "length", "abort", "error"
@@ -90,6 +90,9 @@ class _Live:
     request: Request
     detok: IncrementalDetokenizer
     prompt_token_ids: list[int]  # built once: every step's outputs share it (read-only for callers)
+    # the output tokens reported so far, extended by each output: every output shares it (read-only for callers;
+    # a copy per step made reporting quadratic in the output's length)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     detokenize_s: float = 0.0
     stop_str: str | None = None  # a stop string ended it (the scheduler saw an abort)
@@ -494,13 +497,13 @@ class Engine:
                 new_text: str = "") -> RequestOutput:
         request = live.request
         live.text += new_text
+        live.token_ids.extend(new_ids)
         finished = request.status.is_finished
         reason, stop = None, None
         if finished:
             reason = "stop" if live.stop_str is not None else FINISH_REASONS[request.status]
             stop = live.stop_str if live.stop_str is not None else request.stop_reason
-        return RequestOutput(request.request_id, live.prompt_token_ids, new_ids, new_text,
-                             request.known_output_token_ids, live.text,
+        return RequestOutput(request.request_id, live.prompt_token_ids, new_ids, new_text, live.token_ids, live.text,
                              finished, reason, stop, logprobs, self.metrics(live))
 
     def metrics(self, live: _Live) -> RequestMetrics:
