@@ -398,6 +398,9 @@ def test_disconnect_mid_stream_frees_pages(server):
     base = server["base"]
     aborted = "mmjax:request_success_total{finished_reason=abort,sla_class=interactive}"
     before = metrics(base).get(aborted, 0)
+    # the prompt once first, so its full page is in the prefix cache whatever this server ran before (an engine-core
+    # process starts with an empty cache): the choices below hit it
+    server["client"].chat.completions.create(model=MODEL, messages=user("w7 w8"), max_tokens=1)
     # 16 choices of 55 tokens on 4 sequence slots: far from done when the client goes away
     body = {"model": MODEL, "messages": user("w7 w8"), "max_tokens": 55, "n": 16, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", base + "/v1/chat/completions", json=body) as r:
