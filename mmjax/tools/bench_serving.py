@@ -91,17 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--output-mu", type=float, default=None, help="log-normal mu of output lengths")
     server.add_argument("--plot", default="", help="latency-vs-rate PNG (default: the JSON path with .png)")
     args = p.parse_args(argv)
+    command = _command(argv)
     if args.server:
-        return server_main(args, argv)
+        return server_main(args, command)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.mode == "spec-acceptance":
-        return _spec_acceptance(args)
+        return _spec_acceptance(args, command)
     overrides = ["model.text_only=true", "model.compute_dtype=bfloat16", "model.param_dtype=bfloat16",
                  "serve.max_num_batched_tokens=2048", *args.overrides]
     cfg = load_config(args.config, overrides)
     configure_backend(cfg)  # parallel.xla_flags and the GPU memory share, as the server applies them
     if args.mode == "speculative":
-        return _speculative(args, cfg)
+        return _speculative(args, cfg, command)
     args.batches = args.batches or list(d.batches)
     spec = bench.BenchSpec(batches=tuple(args.batches), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                            ttft_prompts=tuple(args.ttft_prompts), ttft_repeats=args.ttft_repeats,
@@ -115,13 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                                                          bench.serving_config(cfg, spec).model.max_seq_len,
                                                          "llama", cfg.model.param_dtype)
     out = Path(args.out or f"docs/perf/results/serving/serving-{datetime.date.today().isoformat()}.json")
-    command = "python -m mmjax.tools.bench_serving " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
 
     def save(record: dict) -> None:
-        record["command"] = command
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record, indent=1))
+        _write_record(record, out, command)
 
     if args.sweep_quant:
         return _sweep_quant(args, cfg, spec, params, command)
@@ -134,7 +131,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _spec_acceptance(args: argparse.Namespace) -> int:
+def _command(argv: list[str] | None) -> str:
+    """The command line a result file records."""
+    return "python -m mmjax.tools.bench_serving " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+
+
+def _write_record(record: dict, out: Path, command: str, **extra) -> None:
+    """A result file: the record, with the command that made it (and `extra` fields)."""
+    record.update(command=command, **extra)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+
+
+def _spec_acceptance(args: argparse.Namespace, command: str) -> int:
     """Acceptance of speculation with real weights, greedy at batch 1 (bench/spec.py, `run_acceptance`)."""
     ckpt, tokenizer = args.model, None
     if args.model in KNOWN_MODELS:
@@ -144,15 +154,13 @@ def _spec_acceptance(args: argparse.Namespace) -> int:
     record = bench_spec.run_acceptance(cfg, model, tok, num_tokens=args.spec_k, draft_layers=args.draft_layers,
                                        new_tokens=args.new_tokens)
     out = Path(args.out or f"docs/perf/results/spec/spec-acceptance-{datetime.date.today().isoformat()}.json")
-    record["command"] = "python -m mmjax.tools.bench_serving " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
+    _write_record(record, out, command)
     print(bench_spec.acceptance_table(record))
     print(f"wrote {out}")
     return 0
 
 
-def _speculative(args: argparse.Namespace, cfg) -> int:
+def _speculative(args: argparse.Namespace, cfg, command: str) -> int:
     spec = bench_spec.SpecBenchSpec(batches=tuple(args.batches or (1, 8)), prompt_len=args.prompt_len,
                                     new_tokens=args.new_tokens, num_tokens=args.spec_k, draft_layers=args.draft_layers,
                                     num_beams=args.num_beams, beam_batch=args.beam_batch, seed=args.seed)
@@ -165,9 +173,7 @@ def _speculative(args: argparse.Namespace, cfg) -> int:
         params = {k: v for k, v in params.items() if k == "decoder"}
     record = bench_spec.run_spec_bench(cfg, spec, params=params, hf_config=hf_config, hf_on_cpu=args.hf_on_cpu)
     out = Path(args.out or f"docs/perf/results/spec/serving-spec-{datetime.date.today().isoformat()}.json")
-    record["command"] = "python -m mmjax.tools.bench_serving " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
+    _write_record(record, out, command)
     print(bench_spec.table(record))
     print(f"wrote {out}")
     return 0
@@ -181,9 +187,7 @@ def _sweep_quant(args, cfg, spec, params, command: str) -> int:
     quality = json.loads(Path(args.quality).read_text()) if args.quality else None
 
     def save(record: dict) -> None:
-        record.update(command=command, quality=quality)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record, indent=1))
+        _write_record(record, out, command, quality=quality)
 
     record = bench_quant.run_sweep(cfg, spec, variants, params=params, save=save)
     save(record)
@@ -200,7 +204,7 @@ def _update_latest(args: argparse.Namespace, section: str, values: dict, record:
         print(f"updated the {section} section of {args.latest}")
 
 
-def server_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+def server_main(args: argparse.Namespace, command: str) -> int:
     """Server mode: the Poisson sweep against `args.server`."""
     import dataclasses
 
@@ -212,11 +216,8 @@ def server_main(args: argparse.Namespace, argv: list[str] | None) -> int:
                             image_every=args.image_every, slo_ttft_s=args.slo_ttft, slo_itl_s=args.slo_itl,
                             sla_class=args.sla_class, seed=args.seed)
     record = loadgen.run_sweep(args.server, spec, api_key=args.api_key)
-    record["command"] = "python -m mmjax.tools.bench_serving " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     out = Path(args.out or f"docs/perf/results/serving/serving-server-{datetime.date.today().isoformat()}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
+    _write_record(record, out, command)
     plot = args.plot or str(out.with_suffix(".png"))
     loadgen.plot(record, plot)
     for row in record["rates"]:
