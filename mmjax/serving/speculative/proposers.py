@@ -184,7 +184,9 @@ class DraftProposer:
         self.k = serve.speculative.num_tokens
         self.length = DraftLength(serve.speculative)
         self.limit = self.k  # most proposals per request this step (the engine's speculation policy sets it)
-        draft_serve = dataclasses.replace(serve, speculative=SpeculativeConfig(), max_beam_width=0, max_logprobs=0)
+        # the draft runs its steps in line with the proposer: no launcher thread of its own
+        draft_serve = dataclasses.replace(serve, speculative=SpeculativeConfig(), max_beam_width=0, max_logprobs=0,
+                                          launch_thread=False)
         self.runner = DraftRunner(model, draft_serve, max_model_len=max_model_len)
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(serve.num_pages, serve.page_size, enable_prefix_caching=False)
