@@ -233,8 +233,10 @@ class ModelRunner:
         wrap = lambda fn: in_sharding_context(fn, sharding)  # noqa: E731
         # small host inputs in two buffers and the outputs in one (see transfer.py); `_step_fn`'s third output
         # stays on the device (the sampled tokens, for the next step's inputs; DraftRunner's probabilities)
+        # (with the proposer on the device the step's pools come with the token histories, replicated)
+        carry = pool_sharding if self.history is None else (pool_sharding, rep)
         self._step = PackedStep(self._step_fn, wrap=wrap, put=self._put,
-                                out_shardings=None if out is None else (*out, rep))
+                                out_shardings=None if out is None else (rep, carry, rep))
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), out_shardings=pool_sharding)
         self._upload = jax.jit(self._upload_fn, donate_argnums=(0,), out_shardings=rep)  # history rows
         # multi-step decode; not with speculation always on (its steps verify drafts) nor in its draft runner

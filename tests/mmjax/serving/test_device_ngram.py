@@ -1,6 +1,9 @@
 """The on-device prompt lookup equals the host proposer (`NgramProposer.lookup`) on random histories: repeats
 at several n (multiple matches: the latest wins, the longest n first), no match, histories shorter than n, a
-match whose continuation is cut by the history's end; appends on the device keep equal to the host's lists."""
+match whose continuation is cut by the history's end; history rows, uploads and appends on the device keep
+equal to the host's lists. The engine with `serve.speculative.proposer_on_device`: greedy tokens equal plain
+greedy and the host proposer's, every step's proposals (and so the acceptance counts) equal the host's, also
+with dynamic speculation and through preemption; nothing compiles after warm-up; bad settings are refused."""
 
 import functools
 
@@ -196,6 +199,26 @@ def test_dynamic_speculation_with_the_device_proposer(lm):
     assert eng.runner.num_chained > 0  # overlapped plain steps
     assert eng.runner.history.num_uploads > len(REPETITIVE)  # rows went up again after plain steps
     assert eng.runner.num_compiles == compiles
+
+
+def test_device_proposer_through_preemption(tiny, lm):
+    """A pool too small for every request at once: requests are preempted while speculating and recompute;
+    greedy tokens still equal plain greedy, every step's proposals the host's lookup, every page returns."""
+    from mmjax.config import Config, ServeConfig
+    from mmjax.serving.engine import Engine
+    from mmjax.serving.request import SamplingParams
+    n = 24
+    want = [tiny["reference"](lm["model"], size=40).greedy(p, n, stop=()) for p in REPETITIVE]
+    serve = ServeConfig(page_size=4, num_pages=24, max_num_batched_tokens=32, max_num_seqs=4, min_token_bucket=32,
+                        min_slot_bucket=4, max_model_len=40, max_logprobs=0,
+                        speculative=SpeculativeConfig(method="ngram", num_tokens=3, proposer_on_device=True))
+    eng = Engine(Config(model=lm["model"].cfg, serve=serve), lm["model"], _Ids())
+    seen = []
+    _check_proposals(eng, seen)
+    assert [o.token_ids for o in _run(eng, REPETITIVE, [SamplingParams(max_tokens=n)] * len(REPETITIVE))] == want
+    assert eng.stats()["num_preemptions"] > 0 and max(seen) > 0
+    eng.kv.check_consistency()
+    assert eng.kv.num_free_pages == eng.kv.num_usable_pages
 
 
 @pytest.mark.parametrize("overrides, message", [
