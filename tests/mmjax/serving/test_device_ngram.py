@@ -155,8 +155,9 @@ def lm(tiny):
 def test_device_proposer_equals_host_proposer_and_plain_greedy(lm):
     """Greedy tokens with the proposer on the device equal plain greedy decoding and the host n-gram proposer's
     token for token (adaptive k: the draft slots vary per request); every step's proposals equal the host's
-    lookup, so each request's drafted and accepted counts equal the host proposer's too; a sampled request
-    beside them completes; nothing compiles after warm-up; every page returns."""
+    lookup, so each request's drafted and accepted counts equal the host proposer's too, and a sampled request
+    beside them draws the same tokens (a step that found no drafts emits the plain sampler's token, as a host
+    step without proposals); nothing compiles after warm-up; every page returns."""
     from mmjax.serving.request import SamplingParams
     prompts = [*REPETITIVE, [1, 9, 9]]
     params = [SamplingParams(max_tokens=MAX_TOKENS)] * len(REPETITIVE) + [
@@ -167,7 +168,7 @@ def test_device_proposer_equals_host_proposer_and_plain_greedy(lm):
     _check_proposals(eng, seen)
     dev = _run(eng, prompts, params)
     assert [o.token_ids for o in dev[:-1]] == lm["want"] == [o.token_ids for o in host[:-1]]
-    assert len(dev[-1].token_ids) == 6
+    assert len(dev[-1].token_ids) == 6 and dev[-1].token_ids == host[-1].token_ids  # the same draws as well
     counts = lambda outs: [(o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens) for o in outs]  # noqa: E731
     assert counts(dev) == counts(host)
     assert sum(a for _, a in counts(dev)) > 0 and any(d > a for d, a in counts(dev))  # some accepted, some not
