@@ -1,7 +1,8 @@
 """Benchmark of speculative decoding and beam search in the engine (`python -m mmjax.tools.bench_serving
 --mode speculative`), and speculation's acceptance with real weights (`--mode spec-acceptance`, `run_acceptance`).
 
-* **Speculation**: greedy tok/s at each batch size with speculation off, n-gram lookup and a draft model, on a
+* **Speculation**: greedy tok/s at each batch size with speculation off, n-gram lookup (made on the host, and
+  `ngram_device`: made on the device inside the verifying step, `proposer_on_device`) and a draft model, on a
   repetitive workload (each prompt is a random block of tokens repeated, as code or extraction prompts that
   quote their input) and a non-repetitive one (random prompt ids), plus the acceptance rate. The draft is the
   target's config with `draft_layers` layers; weights of both are random unless a checkpoint is given, so the
@@ -45,6 +46,16 @@ class SpecBenchSpec:
     num_beams: int = 4
     beam_batch: int = 8
     seed: int = 0
+
+
+METHODS = ("none", "ngram", "ngram_device", "draft")
+
+
+def method_config(base: SpeculativeConfig, method: str, **kw: Any) -> SpeculativeConfig:
+    """The speculative settings of a benchmark method (`METHODS`): `ngram_device` is `ngram` with the lookup
+    made on the device (`proposer_on_device`)."""
+    return dataclasses.replace(base, method="ngram" if method == "ngram_device" else method,
+                               proposer_on_device=method == "ngram_device", **kw)
 
 
 def prompts(kind: str, batch: int, spec: SpecBenchSpec, vocab: int, rng: np.random.Generator) -> list[list[int]]:
@@ -98,7 +109,7 @@ def bench_beam(engine: Engine, spec: SpecBenchSpec, rng: np.random.Generator) ->
 
 def run_spec_bench(cfg: Config, spec: SpecBenchSpec = SpecBenchSpec(), *, params: dict | None = None,
                    hf_config: dict | None = None, hf_on_cpu: bool = False,
-                   methods: tuple[str, ...] = ("none", "ngram", "draft")) -> dict[str, Any]:
+                   methods: tuple[str, ...] = METHODS) -> dict[str, Any]:
     """Every measurement on engines over `cfg` (one per speculation method, the target holding `params` when
     given, the draft random); returns the record."""
     s, m = cfg.serve, cfg.model
@@ -124,8 +135,8 @@ def run_spec_bench(cfg: Config, spec: SpecBenchSpec = SpecBenchSpec(), *, params
                   "draft_layers": spec.draft_layers},
         "speculation": [], "beam": None, "hf_beam": hf}
     for method in methods:  # the config's other speculative settings (e.g. `dynamic`) apply to each method
-        sc = dataclasses.replace(s.speculative, method=method, num_tokens=spec.num_tokens,
-                                 dynamic=s.speculative.dynamic and method != "none")
+        sc = method_config(s.speculative, method, num_tokens=spec.num_tokens,
+                           dynamic=s.speculative.dynamic and method != "none")
         draft = None
         if method == "draft":
             text = dataclasses.replace(cfg.model.text, n_layers=spec.draft_layers)
@@ -175,7 +186,7 @@ WORKLOADS = {
 
 
 def run_acceptance(cfg: Config, model: Any, tokenizer: Any, *, num_tokens: int = 4, draft_layers: int = 8,
-                   new_tokens: int = 96, methods: tuple[str, ...] = ("none", "ngram", "draft")) -> dict[str, Any]:
+                   new_tokens: int = 96, methods: tuple[str, ...] = METHODS) -> dict[str, Any]:
     """Greedy, batch 1, through the engine: per method (none, n-gram lookup, a draft of the target's first
     `draft_layers` layers) and workload (`WORKLOADS`, chat-templated), the acceptance rate (accepted / proposed),
     accepted tokens per decode step and per verifying step, tokens per decode step, and whether the tokens equal
@@ -197,7 +208,7 @@ def run_acceptance(cfg: Config, model: Any, tokenizer: Any, *, num_tokens: int =
     plain: dict[tuple[str, int], list[int]] = {}
     for method in methods:
         draft = first_layers_draft(cfg, model, draft_layers) if method == "draft" else None
-        sc = SpeculativeConfig(method=method, num_tokens=num_tokens)
+        sc = method_config(SpeculativeConfig(), method, num_tokens=num_tokens)
         engine = Engine(dataclasses.replace(cfg, serve=dataclasses.replace(serve, speculative=sc)), model, tokenizer,
                         draft_model=draft)
         for workload, ps in prompts.items():

@@ -436,7 +436,8 @@ class Engine:
         before = {rid: self._live[rid].request.num_known_output_tokens for rid in sampled if rid in self._live}
         done = self.scheduler.update_from_output(
             out, {rid: list(s.tokens) if s.tokens else s.token for rid, s in sampled.items()},
-            candidates={rid: (s.top_ids, s.top_logprobs) for rid, s in sampled.items()})
+            candidates={rid: (s.top_ids, s.top_logprobs) for rid, s in sampled.items()},
+            num_drafts={rid: s.num_draft for rid, s in sampled.items() if s.tokens})
         for request in done:  # a beam search reports once, when it is done
             if request.beam is not None and request.request_id in self._live:
                 outputs.append(self._beam_output(self._pop(request.request_id)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +32,7 @@ from mmjax.serving.request import PLACEHOLDER_TOKEN, Request
 from mmjax.serving.sampling import SamplingTensors, full_sampler_history, sample
 from mmjax.serving.scheduler import SchedulerOutput
 from mmjax.serving.sizing import size_serving
+from mmjax.serving.speculative.device_ngram import DeviceHistory, append_tokens, place_drafts, propose_drafts, set_rows
 from mmjax.serving.speculative.verify import verify
 from mmjax.serving.transfer import PackedStep, pack
 from mmjax.serving.unroll import serving_layout
@@ -70,6 +72,8 @@ class SampledToken:
     # a multi-step decode's tokens each come with their own top-k (speculative ones carry none)
     token_top_ids: tuple[tuple[int, ...], ...] = ()
     token_top_logprobs: tuple[tuple[float, ...], ...] = ()
+    # drafts the step verified (with the proposer on the device: what it found, at most the slots reserved)
+    num_draft: int = 0
 
 
 def buckets(low: int, high: int) -> tuple[int, ...]:
@@ -201,6 +205,11 @@ class ModelRunner:
         self.num_logprobs = max(serve.max_logprobs, 2 * serve.max_beam_width)  # beam search's candidates
         self.spec_k = serve.speculative.num_tokens if serve.speculative.method != "none" else 0
         self.spec_draft_probs = serve.speculative.method == "draft"  # else drafts are one-hot guesses
+        # serve.speculative.proposer_on_device: the verifying step proposes itself, from token histories kept on
+        # the device (one row per speculating request), and appends the tokens it emits to them
+        self.history = (DeviceHistory(serve.max_num_seqs, max_model_len, put=self._put)
+                        if self.spec_k and serve.speculative.proposer_on_device else None)
+        self._ngram = dict(k=self.spec_k, n_min=serve.speculative.ngram_min, n_max=serve.speculative.ngram_max)
         # dynamic speculation: steps without proposals take the plain fast paths (decode and multi-step calls)
         self.spec_dynamic = bool(self.spec_k) and serve.speculative.dynamic
         self._seed_rng = np.random.default_rng(serve.seed)
@@ -209,6 +218,7 @@ class ModelRunner:
         self.embed_dtype = abstract.compute_dtype
         # made where they live (on a mesh each device makes its own heads' pages: never the whole pool on one)
         self._pools_from: Future | None = None  # the launcher thread's call that returns the current pools
+        self._from_fused = False  # ... and the token histories with them (a call of the n-gram proposing step)
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="mmjax-launch") if serve.launch_thread else None
         self.pools = jax.jit(lambda: abstract.decoder.init_pools(serve.num_pages, serve.page_size, kv_dtype),
                              out_shardings=pool_sharding)()
@@ -223,9 +233,12 @@ class ModelRunner:
         wrap = lambda fn: in_sharding_context(fn, sharding)  # noqa: E731
         # small host inputs in two buffers and the outputs in one (see transfer.py); `_step_fn`'s third output
         # stays on the device (the sampled tokens, for the next step's inputs; DraftRunner's probabilities)
+        # (with the proposer on the device the step's pools come with the token histories, replicated)
+        carry = pool_sharding if self.history is None else (pool_sharding, rep)
         self._step = PackedStep(self._step_fn, wrap=wrap, put=self._put,
-                                out_shardings=None if out is None else (*out, rep))
+                                out_shardings=None if out is None else (rep, carry, rep))
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), out_shardings=pool_sharding)
+        self._upload = jax.jit(self._upload_fn, donate_argnums=(0,), out_shardings=rep)  # history rows
         # multi-step decode; not with speculation always on (its steps verify drafts) nor in its draft runner
         self.decode_steps = serve.decode_steps if serve.speculative.method == "none" or self.spec_dynamic else 1
         self._multi = PackedStep(self._multi_step_fn, wrap=wrap, put=self._put,
@@ -304,13 +317,28 @@ class ModelRunner:
     def _step_fn(self, state, pools, batch, sampling):
         """One step; returns (tokens, logprobs, top-k[, speculative results]), the pools, and the sampled tokens
         [max_num_seqs] kept on the device. Input token j with chain_src[j] >= 0 is `prev_tokens[chain_src[j]]`,
-        the previous step's sample of that slot, still on the device (overlapped scheduling)."""
+        the previous step's sample of that slot, still on the device (overlapped scheduling).
+
+        With the proposer on the device, `pools` is (pools, token histories): each speculating slot first looks
+        up its drafts in its history row and writes them into its reserved draft positions, the step verifies
+        them, and the tokens it emits are appended to the row; a slot that found none emits the plain sample."""
         self.num_compiles += 1  # runs only while tracing
+        history = None
+        if self.history is not None:
+            pools, history = pools
         model = self._model(state)
         meta = PagedMeta(batch["slot_mapping"], batch["page_table"], batch["query_start"], batch["query_len"],
                          batch["context_len"], batch["logits_indices"], kv_block_ids=batch.get("kv_block_ids"))
         rows, mask, blocks = batch.get("image_rows"), batch.get("image_mask"), batch.get("q_block_ids")
         tokens, sampling = self._chained_inputs(batch, sampling, batch["query_start"])
+        if history is not None:  # the drafts, from the histories already on the device
+            reserved = batch["num_draft"]
+            drafts, num_draft = propose_drafts(history, batch["hist_row"], batch["hist_len"], reserved,
+                                               **self._ngram)
+            tokens = place_drafts(tokens, batch["query_start"] + batch["query_len"] - reserved, reserved, drafts,
+                                  num_draft)
+        elif self.spec_k:
+            drafts, num_draft = batch["drafts"], batch["num_draft"]
         logits, pools = model.forward_paged(
             tokens[None], batch["positions"][None], pools, meta,
             None if rows is None else rows[None], None if mask is None else mask[None],
@@ -320,9 +348,16 @@ class ModelRunner:
             s = batch["num_draft"].shape[0]
             logits = logits.reshape(s, self.spec_k + 1, -1)
             q = batch["draft_bank"][batch["draft_rows"]] if "draft_bank" in batch else None  # [S, k, V]
-            spec = verify(logits, sampling, batch["drafts"], batch["num_draft"], q)
-            logits = logits[jnp.arange(s), batch["num_draft"]]
+            spec = verify(logits, sampling, drafts, num_draft, q)
+            logits = logits[jnp.arange(s), num_draft]
         r = sample(logits, sampling, self.num_logprobs)
+        if history is not None:
+            emitted, count, lps = spec
+            none = num_draft == 0  # nothing proposed: the plain sampler's token, as a step without drafts
+            emitted = emitted.at[:, 0].set(jnp.where(none, r.tokens, emitted[:, 0]))
+            lps = lps.at[:, 0].set(jnp.where(none, r.logprobs, lps[:, 0]))
+            spec = (emitted, count, lps, num_draft)
+            pools = (pools, append_tokens(history, batch["hist_row"], batch["hist_len"], emitted, count))
         kept = jnp.zeros(self.max_slots, jnp.int32).at[:r.tokens.shape[0]].set(r.tokens)
         return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs, *spec), pools, kept
 
@@ -469,6 +504,11 @@ class ModelRunner:
         request = self._requests[entry.owner or entry.request_id].request
         return bool(entry.owner) or bool(request.sampling_params.logprobs) or request.sampling_params.num_beams > 1
 
+    def _upload_fn(self, history, rows, values):
+        """Replace token-history rows (`DeviceHistory.flush`); one shape, compiled by `warmup`."""
+        self.num_compiles += 1
+        return set_rows(history, rows, values)
+
     def _copy_fn(self, pools, src, dst):
         """Copy pages src -> dst in every layer's pools (a beam fork's shared last page; pads are 0 -> 0).
         One small fixed shape, compiled by `warmup`; not counted in `num_compiles` (the step's and encoder's)."""
@@ -523,8 +563,11 @@ class ModelRunner:
                      query_len=np.zeros(s, i32), context_len=np.zeros(s, i32), logits_indices=np.zeros(s, i32),
                      chain_src=np.full(t, -1, i32), prev_tokens=self._no_last)
         if self.spec_k:
-            batch.update(logits_indices=np.zeros(s * (self.spec_k + 1), i32), drafts=np.zeros((s, self.spec_k), i32),
-                         num_draft=np.zeros(s, i32))
+            batch.update(logits_indices=np.zeros(s * (self.spec_k + 1), i32), num_draft=np.zeros(s, i32))
+            if self.history is None:
+                batch["drafts"] = np.zeros((s, self.spec_k), i32)
+            else:  # each slot's history row (-1: none) and its length (= the first draft's position)
+                batch.update(hist_row=np.full(s, -1, i32), hist_len=np.zeros(s, i32))
             if self.spec_draft_probs:  # rows of the draft proposer's device bank (DraftProbs); unused rows: 0
                 batch["draft_rows"] = np.zeros((s, self.spec_k), i32)
                 batch["draft_bank"] = self._empty_bank()
@@ -552,12 +595,28 @@ class ModelRunner:
     def pools(self) -> Any:
         """The KV pools: the last launched call's (waits for that call to return from the launcher thread)."""
         if self._pools_from is not None:
-            self._pools, self._pools_from = self._pools_from.result()[1], None
+            carry, self._pools_from = self._pools_from.result()[1], None
+            self._set_carry(carry, self._from_fused)
         return self._pools
 
     @pools.setter
     def pools(self, value: Any) -> None:
         self._pools, self._pools_from = value, None
+
+    def _carry(self, step: PackedStep) -> tuple[Any, bool]:
+        """What a call of `step` donates and returns: the pools, with the token histories beside them for the
+        step that proposes on the device; and whether it is that step."""
+        pools = self.pools  # (waits for a launcher-thread call, which may also hold the histories)
+        fused = self.history is not None and step is self._step
+        if not fused:
+            return pools, False
+        self.history.flush(self._upload)  # rows that are not current go up first (queued by `_dispatch_one`)
+        return (pools, self.history.tokens), True
+
+    def _set_carry(self, carry: Any, fused: bool) -> None:
+        if fused:
+            carry, self.history.tokens = carry
+        self._pools, self._pools_from = carry, None
 
     def _launch(self, step: PackedStep, *inputs: Any) -> Any:
         """Launch one call of `step` (asynchronously); returns (handle, last) for `PendingStep.launched`.
@@ -566,21 +625,25 @@ class ModelRunner:
         work's enqueueing) runs on the launcher thread, so this thread goes on to read and report the step
         before while it runs; then a Future of them is returned, and `pools` waits for it when next needed."""
         self.num_steps += 1
+        carry, fused = self._carry(step)
         if self._launcher is None:
-            handle, self.pools = step.dispatch(self._leaves, self.pools, *inputs)
+            handle, carry = step.dispatch(self._leaves, carry, *inputs)
+            self._set_carry(carry, fused)
             return handle[:2], handle[2]
-        state, pools, packed = self._leaves, self.pools, pack(inputs)
+        state, packed = self._leaves, pack(inputs)
 
         def call() -> tuple[tuple[Any, Any], Any]:
-            handle, new_pools = step.launch(state, pools, packed)
-            return (handle[:2], handle[2]), new_pools
+            handle, new_carry = step.launch(state, carry, packed)
+            return (handle[:2], handle[2]), new_carry
 
         called = self._launcher.submit(call)
-        self._pools_from = called
+        self._pools_from, self._from_fused = called, fused
         return called
 
     def _run(self, batch: dict[str, Any], sampling: Any) -> tuple[np.ndarray, ...]:
-        outs, self.pools = self._step(self._leaves, self.pools, batch, sampling)
+        carry, fused = self._carry(self._step)
+        outs, carry = self._step(self._leaves, carry, batch, sampling)
+        self._set_carry(carry, fused)
         self.num_steps += 1
         return outs
 
@@ -597,6 +660,8 @@ class ModelRunner:
         for rid in out.finished_request_ids:
             self._requests.pop(rid, None)
             self.seeds.pop(rid, None)
+            if self.history is not None:
+                self.history.release(rid)
         for request in out.new_requests:
             self._register(request)
         if out.page_copies:
@@ -653,6 +718,10 @@ class ModelRunner:
         t, s = self.step_shape(out.num_scheduled_tokens, len(out.scheduled))
         batch = self._empty_batch(t, s)
         index: dict[str, int] | None = None  # request -> its slot in `chain` (a placeholder's token)
+        history, drafting = self.history, set()
+        if history is not None:  # the step's speculating requests: their rows of token history
+            history.discard_pending()
+            drafting = {e.request_id for e in out.scheduled if e.num_draft}
         if self.spec_draft_probs and draft_probs is not None:
             batch["draft_bank"] = draft_probs.bank
         rows = None
@@ -682,7 +751,13 @@ class ModelRunner:
                 k1, d = self.spec_k + 1, entry.num_draft
                 batch["logits_indices"][i * k1:(i + 1) * k1] = off + n - 1 - d + np.minimum(np.arange(k1), d)
                 batch["num_draft"][i] = d
-                batch["drafts"][i, :d] = entry.token_ids[n - d:]
+                if history is None:
+                    batch["drafts"][i, :d] = entry.token_ids[n - d:]
+                elif d:  # reserved draft slots (placeholders): the step proposes from the request's history row
+                    known = end - d
+                    batch["hist_row"][i] = history.row(entry.request_id, known,
+                                                       functools.partial(st.request.token_ids, 0, known), drafting)
+                    batch["hist_len"][i] = known
                 if d and self.spec_draft_probs:  # the drafts' probabilities stay on the device
                     batch["draft_rows"][i] = draft_probs.first_row[entry.request_id] + np.arange(self.spec_k)
             else:
@@ -721,8 +796,12 @@ class ModelRunner:
                 continue  # nothing sampled, or finished since the step was launched
             if entry.num_draft:
                 emitted, count, lps = spec[0][i], spec[1][i], spec[2][i]
+                drafted = entry.num_draft
+                if self.history is not None:  # proposed on the device: at most the reserved slots
+                    drafted = spec[3][i]
+                    self.history.wrote(entry.request_id, entry.start + entry.num_tokens - entry.num_draft + count)
                 result[entry.request_id] = SampledToken(emitted[0], lps[0], tokens=tuple(emitted[:count]),
-                                                        token_logprobs=tuple(lps[:count]))
+                                                        token_logprobs=tuple(lps[:count]), num_draft=drafted)
                 continue
             if self._wants_top(entry):  # only these rows' top-k become Python lists
                 result[entry.request_id] = SampledToken(tokens[i], logprobs[i], tuple(top_ids[i].tolist()),
@@ -749,6 +828,8 @@ class ModelRunner:
             for history in (0, self.max_model_len):
                 _, self.pools = self._multi(self._leaves, self.pools, self._multi_batch(t, s),
                                             SamplingTensors.from_requests([], s, history), self._no_last)
+        if self.history is not None:  # the token histories' row upload
+            self.history.warmup(self._upload)
         if self.serve.max_beam_width > 1:  # the beam forks' page copy
             zeros = np.zeros(self.serve.max_num_seqs, np.int32)
             self.pools = self._copy(self.pools, *self._put((zeros, zeros)))

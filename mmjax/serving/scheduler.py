@@ -462,15 +462,18 @@ class Scheduler:
         return victims
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int | Sequence[int]],
-                           candidates: Mapping[str, tuple[Sequence[int], Sequence[float]]] | None = None
-                           ) -> list[Request]:
+                           candidates: Mapping[str, tuple[Sequence[int], Sequence[float]]] | None = None,
+                           num_drafts: Mapping[str, int] | None = None) -> list[Request]:
         """Record a finished model step: advance computed tokens, cache full pages, append the sampled tokens,
         stop requests that hit EOS / a stop token / max_tokens / max_model_len. Returns the requests finished now.
 
         `sampled_token_ids` maps the id of every scheduled request with `samples=True` to its new token, or,
         for an entry with speculative tokens, to the accepted ones plus the one drawn after them.
         `candidates` maps each beam-search row (and a beam request's own id when its prompt completes) to its
-        top (token ids, log-softmax logprobs). Requests aborted between `schedule` and this call are skipped.
+        top (token ids, log-softmax logprobs). `num_drafts` maps an entry with speculative tokens to the drafts
+        its step verified where the device proposed them (the entry's `num_draft` slots were reserved, fewer may
+        have been filled); the others verified `num_draft`. Requests aborted between `schedule` and this call are
+        skipped.
         """
         done: list[Request] = []
         now = self.clock()
@@ -504,9 +507,10 @@ class Scheduler:
             if entry.num_draft:  # KV is valid up to the last accepted draft token
                 request.num_computed_tokens += len(tokens)
                 self.kv.trim(request.request_id, request.num_computed_tokens + 1)
-                request.num_draft_tokens += entry.num_draft
+                drafted = entry.num_draft if num_drafts is None else num_drafts.get(entry.request_id, entry.num_draft)
+                request.num_draft_tokens += drafted
                 request.num_accepted_tokens += len(tokens) - 1
-                self.num_draft_tokens += entry.num_draft
+                self.num_draft_tokens += drafted
                 self.num_accepted_tokens += len(tokens) - 1
             else:
                 request.num_computed_tokens += entry.num_tokens

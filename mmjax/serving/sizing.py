@@ -51,7 +51,8 @@ def step_reserve_bytes(model: ModelConfig, serve: ServeConfig, max_model_len: in
     """An upper estimate of one step's working memory beside the weights and the pools, doubled for what XLA
     keeps besides: the largest token bucket's activations in float32 (residual, attention and MLP), the
     sampler's vocabulary-wide rows per slot (logits, log-softmax, penalty counts, the top-k/top-p sort), its
-    token histories, the image encoder's activations of one image, and a draft model's probability bank."""
+    token histories, the image encoder's activations of one image, a draft model's probability bank, and the
+    token histories and search of the n-gram proposer on the device."""
     t = model.text
     tokens = serve.max_num_batched_tokens
     qkv = (t.n_heads + 2 * t.n_kv_heads) * t.resolved_head_dim
@@ -65,6 +66,9 @@ def step_reserve_bytes(model: ModelConfig, serve: ServeConfig, max_model_len: in
     bank = 0
     if serve.speculative.method == "draft":
         bank = max_slots * serve.speculative.num_tokens * model.vocab_size * 4
+    if serve.speculative.method == "ngram" and serve.speculative.proposer_on_device:
+        # the token histories on the device, and the search's gathered rows and match masks in the step
+        sampler += 5 * max_slots * max_model_len * 4
     return 2 * (act + sampler + vision) + bank
 
 

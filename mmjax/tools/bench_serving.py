@@ -3,6 +3,7 @@
     python -m mmjax.tools.bench_serving --latest                 # H200: llama_1b decoder, bf16, random weights
     python -m mmjax.tools.bench_serving --batches 1 8 --num-requests 50 serve.max_num_batched_tokens=4096
     python -m mmjax.tools.bench_serving --mode speculative     # speculation on/off at batch 1 and 8, beam k=4
+    python -m mmjax.tools.bench_serving --mode speculative --spec-methods ngram ngram_device   # host vs device lookup
     python -m mmjax.tools.bench_serving --sweep-quant none int8 fp8 int4 none:fp8 int8:fp8 --latest
     python -m mmjax.tools.bench_serving --server http://127.0.0.1:8000 --rates 1 2 4 8   # a running server
 
@@ -48,14 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="models/llama_1b.yaml")
     p.add_argument("--checkpoint", default="", help="mmjax checkpoint whose parameters to serve (default: random)")
     p.add_argument("--mode", choices=("serving", "speculative", "spec-acceptance"), default="serving",
-                   help="speculative: speculation off, n-gram, draft; beam search vs HF (bench/spec.py); "
-                        "spec-acceptance: acceptance of n-gram and first-layers drafts with --model's real weights")
+                   help="speculative: speculation off, n-gram (host, device), draft; beam search vs HF (bench/spec.py);"
+                        " spec-acceptance: acceptance of n-gram and first-layers drafts with --model's real weights")
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="spec-acceptance: a known real model's name, or an mmjax checkpoint with its tokenizer")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="spec-acceptance: the weights' dtype")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes")
     p.add_argument("--spec-k", type=int, default=4, help="speculative mode: tokens proposed per step")
+    p.add_argument("--spec-methods", nargs="+", choices=bench_spec.METHODS, default=list(bench_spec.METHODS),
+                   help="speculative and spec-acceptance modes: the methods measured (ngram_device: the n-gram "
+                        "lookup made on the device, serve.speculative.proposer_on_device)")
     p.add_argument("--draft-layers", type=int, default=2, help="speculative mode: the draft model's layers")
     p.add_argument("--num-beams", type=int, default=4, help="speculative mode: beams of the beam-search phase")
     p.add_argument("--beam-batch", type=int, default=8, help="speculative mode: beam-search requests at once")
@@ -152,6 +156,7 @@ def _spec_acceptance(args: argparse.Namespace, command: str) -> int:
         ckpt, tokenizer = converted_copy(folder, args.dtype, cache_root()), Tokenizer.from_file(folder)
     cfg, model, tok = load_for_serving(ckpt, tokenizer, overrides=args.overrides, dtype=args.dtype)
     record = bench_spec.run_acceptance(cfg, model, tok, num_tokens=args.spec_k, draft_layers=args.draft_layers,
+                                       methods=tuple(args.spec_methods),
                                        new_tokens=args.new_tokens)
     out = Path(args.out or f"docs/perf/results/spec/spec-acceptance-{datetime.date.today().isoformat()}.json")
     _write_record(record, out, command)
@@ -171,7 +176,8 @@ def _speculative(args: argparse.Namespace, cfg, command: str) -> int:
     if args.checkpoint:
         params, _, _ = load_params(args.checkpoint)
         params = {k: v for k, v in params.items() if k == "decoder"}
-    record = bench_spec.run_spec_bench(cfg, spec, params=params, hf_config=hf_config, hf_on_cpu=args.hf_on_cpu)
+    record = bench_spec.run_spec_bench(cfg, spec, params=params, hf_config=hf_config, hf_on_cpu=args.hf_on_cpu,
+                                       methods=tuple(args.spec_methods))
     out = Path(args.out or f"docs/perf/results/spec/serving-spec-{datetime.date.today().isoformat()}.json")
     _write_record(record, out, command)
     print(bench_spec.table(record))

@@ -4,6 +4,8 @@
 * `NgramProposer` (prompt lookup): the tokens that followed the latest earlier occurrence of the request's
   last n tokens (n from `ngram_max` down to `ngram_min`) in its own prompt and output. No model; its
   guesses are one-hot, so a sampled request accepts a guess with the target's probability of it.
+* `DeviceNgramProposer` (`serve.speculative.proposer_on_device`): the same lookup, made by the target's
+  verifying step on the device (`device_ngram.py`); on the host it only reserves the draft slots.
 * `DraftProposer`: a smaller mmjax model (same tokenizer) with its own paged KV pool decodes k tokens per
   request, sampling each with the request's own settings, and hands their probabilities to the verifier.
   Its KV is kept between steps up to the tokens the target accepted; the rest is overwritten.
@@ -24,7 +26,7 @@ from mmjax.errors import ConfigError
 from mmjax.model.decoder import PagedMeta
 from mmjax.serving.kv_manager import KVCacheManager
 from mmjax.serving.load import load_model
-from mmjax.serving.request import Request, RequestStatus
+from mmjax.serving.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from mmjax.serving.runner import ModelRunner
 from mmjax.serving.sampling import SamplingTensors, _row_keys, full_sampler_history
 from mmjax.serving.speculative.verify import processed_probs
@@ -94,6 +96,25 @@ class NgramProposer:
         for r in requests:
             if decoding(r):
                 r.spec_token_ids = self.lookup(r.all_token_ids, min(self.length(r), self.limit))
+        return {}
+
+
+class DeviceNgramProposer:
+    """Prompt lookup on the device: each decoding request gets `spec_token_ids` of placeholders, the draft slots
+    the scheduler budgets and allocates KV for (k, or what `adaptive` and the speculation policy allow); the
+    runner's step looks the drafts up in the request's token history on the device, fills as many slots as the
+    lookup found (none: the step emits its plain next token) and verifies them in the same call."""
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.k = cfg.num_tokens
+        self.length = DraftLength(cfg)
+        self.limit = self.k  # most proposals per request this step (the engine's speculation policy sets it)
+
+    def propose(self, requests: Sequence[Request]) -> dict[str, np.ndarray]:
+        self.length.keep_only({r.request_id for r in requests})
+        for r in requests:
+            if decoding(r):
+                r.spec_token_ids = [PLACEHOLDER_TOKEN] * min(self.length(r), self.limit)
         return {}
 
 
@@ -293,14 +314,14 @@ class DraftProposer:
 
 
 def make_proposer(serve: ServeConfig, *, max_model_len: int, seeds: Mapping[str, int],
-                  draft_model: Any = None) -> NgramProposer | DraftProposer | None:
+                  draft_model: Any = None) -> NgramProposer | DeviceNgramProposer | DraftProposer | None:
     """The proposer `serve.speculative` asks for (None: no speculation); `draft_model` is an MLLM or
     (graphdef, state) for the draft method, else `serve.speculative.draft_checkpoint` is loaded."""
     cfg = serve.speculative
     if cfg.method == "none":
         return None
     if cfg.method == "ngram":
-        return NgramProposer(cfg)
+        return DeviceNgramProposer(cfg) if cfg.proposer_on_device else NgramProposer(cfg)
     if draft_model is None:
         if not cfg.draft_checkpoint:
             raise ConfigError("serve.speculative.method=draft needs serve.speculative.draft_checkpoint (an mmjax "
