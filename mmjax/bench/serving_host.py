@@ -107,14 +107,15 @@ def measure(engine: Engine, batch: int, steps: int, rng: np.random.Generator, pr
     while len(started) < batch:
         started.update(o.request_id for o in engine.step() if o.new_token_ids)
     with Phases(engine) as phases:
-        n, t0 = 0, time.perf_counter()
+        n, tokens, t0 = 0, 0, time.perf_counter()
         while engine.has_unfinished():
-            engine.step()
+            tokens += sum(len(o.new_token_ids) for o in engine.step())
             n += 1
         wall = time.perf_counter() - t0
     ms = {k: 1e3 * v / n for k, v in phases.seconds.items()}
     ms["other"] = 1e3 * wall / n - sum(ms[p] for p in PHASES)
-    return {"batch": batch, "steps": n, "wall_ms": 1e3 * wall / n, "tok_s": batch * n / wall,
+    # tokens, not steps: a multi-step call (serve.decode_steps > 1) reports several tokens per request
+    return {"batch": batch, "steps": n, "tokens": tokens, "wall_ms": 1e3 * wall / n, "tok_s": tokens / wall,
             "host_ms": 1e3 * wall / n - ms["device_wait"], **{f"{k}_ms": v for k, v in ms.items()}}
 
 
