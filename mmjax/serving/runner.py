@@ -579,6 +579,9 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------------------
 
     def _empty_batch(self, t: int, s: int) -> dict[str, np.ndarray]:
+        if self.fused_draft and self.draft is None:
+            raise ValueError("serve.speculative.proposer_on_device with method=draft: the verifying step needs the "
+                             "draft model (ModelRunner.attach_draft, which the Engine's proposer calls)")
         i32 = np.int32
         batch = dict(tokens=np.zeros(t, i32), positions=np.zeros(t, i32),
                      slot_mapping=(NULL_PAGE * self.page_size + np.arange(t, dtype=i32) % self.page_size),
@@ -700,7 +703,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, draft_probs: Any = None) -> dict[str, SampledToken]:
         """Run one scheduler step; returns the sampled token of every entry with `samples=True` (several for
         an entry with speculative tokens). `draft_probs` is the draft-model proposer's `DraftProbs` (its
-        drafts' probabilities, on the device); without a draft model drafts are one-hot guesses."""
+        drafts' probabilities, on the device), or, with the draft model in the step, `FusedDrafts` (the drafting
+        requests' draft pages); without a draft model drafts are one-hot guesses."""
         return self.collect(self.dispatch(out, draft_probs))
 
     def dispatch(self, out: SchedulerOutput, draft_probs: Any = None, chain: PendingStep | None = None) -> PendingStep:

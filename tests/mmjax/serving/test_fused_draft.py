@@ -44,8 +44,8 @@ def lm(tiny):
 def _engine(lm, fused, warmup=True, num_pages=80, max_num_seqs=8, launch_thread=False, **spec):
     serve = ServeConfig(page_size=4, num_pages=num_pages, max_num_batched_tokens=32, max_num_seqs=max_num_seqs,
                         min_token_bucket=32, min_slot_bucket=max_num_seqs, max_model_len=40, max_logprobs=0,
-                        launch_thread=launch_thread, speculative=SpeculativeConfig(method="draft", num_tokens=3, proposer_on_device=fused,
-                                                      **spec))
+                        launch_thread=launch_thread,
+                        speculative=SpeculativeConfig(method="draft", num_tokens=3, proposer_on_device=fused, **spec))
     return Engine(Config(model=lm["model"].cfg, serve=serve), lm["model"], _Ids(), warmup=warmup,
                   draft_model=lm["draft"])
 
