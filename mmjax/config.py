@@ -504,9 +504,10 @@ class SpeculativeConfig:
     adaptive: bool = False  # per request: k + 1 after a step that accepted all, k - 1 after one under half (1..k)
     ngram_max: int = 4  # longest suffix n-gram looked up in the request's own tokens
     ngram_min: int = 1
-    # ngram: the lookup runs on the device inside the target's verifying step, over each speculating request's
-    # token history kept there (mmjax.serving.speculative.device_ngram): a speculative step is one device call and
-    # the host never sees the proposals; each decoding request reserves num_tokens draft slots per step
+    # the proposer runs on the device inside the target's verifying step, so a speculative step is one device call
+    # and the host never sees the proposals; each decoding request reserves num_tokens draft slots per step.
+    # ngram: the lookup, over each speculating request's token history kept there (serving/speculative/
+    # device_ngram.py); draft: the draft model's k steps over its own pool (serving/speculative/draft_device.py)
     proposer_on_device: bool = False
     draft_checkpoint: str = ""  # draft: an mmjax checkpoint (same tokenizer), served text-only
     draft_overrides: tuple[str, ...] = ()  # draft: dotted config overrides for loading it
@@ -529,9 +530,9 @@ class SpeculativeConfig:
              f"serve.speculative.dynamic_probe_every={self.dynamic_probe_every} must be >= 0 (0 = never probe)")
         need(1 <= self.ngram_min <= self.ngram_max, f"serve.speculative.ngram_min={self.ngram_min} / ngram_max="
              f"{self.ngram_max}: need 1 <= ngram_min <= ngram_max")
-        need(not self.proposer_on_device or self.method == "ngram",
-             f"serve.speculative.proposer_on_device=true needs serve.speculative.method=ngram (the device proposes by "
-             f"prompt lookup only), got method={self.method}")
+        need(not self.proposer_on_device or self.method != "none",
+             "serve.speculative.proposer_on_device=true needs serve.speculative.method=ngram or draft (a proposer "
+             "to run on the device)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,8 @@
 --mode speculative`), and speculation's acceptance with real weights (`--mode spec-acceptance`, `run_acceptance`).
 
 * **Speculation**: greedy tok/s at each batch size with speculation off, n-gram lookup (made on the host, and
-  `ngram_device`: made on the device inside the verifying step, `proposer_on_device`) and a draft model, on a
+  `ngram_device`: made on the device inside the verifying step, `proposer_on_device`) and a draft model (its
+  steps as calls of their own, and `draft_device`: inside the verifying step, `proposer_on_device`), on a
   repetitive workload (each prompt is a random block of tokens repeated, as code or extraction prompts that
   quote their input) and a non-repetitive one (random prompt ids), plus the acceptance rate. The draft is the
   target's config with `draft_layers` layers; weights of both are random unless a checkpoint is given, so the
@@ -48,14 +49,14 @@ class SpecBenchSpec:
     seed: int = 0
 
 
-METHODS = ("none", "ngram", "ngram_device", "draft")
+METHODS = ("none", "ngram", "ngram_device", "draft", "draft_device")
 
 
 def method_config(base: SpeculativeConfig, method: str, **kw: Any) -> SpeculativeConfig:
-    """The speculative settings of a benchmark method (`METHODS`): `ngram_device` is `ngram` with the lookup
-    made on the device (`proposer_on_device`)."""
-    return dataclasses.replace(base, method="ngram" if method == "ngram_device" else method,
-                               proposer_on_device=method == "ngram_device", **kw)
+    """The speculative settings of a benchmark method (`METHODS`): `ngram_device` / `draft_device` are `ngram` /
+    `draft` with the proposer run on the device, inside the verifying step (`proposer_on_device`)."""
+    on_device = method.endswith("_device")
+    return dataclasses.replace(base, method=method.removesuffix("_device"), proposer_on_device=on_device, **kw)
 
 
 def prompts(kind: str, batch: int, spec: SpecBenchSpec, vocab: int, rng: np.random.Generator) -> list[list[int]]:
@@ -138,7 +139,7 @@ def run_spec_bench(cfg: Config, spec: SpecBenchSpec = SpecBenchSpec(), *, params
         sc = method_config(s.speculative, method, num_tokens=spec.num_tokens,
                            dynamic=s.speculative.dynamic and method != "none")
         draft = None
-        if method == "draft":
+        if method in ("draft", "draft_device"):
             text = dataclasses.replace(cfg.model.text, n_layers=spec.draft_layers)
             draft = build_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, text=text)))
         engine = Engine(dataclasses.replace(cfg, serve=dataclasses.replace(serve, speculative=sc)), model,
@@ -207,7 +208,7 @@ def run_acceptance(cfg: Config, model: Any, tokenizer: Any, *, num_tokens: int =
         "num_tokens": num_tokens, "draft_layers": draft_layers, "new_tokens": new_tokens, "rows": []}
     plain: dict[tuple[str, int], list[int]] = {}
     for method in methods:
-        draft = first_layers_draft(cfg, model, draft_layers) if method == "draft" else None
+        draft = first_layers_draft(cfg, model, draft_layers) if method in ("draft", "draft_device") else None
         sc = method_config(SpeculativeConfig(), method, num_tokens=num_tokens)
         engine = Engine(dataclasses.replace(cfg, serve=dataclasses.replace(serve, speculative=sc)), model, tokenizer,
                         draft_model=draft)

@@ -124,6 +124,8 @@ class Engine:
         # speculative decoding (serve.speculative): draft_model is an MLLM for method=draft (else its checkpoint)
         self.proposer = make_proposer(serve, max_model_len=self.max_model_len, seeds=self.runner.seeds,
                                       draft_model=draft_model)
+        if hasattr(self.proposer, "attach"):  # the draft model runs inside the runner's verifying step
+            self.proposer.attach(self.runner)
         # serve.speculative.dynamic: a cost model picks the step's proposals per request (0: the plain fast path)
         self.policy = SpeculationPolicy(serve.speculative) if self.proposer and serve.speculative.dynamic else None
         self._next_k: int | None = None  # the k already chosen for the next step (when a call was chained)

@@ -33,6 +33,7 @@ from mmjax.serving.sampling import SamplingTensors, full_sampler_history, sample
 from mmjax.serving.scheduler import SchedulerOutput
 from mmjax.serving.sizing import size_serving
 from mmjax.serving.speculative.device_ngram import DeviceHistory, append_tokens, place_drafts, propose_drafts, set_rows
+from mmjax.serving.speculative.draft_device import CATCH_UP, run_draft
 from mmjax.serving.speculative.verify import verify
 from mmjax.serving.transfer import PackedStep, pack
 from mmjax.serving.unroll import serving_layout
@@ -204,11 +205,17 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.num_logprobs = max(serve.max_logprobs, 2 * serve.max_beam_width)  # beam search's candidates
         self.spec_k = serve.speculative.num_tokens if serve.speculative.method != "none" else 0
-        self.spec_draft_probs = serve.speculative.method == "draft"  # else drafts are one-hot guesses
-        # serve.speculative.proposer_on_device: the verifying step proposes itself, from token histories kept on
-        # the device (one row per speculating request), and appends the tokens it emits to them
+        on_device = bool(self.spec_k) and serve.speculative.proposer_on_device
+        # a draft model's drafts come with probabilities (else they are one-hot guesses): from the draft
+        # proposer's device bank, or, with the proposer on the device, drawn in the step itself
+        self.spec_draft_probs = serve.speculative.method == "draft" and not on_device
+        # serve.speculative.proposer_on_device with ngram: the verifying step proposes itself, from token histories
+        # kept on the device (one row per speculating request), and appends the tokens it emits to them
         self.history = (DeviceHistory(serve.max_num_seqs, max_model_len, put=self._put)
-                        if self.spec_k and serve.speculative.proposer_on_device else None)
+                        if on_device and serve.speculative.method == "ngram" else None)
+        # ... with draft: the verifying step runs the draft model's k steps first (`attach_draft` gives the draft)
+        self.fused_draft = on_device and serve.speculative.method == "draft"
+        self.draft: ModelRunner | None = None
         self._ngram = dict(k=self.spec_k, n_min=serve.speculative.ngram_min, n_max=serve.speculative.ngram_max)
         # dynamic speculation: steps without proposals take the plain fast paths (decode and multi-step calls)
         self.spec_dynamic = bool(self.spec_k) and serve.speculative.dynamic
@@ -321,11 +328,16 @@ class ModelRunner:
 
         With the proposer on the device, `pools` is (pools, token histories): each speculating slot first looks
         up its drafts in its history row and writes them into its reserved draft positions, the step verifies
-        them, and the tokens it emits are appended to the row; a slot that found none emits the plain sample."""
+        them, and the tokens it emits are appended to the row; a slot that found none emits the plain sample.
+        With the draft model on the device, `state` is (target leaves, draft leaves) and `pools` (pools, draft
+        pools): each slot with reserved draft positions first runs the draft's k steps (`run_draft`), which fill
+        them, and the step verifies them against the draws' probabilities."""
         self.num_compiles += 1  # runs only while tracing
-        history = None
+        history = draft_pools = None
         if self.history is not None:
             pools, history = pools
+        if self.draft is not None:
+            (state, draft_state), (pools, draft_pools) = state, pools
         model = self._model(state)
         meta = PagedMeta(batch["slot_mapping"], batch["page_table"], batch["query_start"], batch["query_len"],
                          batch["context_len"], batch["logits_indices"], kv_block_ids=batch.get("kv_block_ids"))
@@ -336,6 +348,13 @@ class ModelRunner:
             drafts, num_draft = propose_drafts(history, batch["hist_row"], batch["hist_len"], reserved,
                                                **self._ngram)
             tokens = place_drafts(tokens, batch["query_start"] + batch["query_len"] - reserved, reserved, drafts,
+                                  num_draft)
+        elif draft_pools is not None:  # the draft model's k steps, over its own pools
+            num_draft = batch["num_draft"]
+            drafts, draft_q, draft_pools = run_draft(
+                self.draft._model(draft_state), draft_pools, sampling, batch["draft_tokens"], batch["draft_start"],
+                batch["draft_table"], num_draft, k=self.spec_k, page_size=self.draft.page_size)
+            tokens = place_drafts(tokens, batch["query_start"] + batch["query_len"] - num_draft, num_draft, drafts,
                                   num_draft)
         elif self.spec_k:
             drafts, num_draft = batch["drafts"], batch["num_draft"]
@@ -348,6 +367,8 @@ class ModelRunner:
             s = batch["num_draft"].shape[0]
             logits = logits.reshape(s, self.spec_k + 1, -1)
             q = batch["draft_bank"][batch["draft_rows"]] if "draft_bank" in batch else None  # [S, k, V]
+            if draft_pools is not None:
+                q = draft_q
             spec = verify(logits, sampling, drafts, num_draft, q)
             logits = logits[jnp.arange(s), num_draft]
         r = sample(logits, sampling, self.num_logprobs)
@@ -358,6 +379,8 @@ class ModelRunner:
             lps = lps.at[:, 0].set(jnp.where(none, r.logprobs, lps[:, 0]))
             spec = (emitted, count, lps, num_draft)
             pools = (pools, append_tokens(history, batch["hist_row"], batch["hist_len"], emitted, count))
+        if draft_pools is not None:
+            pools = (pools, draft_pools)
         kept = jnp.zeros(self.max_slots, jnp.int32).at[:r.tokens.shape[0]].set(r.tokens)
         return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs, *spec), pools, kept
 
@@ -556,6 +579,9 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------------------
 
     def _empty_batch(self, t: int, s: int) -> dict[str, np.ndarray]:
+        if self.fused_draft and self.draft is None:
+            raise ValueError("serve.speculative.proposer_on_device with method=draft: the verifying step needs the "
+                             "draft model (ModelRunner.attach_draft, which the Engine's proposer calls)")
         i32 = np.int32
         batch = dict(tokens=np.zeros(t, i32), positions=np.zeros(t, i32),
                      slot_mapping=(NULL_PAGE * self.page_size + np.arange(t, dtype=i32) % self.page_size),
@@ -564,7 +590,10 @@ class ModelRunner:
                      chain_src=np.full(t, -1, i32), prev_tokens=self._no_last)
         if self.spec_k:
             batch.update(logits_indices=np.zeros(s * (self.spec_k + 1), i32), num_draft=np.zeros(s, i32))
-            if self.history is None:
+            if self.fused_draft:  # each drafting slot's last known tokens, their first position, its draft pages
+                batch.update(draft_tokens=np.zeros((s, CATCH_UP), i32), draft_start=np.zeros(s, i32),
+                             draft_table=np.full((s, self.max_pages), NULL_PAGE, i32))
+            elif self.history is None:
                 batch["drafts"] = np.zeros((s, self.spec_k), i32)
             else:  # each slot's history row (-1: none) and its length (= the first draft's position)
                 batch.update(hist_row=np.full(s, -1, i32), hist_len=np.zeros(s, i32))
@@ -603,20 +632,44 @@ class ModelRunner:
     def pools(self, value: Any) -> None:
         self._pools, self._pools_from = value, None
 
+    def attach_draft(self, draft: ModelRunner) -> None:
+        """Serve `draft` (a runner of the draft model, its pool included) inside the verifying step
+        (`serve.speculative.method=draft` with `proposer_on_device`): each call takes its parameters and donates
+        and returns its pools beside the target's. Call before `warmup`."""
+        if not self.fused_draft:
+            raise ValueError("attach_draft needs serve.speculative.method=draft with proposer_on_device=true")
+        if self._replicated is not None:
+            raise ValueError("the draft model in the verifying step (serve.speculative.proposer_on_device with "
+                             "method=draft) is not supported on a mesh")
+        if draft.model_cfg.vocab_size != self.model_cfg.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.model_cfg.vocab_size}) differs from the "
+                             f"target's ({self.model_cfg.vocab_size}): it must use the same tokenizer")
+        if (draft.page_size, draft.max_pages) != (self.page_size, self.max_pages):
+            raise ValueError("the draft runner's page size and page-table width must equal the target's")
+        self.draft = draft
+
     def _carry(self, step: PackedStep) -> tuple[Any, bool]:
-        """What a call of `step` donates and returns: the pools, with the token histories beside them for the
-        step that proposes on the device; and whether it is that step."""
+        """What a call of `step` donates and returns: the pools, with the token histories (n-gram) or the draft
+        model's pools (draft) beside them for the step that proposes on the device; and whether it is that
+        step."""
         pools = self.pools  # (waits for a launcher-thread call, which may also hold the histories)
-        fused = self.history is not None and step is self._step
-        if not fused:
+        if step is not self._step or (self.history is None and self.draft is None):
             return pools, False
+        if self.draft is not None:
+            return (pools, self.draft.pools), True
         self.history.flush(self._upload)  # rows that are not current go up first (queued by `_dispatch_one`)
         return (pools, self.history.tokens), True
 
     def _set_carry(self, carry: Any, fused: bool) -> None:
-        if fused:
+        if fused and self.draft is not None:
+            carry, self.draft.pools = carry
+        elif fused:
             carry, self.history.tokens = carry
         self._pools, self._pools_from = carry, None
+
+    def _params(self, fused: bool) -> Any:
+        """The parameters a call takes: the target's leaves, with the draft model's for the fused draft step."""
+        return (self._leaves, self.draft._leaves) if fused and self.draft is not None else self._leaves
 
     def _launch(self, step: PackedStep, *inputs: Any) -> Any:
         """Launch one call of `step` (asynchronously); returns (handle, last) for `PendingStep.launched`.
@@ -627,10 +680,10 @@ class ModelRunner:
         self.num_steps += 1
         carry, fused = self._carry(step)
         if self._launcher is None:
-            handle, carry = step.dispatch(self._leaves, carry, *inputs)
+            handle, carry = step.dispatch(self._params(fused), carry, *inputs)
             self._set_carry(carry, fused)
             return handle[:2], handle[2]
-        state, packed = self._leaves, pack(inputs)
+        state, packed = self._params(fused), pack(inputs)
 
         def call() -> tuple[tuple[Any, Any], Any]:
             handle, new_carry = step.launch(state, carry, packed)
@@ -642,7 +695,7 @@ class ModelRunner:
 
     def _run(self, batch: dict[str, Any], sampling: Any) -> tuple[np.ndarray, ...]:
         carry, fused = self._carry(self._step)
-        outs, carry = self._step(self._leaves, carry, batch, sampling)
+        outs, carry = self._step(self._params(fused), carry, batch, sampling)
         self._set_carry(carry, fused)
         self.num_steps += 1
         return outs
@@ -650,7 +703,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, draft_probs: Any = None) -> dict[str, SampledToken]:
         """Run one scheduler step; returns the sampled token of every entry with `samples=True` (several for
         an entry with speculative tokens). `draft_probs` is the draft-model proposer's `DraftProbs` (its
-        drafts' probabilities, on the device); without a draft model drafts are one-hot guesses."""
+        drafts' probabilities, on the device), or, with the draft model in the step, `FusedDrafts` (the drafting
+        requests' draft pages); without a draft model drafts are one-hot guesses."""
         return self.collect(self.dispatch(out, draft_probs))
 
     def dispatch(self, out: SchedulerOutput, draft_probs: Any = None, chain: PendingStep | None = None) -> PendingStep:
@@ -727,6 +781,7 @@ class ModelRunner:
         rows = None
         ps = self.page_size
         off = 0
+        drafted: list[tuple[str, int]] = []  # (request, tokens whose draft KV the step leaves valid)
         for i, entry in enumerate(out.scheduled):
             st = self._requests[entry.owner or entry.request_id]
             n, start = entry.num_tokens, entry.start
@@ -751,7 +806,11 @@ class ModelRunner:
                 k1, d = self.spec_k + 1, entry.num_draft
                 batch["logits_indices"][i * k1:(i + 1) * k1] = off + n - 1 - d + np.minimum(np.arange(k1), d)
                 batch["num_draft"][i] = d
-                if history is None:
+                if self.fused_draft:
+                    if d:  # reserved draft slots: the step's draft model fills them
+                        self._draft_inputs(batch, i, st.request, end - d, draft_probs.tables[entry.request_id])
+                        drafted.append((entry.request_id, end - 1))
+                elif history is None:
                     batch["drafts"][i, :d] = entry.token_ids[n - d:]
                 elif d:  # reserved draft slots (placeholders): the step proposes from the request's history row
                     known = end - d
@@ -785,7 +844,17 @@ class ModelRunner:
             self.num_chained += 1
         slot_requests = [self._requests[e.owner or e.request_id].request for e in out.scheduled]
         sampling = self._sampling(slot_requests, s)
-        return PendingStep(out, launched=self._launch(self._step, batch, sampling), packed=self._step)
+        launched = self._launch(self._step, batch, sampling)
+        for rid, valid in drafted:  # the draft computed its KV through the last draft it fed
+            draft_probs.ran(rid, valid)
+        return PendingStep(out, launched=launched, packed=self._step)
+
+    def _draft_inputs(self, batch: dict[str, Any], i: int, request: Request, known: int, table: Sequence[int]) -> None:
+        """Slot i's inputs of the draft model's steps: its last `CATCH_UP` known tokens (`known` of them) and its
+        draft pages (`FusedDraftProposer.propose` made the draft's KV valid before them)."""
+        batch["draft_tokens"][i] = request.token_ids(known - CATCH_UP, known)
+        batch["draft_start"][i] = known - CATCH_UP
+        batch["draft_table"][i, :len(table)] = table
 
     def _collect_one(self, pending: PendingStep) -> dict[str, SampledToken]:
         tokens, logprobs, top_ids, top_lp, *spec = pending.packed.outputs(pending.handle)

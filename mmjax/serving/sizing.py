@@ -64,7 +64,7 @@ def step_reserve_bytes(model: ModelConfig, serve: ServeConfig, max_model_len: in
         patches = (v.image_size // v.patch_size) ** 2 + 1
         vision = patches * (4 * v.dim + 3 * v.mlp_dim) * 4 + patches * patches * v.n_heads * 4
     bank = 0
-    if serve.speculative.method == "draft":
+    if serve.speculative.method == "draft":  # the proposer's bank, or the drafts' rows inside the fused step
         bank = max_slots * serve.speculative.num_tokens * model.vocab_size * 4
     if serve.speculative.method == "ngram" and serve.speculative.proposer_on_device:
         # the token histories on the device, and the search's gathered rows and match masks in the step

@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec-k", type=int, default=4, help="speculative mode: tokens proposed per step")
     p.add_argument("--spec-methods", nargs="+", choices=bench_spec.METHODS, default=list(bench_spec.METHODS),
                    help="speculative and spec-acceptance modes: the methods measured (ngram_device: the n-gram "
-                        "lookup made on the device, serve.speculative.proposer_on_device)")
+                        "lookup made on the device, serve.speculative.proposer_on_device; draft_device: the draft "
+                        "model's steps inside the verifying step, the same setting)")
     p.add_argument("--draft-layers", type=int, default=2, help="speculative mode: the draft model's layers")
     p.add_argument("--num-beams", type=int, default=4, help="speculative mode: beams of the beam-search phase")
     p.add_argument("--beam-batch", type=int, default=8, help="speculative mode: beam-search requests at once")

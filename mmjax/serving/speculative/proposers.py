@@ -9,6 +9,8 @@
 * `DraftProposer`: a smaller mmjax model (same tokenizer) with its own paged KV pool decodes k tokens per
   request, sampling each with the request's own settings, and hands their probabilities to the verifier.
   Its KV is kept between steps up to the tokens the target accepted; the rest is overwritten.
+* `FusedDraftProposer` (`proposer_on_device` with `draft`): the same draft model, run by the target's verifying
+  step itself (`draft_device.py`); on the host it reserves the draft slots and keeps the draft's pages.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from mmjax.serving.kv_manager import KVCacheManager
 from mmjax.serving.load import load_model
 from mmjax.serving.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from mmjax.serving.runner import ModelRunner
-from mmjax.serving.sampling import SamplingTensors, _row_keys, full_sampler_history
-from mmjax.serving.speculative.verify import processed_probs
+from mmjax.serving.sampling import SamplingTensors, full_sampler_history
+from mmjax.serving.speculative.draft_device import CATCH_UP, draft_index, draw_draft
 
 
 def decoding(request: Request) -> bool:
@@ -150,10 +152,7 @@ class DraftRunner(ModelRunner):
         logits, pools = model.forward_paged(batch["tokens"][None], batch["positions"][None], pools, meta,
                                             None if rows is None else rows[None],
                                             None if mask is None else mask[None], None)
-        q = processed_probs(logits, sampling)
-        keys = _row_keys(sampling.seed ^ jnp.uint32(0x85EBCA6B), sampling.step)
-        drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(q))
-        tokens = jnp.where(sampling.temperature <= 0.0, jnp.argmax(q, axis=-1), drawn).astype(jnp.int32)
+        tokens, q = draw_draft(logits, sampling, sampling.step)  # `forward` made step the draft's key index
         return (tokens,), pools, q
 
     def forward(self, entries: Sequence[tuple[Request, Sequence[int], int, Sequence[int], int]],
@@ -181,7 +180,7 @@ class DraftRunner(ModelRunner):
                                                  seeds=seeds)
         # a fresh key per request and draft position: step = outputs so far x 64 + position
         step = np.asarray(sampling.step).copy()
-        step[:len(entries)] = step[:len(entries)] * 64 + np.asarray([e[4] for e in entries])
+        step[:len(entries)] = draft_index(step[:len(entries)], np.asarray([e[4] for e in entries]))
         sampling = sampling.replace(step=step)
         handle, self.pools = self._step.dispatch(self._leaves, self.pools, batch, sampling)
         self.num_steps += 1
@@ -198,8 +197,9 @@ class DraftRunner(ModelRunner):
         return self.num_compiles - before
 
 
-class DraftProposer:
-    """k tokens per decoding request from a draft model with its own paged KV pool (no prefix cache)."""
+class _DraftModel:
+    """What both draft-model proposers keep: the draft's runner (its parameters and paged pool), its KV manager
+    (no prefix cache) and, per request, how many of its tokens have valid draft KV."""
 
     def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int, seeds: Mapping[str, int]) -> None:
         self.k = serve.speculative.num_tokens
@@ -215,6 +215,45 @@ class DraftProposer:
         self.seeds = seeds
         self._seqs: dict[str, _Seq] = {}
         self._live: dict[str, Request] = {}
+
+    def _release_stale(self) -> None:
+        for rid, r in list(self._live.items()):
+            if r.status is not RequestStatus.RUNNING:
+                self.kv.free(rid)
+                del self._live[rid], self._seqs[rid]
+
+    def _reserve(self, requests: Sequence[Request]) -> dict[str, int]:
+        """The decoding requests that draft this step and their draft counts, with draft KV allocated for their
+        tokens and k - 1 fed drafts (a request the draft pool cannot hold this step drafts nothing)."""
+        self._release_stale()
+        self.length.keep_only({r.request_id for r in requests})
+        ks: dict[str, int] = {}  # drafts per request: what the scheduler could still verify
+        for r in requests:
+            if not decoding(r):
+                continue
+            k = min(self.length(r), self.limit, self.max_model_len - r.num_tokens - 1,
+                    r.sampling_params.max_tokens - len(r.output_token_ids) - 1)
+            if k < 1:
+                continue
+            seq = self._seqs.get(r.request_id)
+            if seq is None:
+                seq = self._seqs[r.request_id] = _Seq(r.request_id, 0, r.num_tokens)
+                self._live[r.request_id] = r
+            # draft KV stays valid up to what the target accepted (the drafts it kept are the draft's own)
+            seq.num_computed_tokens = min(seq.num_computed_tokens, r.num_computed_tokens)
+            seq.num_tokens = r.num_tokens
+            need = r.num_tokens + k - 1 - seq.num_computed_tokens  # catch up, then k - 1 fed drafts
+            if self.kv.allocate_slots(seq, need) is None:
+                continue  # the draft pool is full: no proposal this step
+            ks[r.request_id] = k
+        return ks
+
+
+class DraftProposer(_DraftModel):
+    """k tokens per decoding request from a draft model with its own paged KV pool (no prefix cache)."""
+
+    def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int, seeds: Mapping[str, int]) -> None:
+        super().__init__(model, serve, max_model_len=max_model_len, seeds=seeds)
         # the drafts' probabilities stay on the device: each draft step stores its rows into this bank
         self.bank_rows = serve.max_num_seqs * self.k
         self.bank = self.runner._put(jnp.zeros((self.bank_rows, self.runner.model_cfg.vocab_size), jnp.float32))
@@ -235,37 +274,10 @@ class DraftProposer:
         dest[:len(rows)] = rows
         self.bank = self._store(self.bank, q, self.runner._put(dest))
 
-    def _release_stale(self) -> None:
-        for rid, r in list(self._live.items()):
-            if r.status is not RequestStatus.RUNNING:
-                self.kv.free(rid)
-                del self._live[rid], self._seqs[rid]
-
     def propose(self, requests: Sequence[Request]) -> DraftProbs:
         """Set `spec_token_ids` of the decoding requests; returns where their drafts' probabilities are."""
-        self._release_stale()
-        self.length.keep_only({r.request_id for r in requests})
-        todo: list[Request] = []
-        ks: dict[str, int] = {}  # drafts per request: what the scheduler could still verify
-        for r in requests:
-            if not decoding(r):
-                continue
-            k = min(self.length(r), self.limit, self.max_model_len - r.num_tokens - 1,
-                    r.sampling_params.max_tokens - len(r.output_token_ids) - 1)
-            if k < 1:
-                continue
-            ks[r.request_id] = k
-            seq = self._seqs.get(r.request_id)
-            if seq is None:
-                seq = self._seqs[r.request_id] = _Seq(r.request_id, 0, r.num_tokens)
-                self._live[r.request_id] = r
-            # draft KV stays valid up to what the target accepted (the drafts it kept are the draft's own)
-            seq.num_computed_tokens = min(seq.num_computed_tokens, r.num_computed_tokens)
-            seq.num_tokens = r.num_tokens
-            need = r.num_tokens + k - 1 - seq.num_computed_tokens  # catch up, then k - 1 fed drafts
-            if self.kv.allocate_slots(seq, need) is None:
-                continue  # the draft pool is full: no proposal this step
-            todo.append(r)
+        ks = self._reserve(requests)
+        todo = [r for r in requests if r.request_id in ks]
         drafts: dict[str, list[int]] = {r.request_id: [] for r in todo}
         first_row = {r.request_id: i * self.k for i, r in enumerate(todo)}  # todo <= max_num_seqs requests
         # catch-up chunks within the token budget; an entry that reaches the last known token draws draft 1
@@ -313,8 +325,81 @@ class DraftProposer:
         return DraftProbs(self.bank, first_row)
 
 
+@dataclasses.dataclass
+class FusedDrafts:
+    """A step's drafting requests for the verifying step that runs the draft model itself: each one's draft page
+    table; the runner reports back (`ran`) how far each call leaves the draft's KV valid."""
+
+    tables: dict[str, list[int]]
+    seqs: dict[str, _Seq]
+
+    def ran(self, request_id: str, valid: int) -> None:
+        """The launched step wrote the request's draft KV of its first `valid` tokens (its known tokens and the
+        drafts it fed); what the target rejects of them is cut at the next `propose`."""
+        self.seqs[request_id].num_computed_tokens = valid
+
+
+class FusedDraftProposer(_DraftModel):
+    """The draft model run by the target's verifying step (`serve.speculative.proposer_on_device` with
+    `method=draft`): on the host each decoding request reserves its draft slots (placeholders, as many as
+    `DraftProposer` would draft) and gets draft pages; the step runs the draft's k steps over its pool, fills the
+    slots and verifies them in the same call (`draft_device.run_draft`). A request whose draft KV lags more than
+    `CATCH_UP` tokens behind (its first speculative step, or after plain steps or a preemption) is first
+    brought up to them by the draft's own step, in chunks within the token budget; in steady state the step
+    that speculates is the only call. `attach(target)` hands the draft to the target's runner."""
+
+    def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int, seeds: Mapping[str, int]) -> None:
+        super().__init__(model, serve, max_model_len=max_model_len, seeds=seeds)
+        self.target: ModelRunner | None = None
+
+    def attach(self, target: ModelRunner) -> None:
+        target.attach_draft(self.runner)
+        self.target = target
+
+    def warmup(self) -> int:
+        """Compile the draft runner's own steps (the catch-up); the fused step is the target runner's."""
+        return self.runner.warmup()
+
+    def propose(self, requests: Sequence[Request]) -> FusedDrafts:
+        """Reserve the decoding requests' draft slots; returns their draft pages for the verifying step."""
+        if self.target is None:
+            raise ValueError("FusedDraftProposer.attach(target runner) must come before propose")
+        # the draft's pools come back with the target's from its last call (which may run on the launcher thread)
+        _ = self.target.pools
+        ks = self._reserve(requests)
+        todo = [r for r in requests if r.request_id in ks]
+        self._catch_up(todo)
+        for r in todo:
+            r.spec_token_ids = [PLACEHOLDER_TOKEN] * ks[r.request_id]
+        return FusedDrafts({r.request_id: list(self.kv.block_table(r.request_id)) for r in todo},
+                           {r.request_id: self._seqs[r.request_id] for r in todo})
+
+    def _catch_up(self, requests: Sequence[Request]) -> None:
+        """Run the draft over each request's tokens it has not seen, up to the last `CATCH_UP` (the verifying
+        step runs those), in calls of at most the token budget."""
+        pending = [r for r in requests if self._seqs[r.request_id].num_computed_tokens < r.num_tokens - CATCH_UP]
+        while pending:
+            entries, budget, later = [], self.budget, []
+            for r in pending:
+                seq = self._seqs[r.request_id]
+                n = min(r.num_tokens - CATCH_UP - seq.num_computed_tokens, budget)
+                if n <= 0 or len(entries) >= self.runner.max_slots:
+                    later.append(r)
+                    continue
+                entries.append((r, r.token_ids(seq.num_computed_tokens, seq.num_computed_tokens + n),
+                                seq.num_computed_tokens, self.kv.block_table(r.request_id), 0))
+                budget -= n
+            self.runner.forward(entries, self.seeds)  # its draws are not used
+            for r, toks, start, _, _ in entries:
+                self._seqs[r.request_id].num_computed_tokens = start + len(toks)
+                if start + len(toks) < r.num_tokens - CATCH_UP:
+                    later.append(r)
+            pending = later
+
+
 def make_proposer(serve: ServeConfig, *, max_model_len: int, seeds: Mapping[str, int],
-                  draft_model: Any = None) -> NgramProposer | DeviceNgramProposer | DraftProposer | None:
+                  draft_model: Any = None
+                  ) -> NgramProposer | DeviceNgramProposer | DraftProposer | FusedDraftProposer | None:
     """The proposer `serve.speculative` asks for (None: no speculation); `draft_model` is an MLLM or
     (graphdef, state) for the draft method, else `serve.speculative.draft_checkpoint` is loaded."""
     cfg = serve.speculative
@@ -328,4 +413,5 @@ def make_proposer(serve: ServeConfig, *, max_model_len: int, seeds: Mapping[str,
                               "checkpoint of the draft model) or a draft_model passed to the Engine")
         _, draft_model = load_model(cfg.draft_checkpoint, overrides=("model.text_only=true",
                                                                      *cfg.draft_overrides))
-    return DraftProposer(draft_model, serve, max_model_len=max_model_len, seeds=seeds)
+    proposer = FusedDraftProposer if cfg.proposer_on_device else DraftProposer
+    return proposer(draft_model, serve, max_model_len=max_model_len, seeds=seeds)
