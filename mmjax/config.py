@@ -603,8 +603,10 @@ class ServeConfig:
     max_logprobs: int = 5  # most top logprobs a request may ask for (every step computes this many)
     seed: int = 0  # draws the sampling seed of each request that gives none, so a run is reproducible
     max_beam_width: int = 4  # most beams a beam-search request may ask for (the step returns 2x this many candidates)
-    decode_steps: int = 1  # > 1: when every running request is decoding, run this many decode steps in one device
-    # call (tokens fed back on device; the host's per-step work is paid once per call; outputs come k at a time)
+    # > 1: when every running request is decoding (and no waiting request can be admitted), run this many decode
+    # steps in one device call (tokens fed back on device; the host's per-step work is paid once per call; outputs
+    # come k at a time); 0 = by backend: 8 on a GPU or TPU, 1 on the CPU (serving.runner.auto_decode_steps)
+    decode_steps: int = 0
     overlap_decode: bool = True  # with decode_steps > 1: launch the next multi-step call before reading the current
     # one's tokens (the host's work between calls overlaps the device's; see Scheduler.schedule_chained)
     # with decode_steps = 1: launch step N+1 before step N's tokens reach the host, its inputs fed from N's samples
@@ -641,7 +643,8 @@ class ServeConfig:
         need(self.long_prefill_token_threshold >= 0, "serve.long_prefill_token_threshold must be >= 0 (0 = off)")
         need(0 <= self.max_logprobs <= 20, f"serve.max_logprobs={self.max_logprobs} must be in [0, 20]")
         need(0 <= self.max_beam_width <= 16, f"serve.max_beam_width={self.max_beam_width} must be in [0, 16]")
-        need(1 <= self.decode_steps <= 64, f"serve.decode_steps={self.decode_steps} must be in [1, 64]")
+        need(0 <= self.decode_steps <= 64,
+             f"serve.decode_steps={self.decode_steps} must be in [1, 64], or 0 (by backend: 8 on an accelerator)")
         self.speculative.validate()
         need(self.max_num_seqs <= self.max_num_batched_tokens,
              f"serve.max_num_seqs={self.max_num_seqs} must be <= "

@@ -99,22 +99,29 @@ class Phases:
 
 
 def measure(engine: Engine, batch: int, steps: int, rng: np.random.Generator, prompt_len: int = 64) -> dict:
-    """One pass: `batch` requests prefilled untimed, then their decode steps timed, phase by phase (ms/step)."""
-    params = SamplingParams(max_tokens=steps, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(rng.integers(0, engine.model_cfg.vocab_size, prompt_len).tolist(), sampling_params=params)
+    """One pass: `batch` requests prefilled untimed, then `steps` tokens of each timed, phase by phase (ms/step).
+
+    The requests may run longer than `steps` (their `max_tokens` leaves room), so the timed steps decode all
+    `batch` of them even where the prefill spread their starts over several steps; what is left is aborted."""
+    params = SamplingParams(max_tokens=2 * steps + 16, ignore_eos=True)
+    ids = [engine.add_request(rng.integers(0, engine.model_cfg.vocab_size, prompt_len).tolist(), sampling_params=params)
+           for _ in range(batch)]
     started: set[str] = set()
     while len(started) < batch:
         started.update(o.request_id for o in engine.step() if o.new_token_ids)
     with Phases(engine) as phases:
         n, tokens, t0 = 0, 0, time.perf_counter()
-        while engine.has_unfinished():
+        while tokens < batch * steps and engine.has_unfinished():
+            # tokens, not steps: a multi-step call (serve.decode_steps > 1) reports several tokens per request
             tokens += sum(len(o.new_token_ids) for o in engine.step())
             n += 1
         wall = time.perf_counter() - t0
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.has_unfinished():
+        engine.step()
     ms = {k: 1e3 * v / n for k, v in phases.seconds.items()}
     ms["other"] = 1e3 * wall / n - sum(ms[p] for p in PHASES)
-    # tokens, not steps: a multi-step call (serve.decode_steps > 1) reports several tokens per request
     return {"batch": batch, "steps": n, "tokens": tokens, "wall_ms": 1e3 * wall / n, "tok_s": tokens / wall,
             "host_ms": 1e3 * wall / n - ms["device_wait"], **{f"{k}_ms": v for k, v in ms.items()}}
 
@@ -131,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cfg = load_config("models/llama_1b.yaml", [*(FULL if args.full else TINY), *args.overrides])
     cfg = serving_config(cfg, BenchSpec(batches=tuple(args.batch), prompt_len=args.prompt_len,
-                                        new_tokens=args.steps + 4, ttft_prompts=(), num_requests=0))
+                                        new_tokens=2 * args.steps + 20, ttft_prompts=(), num_requests=0))
     engine = Engine(cfg, build_model(cfg, None), IdTokenizer())
     rng = np.random.default_rng(0)
     rows = []

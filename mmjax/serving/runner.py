@@ -77,6 +77,15 @@ class SampledToken:
     num_draft: int = 0
 
 
+def auto_decode_steps(decode_steps: int) -> int:
+    """`serve.decode_steps`, with 0 (the default) resolved for the backend: on an accelerator a step's host work
+    (scheduling, launching, reading, reporting) outlasts the device's, and 8 steps per call pay it once for 8
+    tokens; on the CPU the device is the host, so one step per call (fewer shapes to compile, a token per event)."""
+    if decode_steps:
+        return decode_steps
+    return 1 if jax.default_backend() == "cpu" else 8
+
+
 def buckets(low: int, high: int) -> tuple[int, ...]:
     """Powers of two from `low` (capped at `high`) below `high`, then `high` itself."""
     out, b = [], max(1, min(low, high))
@@ -247,7 +256,8 @@ class ModelRunner:
         self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), out_shardings=pool_sharding)
         self._upload = jax.jit(self._upload_fn, donate_argnums=(0,), out_shardings=rep)  # history rows
         # multi-step decode; not with speculation always on (its steps verify drafts) nor in its draft runner
-        self.decode_steps = serve.decode_steps if serve.speculative.method == "none" or self.spec_dynamic else 1
+        self.decode_steps = (auto_decode_steps(serve.decode_steps)
+                             if serve.speculative.method == "none" or self.spec_dynamic else 1)
         self._multi = PackedStep(self._multi_step_fn, wrap=wrap, put=self._put,
                                  out_shardings=None if out is None else (*out, rep))
         self._decode = PackedStep(self._decode_step_fn, wrap=wrap, put=self._put,

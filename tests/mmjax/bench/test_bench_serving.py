@@ -90,7 +90,7 @@ def test_record(record, tmp_path):
     text = bench.table(record)
     assert "| 4 |" in text and "HF peer skipped" in text and "Mixed: 10 requests" in text
     values = bench.latest_values(record, source="serving.json")  # latest.json's serving rows
-    group = "default_decode" if record["serve"]["decode_steps"] == 1 else "tuned_decode"
+    group = "default_decode" if record["serve"]["decode_steps"] == ServeConfig().decode_steps else "tuned_decode"
     assert set(values) == {"hbm_gbps", group}
     assert sorted(values[group]) == sorted(f"bs{d['batch']}" for d in record["decode"])
     first = round(record["decode"][0]["decode_tok_s"])
