@@ -9,7 +9,8 @@ By default on a tiny decoder, so the device part is small and the CPU works; `--
 of `models/llama_1b.yaml` (bf16, text only) to see the same split where the device time is real. With
 overlapped scheduling (`serve.async_scheduling`, the default) the device runs step N while the host prepares
 N+1, so only `device_wait` is time the host had nothing to do; `launch` is the jitted call itself (argument
-handling and the enqueueing of the device work), `build` the input arrays around it. With
+handling and the enqueueing of the device work), `put` the copy of its packed inputs to the device before it,
+`build` the input arrays around them. With
 `serve.launch_thread=true` the call runs on the launcher thread: its time is `launch_async` (not part of the
 step's sum), and `build` includes waiting for the call before (the pools it returns).
 """
@@ -37,7 +38,7 @@ TINY = ("model.text_only=true", "model.text.dim=64", "model.text.n_layers=2", "m
         "model.text.n_kv_heads=2", "model.text.head_dim=16", "model.text.mlp_dim=128", "model.vocab_size=512",
         "model.compute_dtype=float32", "model.param_dtype=float32")
 FULL = ("model.text_only=true", "model.compute_dtype=bfloat16", "model.param_dtype=bfloat16")
-PHASES = ("schedule", "build", "launch", "device_wait", "read", "report")  # on the engine thread
+PHASES = ("schedule", "build", "put", "launch", "device_wait", "read", "report")  # on the engine thread
 
 
 class Phases:
@@ -61,26 +62,27 @@ class Phases:
             finally:
                 seconds[phase] += time.perf_counter() - t - (sum(seconds[p] for p in exclusive) - inner)
 
+        own = name in vars(owner)  # an instance attribute already (a PackedStep's `_put`): put it back after
         setattr(owner, name, timed)
-        self._undo.append(lambda: owner.__dict__.pop(name, None))
+        self._undo.append(lambda: setattr(owner, name, orig) if own else owner.__dict__.pop(name, None))
 
     def __enter__(self) -> Phases:
         e, seconds = self._engine, self.seconds
         self._time(e.scheduler, "schedule", "schedule")
         self._time(e.scheduler, "advance", "schedule")
-        self._time(e.runner, "dispatch", "build", exclusive=("launch",))
+        self._time(e.runner, "dispatch", "build", exclusive=("launch", "put"))
         self._time(e.runner, "collect", "read", exclusive=("device_wait",))
         self._time(e, "_report", "report")
         orig_launch, orig_outputs = transfer.PackedStep.launch, transfer.PackedStep.outputs
         engine_thread = threading.current_thread()
 
         def launch(step, *args):
-            t = time.perf_counter()
+            t, put = time.perf_counter(), seconds["put"]
             try:
                 return orig_launch(step, *args)
             finally:
                 on_engine = threading.current_thread() is engine_thread
-                seconds["launch" if on_engine else "launch_async"] += time.perf_counter() - t
+                seconds["launch" if on_engine else "launch_async"] += time.perf_counter() - t - (seconds["put"] - put)
 
         def outputs(step, handle):
             t = time.perf_counter()
@@ -89,6 +91,9 @@ class Phases:
             return orig_outputs(step, handle)
 
         transfer.PackedStep.launch, transfer.PackedStep.outputs = launch, outputs
+        for step in vars(e.runner).values():  # the host-to-device copy of each step's inputs, apart from the call
+            if isinstance(step, transfer.PackedStep):
+                self._time(step, "_put", "put")
         self._undo.append(lambda: setattr(transfer.PackedStep, "launch", orig_launch))
         self._undo.append(lambda: setattr(transfer.PackedStep, "outputs", orig_outputs))
         return self
