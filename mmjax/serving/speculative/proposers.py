@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -248,6 +248,22 @@ class _DraftModel:
             ks[r.request_id] = k
         return ks
 
+    def _chunk(self, pending: Sequence[Request], end: Callable[[Request], int]
+               ) -> tuple[list[tuple[Request, list[int], int, list[int], int]], list[Request]]:
+        """One draft call's entries: each pending request's tokens the draft has not seen, up to `end(r)`, within
+        the token budget and the runner's slots; and the requests left for a later call."""
+        entries, budget, later = [], self.budget, []
+        for r in pending:
+            seq = self._seqs[r.request_id]
+            n = min(end(r) - seq.num_computed_tokens, budget)
+            if n <= 0 or len(entries) >= self.runner.max_slots:
+                later.append(r)
+                continue
+            entries.append((r, r.token_ids(seq.num_computed_tokens, seq.num_computed_tokens + n),
+                            seq.num_computed_tokens, self.kv.block_table(r.request_id), 0))
+            budget -= n
+        return entries, later
+
 
 class DraftProposer(_DraftModel):
     """k tokens per decoding request from a draft model with its own paged KV pool (no prefix cache)."""
@@ -283,16 +299,7 @@ class DraftProposer(_DraftModel):
         # catch-up chunks within the token budget; an entry that reaches the last known token draws draft 1
         pending = list(todo)
         while pending:
-            entries, budget, later = [], self.budget, []
-            for r in pending:
-                seq = self._seqs[r.request_id]
-                n = min(r.num_tokens - seq.num_computed_tokens, budget)
-                if n <= 0 or len(entries) >= self.runner.max_slots:
-                    later.append(r)
-                    continue
-                entries.append((r, r.token_ids(seq.num_computed_tokens, seq.num_computed_tokens + n),
-                                seq.num_computed_tokens, self.kv.block_table(r.request_id), 0))
-                budget -= n
+            entries, later = self._chunk(pending, lambda r: r.num_tokens)
             tokens, q = self.runner.forward(entries, self.seeds)
             rows = [self.bank_rows] * len(entries)
             for i, (r, toks, start, _, _) in enumerate(entries):
@@ -379,16 +386,7 @@ class FusedDraftProposer(_DraftModel):
         step runs those), in calls of at most the token budget."""
         pending = [r for r in requests if self._seqs[r.request_id].num_computed_tokens < r.num_tokens - CATCH_UP]
         while pending:
-            entries, budget, later = [], self.budget, []
-            for r in pending:
-                seq = self._seqs[r.request_id]
-                n = min(r.num_tokens - CATCH_UP - seq.num_computed_tokens, budget)
-                if n <= 0 or len(entries) >= self.runner.max_slots:
-                    later.append(r)
-                    continue
-                entries.append((r, r.token_ids(seq.num_computed_tokens, seq.num_computed_tokens + n),
-                                seq.num_computed_tokens, self.kv.block_table(r.request_id), 0))
-                budget -= n
+            entries, later = self._chunk(pending, lambda r: r.num_tokens - CATCH_UP)
             self.runner.forward(entries, self.seeds)  # its draws are not used
             for r, toks, start, _, _ in entries:
                 self._seqs[r.request_id].num_computed_tokens = start + len(toks)
