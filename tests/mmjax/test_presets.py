@@ -9,7 +9,8 @@ from mmjax.config import load_config
 from mmjax.model import MLLM
 
 COUNTS = {"llama3.2_1b": 1_235_814_400, "llama3.2_3b": 3_212_749_824, "qwen2_0.5b": 494_032_768,
-          "qwen2_1.5b": 1_543_714_304, "llava1.5_7b": 7_063_427_072 - 12_596_224 - 2048 + 1024}
+          "qwen2_1.5b": 1_543_714_304, "llava1.5_7b": 7_063_427_072 - 12_596_224 - 2048 + 1024,
+          "smollm2_135m": 134_515_008}
 
 
 @pytest.mark.parametrize("name", [*COUNTS, "siglip_qwen2_0.5b"])
