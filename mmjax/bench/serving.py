@@ -320,7 +320,8 @@ def run_serving_bench(cfg: Config, spec: BenchSpec = BenchSpec(), *, params: dic
                   "kv_heads": m.text.n_kv_heads, "head_dim": m.text.resolved_head_dim, "vocab": m.vocab_size,
                   "text_only": m.text_only, "param_dtype": m.param_dtype, "compute_dtype": m.compute_dtype,
                   "attention_impl": m.attention_impl, "random_weights": params is None},
-        "serve": dataclasses.asdict(s), "spec": {**dataclasses.asdict(spec), "batches": list(spec.batches),
+        "serve": dataclasses.asdict(s), "decode_steps_per_call": engine.runner.decode_steps,  # 0 resolved
+        "spec": {**dataclasses.asdict(spec), "batches": list(spec.batches),
                                                  "ttft_prompts": list(spec.ttft_prompts)},
         "decode": [], "ttft": [], "mixed": None, "hf": hf,
     }
@@ -362,7 +363,9 @@ def table(r: dict) -> str:
     lines = [f"Decode: prompt {r['spec']['prompt_len']}, {r['spec']['new_tokens']} new tokens, greedy, EOS ignored; "
              f"roofline at {r['spec']['hbm_gbps']:.0f} GB/s from {r['model']['weight_bytes'] / 1e9:.3f} GB of "
              f"weights + {r['model']['kv_bytes_per_token']} KV bytes per context token; "
-             f"serve.decode_steps={r['serve'].get('decode_steps', 1)} (step ms: per token of each request).",
+             f"serve.decode_steps={r['serve'].get('decode_steps', 1)}, "
+             f"{r.get('decode_steps_per_call', r['serve'].get('decode_steps', 1))} per call "
+             "(step ms: per token of each request).",
              "",
              "| batch | decode tok/s | step ms | roofline tok/s | of roofline | e2e tok/s | HF decode tok/s "
              "| HF e2e tok/s | compiles while timed |",
