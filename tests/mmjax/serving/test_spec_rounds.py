@@ -137,3 +137,19 @@ def test_rounds_config_is_validated(overrides, message):
         load_config(None, overrides)
     assert load_config(None, ["serve.speculative.method=ngram", "serve.speculative.proposer_on_device=true",
                               "serve.speculative.rounds=4"]).serve.speculative.rounds == 4
+
+
+def test_speculative_bench_runs_the_rounds_method(tiny):
+    """`bench_serving --mode speculative --spec-methods ngram_rounds`: the method runs speculative rounds (fewer
+    engine steps than one round per call, the same acceptance) and compiles nothing while timed."""
+    from mmjax.bench import spec as bench_spec
+    cfg = Config(model=tiny["config"](text_only=True),
+                 serve=ServeConfig(page_size=4, num_pages=64, max_num_batched_tokens=16, max_num_seqs=4,
+                                   min_token_bucket=16, min_slot_bucket=4, max_logprobs=0, decode_steps=1))
+    spec = bench_spec.SpecBenchSpec(batches=(2,), prompt_len=16, new_tokens=12, num_tokens=2, rounds=3,
+                                    repeat_block=4, beam_batch=1, num_beams=2)
+    rows = bench_spec.run_spec_bench(cfg, spec, methods=("ngram_device", "ngram_rounds"))["speculation"]
+    one = {r["workload"]: r for r in rows if r["method"] == "ngram_device"}
+    for r in (r for r in rows if r["method"] == "ngram_rounds"):
+        assert r["compiles_during_timing"] == 0 and r["tokens"] == one[r["workload"]]["tokens"]
+        assert r["steps"] < one[r["workload"]]["steps"] and r["accepted"] == one[r["workload"]]["accepted"]
