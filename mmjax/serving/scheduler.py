@@ -116,7 +116,7 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                 decode_steps: int = 1, spec_rounds: int = 1,
+                 decode_steps: int = 1, spec_rounds: int = 1, spec_draft_slots: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = SchedulerLimits(max_num_batched_tokens, max_num_seqs, max_model_len, enable_chunked_prefill,
                                       long_prefill_token_threshold)
@@ -124,6 +124,8 @@ class Scheduler:
         self.clock = clock
         self.decode_steps = decode_steps
         self.spec_rounds = spec_rounds  # speculative rounds per call (see `_spec_rounds`)
+        # draft slots a request reserves in a call of rounds (its k may grow from round to round: the most)
+        self.spec_draft_slots = spec_draft_slots
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests
         self.waiting: list[Request] = []  # sorted by (priority, arrival, insertion)
         self.running: list[Request] = []  # sorted the same way: the last one is preempted first
@@ -251,18 +253,21 @@ class Scheduler:
 
     def _entry(self, request: Request, n: int, owner: str = "", num_draft: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
-        tokens = request.token_ids(start, start + n - num_draft) + tuple(request.spec_token_ids[:num_draft])
+        drafts = tuple(request.spec_token_ids[:num_draft])  # (a call of rounds may reserve more: placeholders)
+        tokens = request.token_ids(start, start + n - num_draft) + drafts + (PLACEHOLDER_TOKEN,) * (
+            num_draft - len(drafts))
         return ScheduledRequest(request.request_id, tokens, start, tuple(self.kv.block_table(request.request_id)),
                                 start + n - num_draft == request.num_tokens, owner, num_draft)
 
-    def _num_drafts(self, request: Request, n: int, budget: int) -> int:
-        """Speculative tokens to verify with a decode step: what the proposer gave, within the budget, the
-        model length and the request's remaining outputs."""
+    def _num_drafts(self, request: Request, n: int, budget: int, most: int = 0) -> int:
+        """Speculative tokens to verify with a decode step: what the proposer gave (or `most` draft slots, for
+        a call of speculative rounds), within the budget, the model length and the request's remaining
+        outputs."""
         if n != 1 or not request.spec_token_ids or request.num_tokens - request.num_computed_tokens != 1:
             return 0
         left = min(budget - 1, self.limits.max_model_len - request.num_tokens - 1,
                    request.sampling_params.max_tokens - len(request.output_token_ids) - 1)
-        return max(0, min(len(request.spec_token_ids), left))
+        return max(0, min(most or len(request.spec_token_ids), left))
 
     def _multi_steps(self) -> int:
         """Decode steps for this step's call: `decode_steps` when every running request is decoding one token
@@ -354,7 +359,7 @@ class Scheduler:
                 i += 1
                 continue
             n = self._chunk(request, request.num_computed_tokens, budget)
-            drafts = self._num_drafts(request, n, budget)
+            drafts = self._num_drafts(request, n, budget, self.spec_draft_slots if rounds > 1 else 0)
             n += drafts
             if n == 0:  # its next image does not fit what is left of the budget
                 i += 1

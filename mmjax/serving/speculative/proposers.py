@@ -117,9 +117,10 @@ class DeviceNgramProposer:
     runner's step looks the drafts up in the request's token history on the device, fills as many slots as the
     lookup found (none: the step emits its plain next token) and verifies them in the same call.
 
-    With `rounds` > 1 (`serve.speculative.rounds`) a call may run several speculative rounds; each request then
-    reserves k draft slots (with `adaptive` the device adapts k after every round, up to k) and `propose`
-    returns the k each request starts the call with; `observe` replays the rounds' adaptation on the host."""
+    With `rounds` > 1 (`serve.speculative.rounds`) a call may run several speculative rounds, in which each
+    request reserves k draft slots (the scheduler's `spec_draft_slots`: with `adaptive` the device adapts k after
+    every round, up to k); `propose` then returns the k each request's first round starts from (its placeholders'
+    count, as for one round), and `observe` replays the rounds' adaptation on the host."""
 
     def __init__(self, cfg: SpeculativeConfig) -> None:
         self.k = cfg.num_tokens
@@ -135,8 +136,8 @@ class DeviceNgramProposer:
         for r in requests:
             if decoding(r):
                 k = min(self.length(r), self.limit)
-                if self.rounds > 1:  # later rounds may draft more (adaptive): reserve the most
-                    first[r.request_id], k = k, self.limit
+                if self.rounds > 1:
+                    first[r.request_id] = k
                 r.spec_token_ids = [PLACEHOLDER_TOKEN] * k
         return first
 

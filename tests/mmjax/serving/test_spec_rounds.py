@@ -66,23 +66,24 @@ def _first_new(tokens, start):
 
 
 def test_rounds_equal_one_round_and_plain_greedy(lm):
+    """Four sequence slots for nine requests: while requests wait, steps run a single round (with each request's
+    adaptive k, which the sampled requests, arriving first, lower), then calls of rounds once none waits."""
     from mmjax.serving.request import SamplingParams
     ref = lm["ref"]
     greedy = [ref.greedy(p, 14, stop=()) for p in REPETITIVE]
     stop_at = _first_new(greedy[1], 5)  # the stop token comes mid-call
-    prompts = [*REPETITIVE, [1, 9, 9], [1, 30, 31, 30, 31], [1, 9, 9, 9, 9, 9]]
     limits = (14, 14, 7, 14, 9, 5)  # max_tokens; some end mid-call
-    params = [SamplingParams(max_tokens=n, stop_token_ids=[greedy[1][stop_at]] if i == 1 else [])
-              for i, n in enumerate(limits)] + \
-        [SamplingParams(max_tokens=12, temperature=0.9, seed=3),
-         SamplingParams(max_tokens=10, temperature=1.1, top_k=5, seed=11),
-         SamplingParams(max_tokens=64)]  # to the model's length, mid-call
+    prompts = [[1, 9, 9], [1, 30, 31, 30, 31], *REPETITIVE, [1, 9, 9, 9, 9, 9]]
+    params = [SamplingParams(max_tokens=12, temperature=0.9, seed=3),
+              SamplingParams(max_tokens=10, temperature=1.1, top_k=5, seed=11)] + \
+        [SamplingParams(max_tokens=n, stop_token_ids=[greedy[1][stop_at]] if i == 1 else [])
+         for i, n in enumerate(limits)] + [SamplingParams(max_tokens=64)]  # to the model's length, mid-call
     want = [g[:n] for g, n in zip(greedy, limits)]
     want[1] = greedy[1][:stop_at + 1]
     want_last = ref.greedy(prompts[-1], 64, stop=())
     outs, lps = {}, {}
     for rounds in (1, ROUNDS):
-        eng = _engine(lm["model"], rounds)
+        eng = _engine(lm["model"], rounds, max_num_seqs=4)
         compiles, seen = eng.runner.num_compiles, []
         _watch_rounds(eng, seen)
         outs[rounds], lps[rounds] = zip(*_run(eng, prompts, params))
@@ -93,10 +94,10 @@ def test_rounds_equal_one_round_and_plain_greedy(lm):
             assert seen and max(seen) == ROUNDS  # calls that ran every round for some request
             assert eng.runner.history.num_uploads == len(prompts)  # each row went up once
     one, many = outs[1], outs[ROUNDS]
-    assert [o.token_ids for o in many[:6]] == want and many[-1].token_ids == want_last
-    assert [o.finish_reason for o in many] == ["length", "stop", *["length"] * 7]
+    assert [o.token_ids for o in many[2:8]] == want and many[-1].token_ids == want_last
+    assert [o.finish_reason for o in many] == [*["length"] * 3, "stop", *["length"] * 5]
     assert [o.token_ids for o in many] == [o.token_ids for o in one]  # the sampled requests too
-    assert len(many[6].token_ids) == 12 and len(many[7].token_ids) == 10
+    assert len(many[0].token_ids) == 12 and len(many[1].token_ids) == 10
     for a, b in zip(lps[1], lps[ROUNDS]):
         np.testing.assert_allclose(b, a, atol=1e-4)
     counts = lambda outs: [(o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens) for o in outs]  # noqa: E731
@@ -120,6 +121,36 @@ def test_rounds_without_adaptive_k_through_preemption(lm):
     assert eng.runner.num_compiles == compiles
     eng.kv.check_consistency()
     assert eng.kv.num_free_pages == eng.kv.num_usable_pages
+
+
+def test_reserved_draft_slots_of_a_single_round_and_of_a_call_of_rounds():
+    """With rounds and adaptive k: a step that runs a single round (a request waits to be admitted) reserves the
+    request's adaptive k slots, as without rounds; a call of rounds reserves num_tokens slots (its rounds may
+    draft more) and pages for every token it may emit; the proposer passes the adaptive k the first round uses."""
+    from mmjax.serving.kv_manager import KVCacheManager
+    from mmjax.serving.request import Request, SamplingParams
+    from mmjax.serving.scheduler import Scheduler
+    from mmjax.serving.speculative.proposers import DeviceNgramProposer
+    proposer = DeviceNgramProposer(SpeculativeConfig(method="ngram", num_tokens=3, adaptive=True,
+                                                     proposer_on_device=True, rounds=ROUNDS))
+    kv = KVCacheManager(64, 4)
+    sched = Scheduler(kv, max_num_batched_tokens=32, max_num_seqs=2, max_model_len=40, spec_rounds=ROUNDS,
+                      spec_draft_slots=3)
+    a = Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=20))
+    sched.add_request(a)
+    sched.update_from_output(sched.schedule(), {"a": 7})  # the prompt
+    proposer.propose([a])
+    a.num_draft_tokens = 3  # a round that accepted none of its 3 drafts: k drops to 2
+    sched.add_request(Request("b", [5, 6], SamplingParams(max_tokens=20)))
+    assert proposer.propose(sched.running) == {"a": 2}
+    out = sched.schedule()  # b can be admitted: a single round beside its prompt
+    assert [(e.request_id, e.num_rounds, e.num_draft) for e in out.scheduled] == [("a", 1, 2), ("b", 1, 0)]
+    sched.update_from_output(out, {"a": [8], "b": 9}, num_drafts={"a": 0})
+    proposer.propose(sched.running)
+    out = sched.schedule()  # every running request speculates and none waits: a call of rounds
+    got = [(e.num_rounds, e.num_draft, len(e.token_ids), e.emit_limit) for e in out.scheduled]
+    assert got == [(ROUNDS, 3, 4, 16)] * 2
+    assert all(len(e.page_ids) == kv.pages_for(e.start + 16) for e in out.scheduled)
 
 
 @pytest.mark.parametrize("overrides, message", [
