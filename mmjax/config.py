@@ -509,6 +509,10 @@ class SpeculativeConfig:
     # ngram: the lookup, over each speculating request's token history kept there (serving/speculative/
     # device_ngram.py); draft: the draft model's k steps over its own pool (serving/speculative/draft_device.py)
     proposer_on_device: bool = False
+    # ngram with proposer_on_device: speculative rounds per device call (propose, verify, append, advance, R times
+    # in one lax.scan) when every running request speculates; the scheduler reserves KV for rounds x (k + 1) tokens
+    # per request and the host applies the tokens afterwards (serving/runner.py, `_spec_rounds_fn`)
+    rounds: int = 1
     draft_checkpoint: str = ""  # draft: an mmjax checkpoint (same tokenizer), served text-only
     draft_overrides: tuple[str, ...] = ()  # draft: dotted config overrides for loading it
     # dynamic: per step, a cost model (mmjax.serving.speculative.policy) picks k in [0, num_tokens] from the step
@@ -533,6 +537,13 @@ class SpeculativeConfig:
         need(not self.proposer_on_device or self.method != "none",
              "serve.speculative.proposer_on_device=true needs serve.speculative.method=ngram or draft (a proposer "
              "to run on the device)")
+        need(1 <= self.rounds <= 64, f"serve.speculative.rounds={self.rounds} must be in [1, 64]")
+        need(self.rounds == 1 or (self.method == "ngram" and self.proposer_on_device),
+             f"serve.speculative.rounds={self.rounds} needs serve.speculative.method=ngram with proposer_on_device="
+             "true (the rounds propose from the token histories kept on the device); use rounds=1 otherwise")
+        need(self.rounds == 1 or not self.dynamic,
+             f"serve.speculative.rounds={self.rounds} with dynamic=true is not supported (the policy prices one "
+             "round per step); use rounds=1 or dynamic=false")
 
 
 @dataclasses.dataclass(frozen=True)

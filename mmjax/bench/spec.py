@@ -2,7 +2,8 @@
 --mode speculative`), and speculation's acceptance with real weights (`--mode spec-acceptance`, `run_acceptance`).
 
 * **Speculation**: greedy tok/s at each batch size with speculation off, n-gram lookup (made on the host, and
-  `ngram_device`: made on the device inside the verifying step, `proposer_on_device`) and a draft model (its
+  `ngram_device`: made on the device inside the verifying step, `proposer_on_device`; `ngram_rounds`: that with
+  `rounds` speculative rounds per device call, `serve.speculative.rounds`) and a draft model (its
   steps as calls of their own, and `draft_device`: inside the verifying step, `proposer_on_device`), on a
   repetitive workload (each prompt is a random block of tokens repeated, as code or extraction prompts that
   quote their input) and a non-repetitive one (random prompt ids), plus the acceptance rate. The draft is the
@@ -42,6 +43,7 @@ class SpecBenchSpec:
     prompt_len: int = 512
     new_tokens: int = 128
     num_tokens: int = 4  # k drafts per step
+    rounds: int = 8  # ngram_rounds: speculative rounds per device call
     draft_layers: int = 2
     repeat_block: int = 32  # the repetitive prompts repeat a block of this many tokens
     num_beams: int = 4
@@ -49,14 +51,20 @@ class SpecBenchSpec:
     seed: int = 0
 
 
-METHODS = ("none", "ngram", "ngram_device", "draft", "draft_device")
+METHODS = ("none", "ngram", "ngram_device", "ngram_rounds", "draft", "draft_device")
 
 
-def method_config(base: SpeculativeConfig, method: str, **kw: Any) -> SpeculativeConfig:
+def method_config(base: SpeculativeConfig, method: str, *, rounds: int = 8, **kw: Any) -> SpeculativeConfig:
     """The speculative settings of a benchmark method (`METHODS`): `ngram_device` / `draft_device` are `ngram` /
-    `draft` with the proposer run on the device, inside the verifying step (`proposer_on_device`)."""
+    `draft` with the proposer run on the device, inside the verifying step (`proposer_on_device`);
+    `ngram_rounds` is `ngram_device` with `rounds` speculative rounds per call (never `dynamic`, which it
+    excludes)."""
+    if method == "ngram_rounds":
+        return dataclasses.replace(base, method="ngram", proposer_on_device=True, rounds=rounds,
+                                   **{**kw, "dynamic": False})
     on_device = method.endswith("_device")
-    return dataclasses.replace(base, method=method.removesuffix("_device"), proposer_on_device=on_device, **kw)
+    return dataclasses.replace(base, method=method.removesuffix("_device"), proposer_on_device=on_device, rounds=1,
+                               **kw)
 
 
 def prompts(kind: str, batch: int, spec: SpecBenchSpec, vocab: int, rng: np.random.Generator) -> list[list[int]]:
@@ -136,7 +144,7 @@ def run_spec_bench(cfg: Config, spec: SpecBenchSpec = SpecBenchSpec(), *, params
                   "draft_layers": spec.draft_layers},
         "speculation": [], "beam": None, "hf_beam": hf}
     for method in methods:  # the config's other speculative settings (e.g. `dynamic`) apply to each method
-        sc = method_config(s.speculative, method, num_tokens=spec.num_tokens,
+        sc = method_config(s.speculative, method, num_tokens=spec.num_tokens, rounds=spec.rounds,
                            dynamic=s.speculative.dynamic and method != "none")
         draft = None
         if method in ("draft", "draft_device"):

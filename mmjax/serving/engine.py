@@ -119,7 +119,8 @@ class Engine:
                                    max_num_seqs=serve.max_num_seqs, max_model_len=self.max_model_len,
                                    enable_chunked_prefill=serve.enable_chunked_prefill,
                                    long_prefill_token_threshold=serve.long_prefill_token_threshold,
-                                   decode_steps=self.runner.decode_steps)
+                                   decode_steps=self.runner.decode_steps, spec_rounds=self.runner.spec_rounds,
+                                   spec_draft_slots=self.runner.spec_k)
         self.image_token_id = self.runner.image_token_id
         # speculative decoding (serve.speculative): draft_model is an MLLM for method=draft (else its checkpoint)
         self.proposer = make_proposer(serve, max_model_len=self.max_model_len, seeds=self.runner.seeds,
@@ -349,6 +350,8 @@ class Engine:
                 touched.append(ahead)
                 self._ahead = (ahead, self.runner.dispatch(ahead, chain=pending))
         sampled = self.runner.collect(pending)
+        if pending.rounds:  # the device adapted each request's k after every round: the host follows
+            self.proposer.observe(sampled)
         self._measure(out, sampled, k, time.perf_counter() - start)
         reported = self._report(out, sampled)
         if self._ahead is not None and not any(e.request_id in self._live for e in self._ahead[0].scheduled):
@@ -439,7 +442,8 @@ class Engine:
         done = self.scheduler.update_from_output(
             out, {rid: list(s.tokens) if s.tokens else s.token for rid, s in sampled.items()},
             candidates={rid: (s.top_ids, s.top_logprobs) for rid, s in sampled.items()},
-            num_drafts={rid: s.num_draft for rid, s in sampled.items() if s.tokens})
+            num_drafts={rid: s.num_draft for rid, s in sampled.items() if s.tokens},
+            rounds={rid: s.rounds for rid, s in sampled.items() if s.rounds})
         for request in done:  # a beam search reports once, when it is done
             if request.beam is not None and request.request_id in self._live:
                 outputs.append(self._beam_output(self._pop(request.request_id)))

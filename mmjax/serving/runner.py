@@ -12,7 +12,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -34,6 +34,7 @@ from mmjax.serving.scheduler import SchedulerOutput
 from mmjax.serving.sizing import size_serving
 from mmjax.serving.speculative.device_ngram import DeviceHistory, append_tokens, place_drafts, propose_drafts, set_rows
 from mmjax.serving.speculative.draft_device import CATCH_UP, run_draft
+from mmjax.serving.speculative.length import next_draft_length
 from mmjax.serving.speculative.verify import verify
 from mmjax.serving.transfer import PackedStep, pack
 from mmjax.serving.unroll import serving_layout
@@ -75,6 +76,8 @@ class SampledToken:
     token_top_logprobs: tuple[tuple[float, ...], ...] = ()
     # drafts the step verified (with the proposer on the device: what it found, at most the slots reserved)
     num_draft: int = 0
+    # a call of speculative rounds: each round's (drafts verified, tokens emitted), in order; `tokens` holds them all
+    rounds: tuple[tuple[int, int], ...] = ()
 
 
 def auto_decode_steps(decode_steps: int) -> int:
@@ -139,6 +142,7 @@ class PendingStep:
     # (handle, last); while the launcher thread makes the call, a Future of ((handle, last), pools)
     launched: Any = None
     multi: bool = False
+    rounds: bool = False  # a call of speculative rounds (`ModelRunner._spec_rounds_fn`)
     packed: Any = None  # the PackedStep whose `outputs` reads `handle` (single steps)
 
     @property
@@ -226,6 +230,9 @@ class ModelRunner:
         self.fused_draft = on_device and serve.speculative.method == "draft"
         self.draft: ModelRunner | None = None
         self._ngram = dict(k=self.spec_k, n_min=serve.speculative.ngram_min, n_max=serve.speculative.ngram_max)
+        # serve.speculative.rounds: speculative rounds per call when every running request speculates (n-gram on
+        # the device only, the config checks); one round is the verifying step itself
+        self.spec_rounds = serve.speculative.rounds if self.history is not None else 1
         # dynamic speculation: steps without proposals take the plain fast paths (decode and multi-step calls)
         self.spec_dynamic = bool(self.spec_k) and serve.speculative.dynamic
         self._seed_rng = np.random.default_rng(serve.seed)
@@ -262,6 +269,8 @@ class ModelRunner:
                                  out_shardings=None if out is None else (*out, rep))
         self._decode = PackedStep(self._decode_step_fn, wrap=wrap, put=self._put,
                                   out_shardings=None if out is None else (*out, rep))
+        self._rounds = PackedStep(self._spec_rounds_fn, wrap=wrap, put=self._put,
+                                  out_shardings=None if out is None else (rep, carry, rep))
         self._no_last = self._put(jnp.zeros(self.max_slots, jnp.int32))  # an unchained call's "previous tokens"
         # calls fed on the device by the call launched before them, while it ran: chained multi-step calls
         # (Scheduler.schedule_chained) and overlapped steps (Scheduler.advance)
@@ -531,6 +540,123 @@ class ModelRunner:
                                                     token_top_ids=ids, token_top_logprobs=tops)
         return result
 
+    # -- speculative rounds (serve.speculative.rounds) ---------------------------------------------------------
+
+    def _spec_rounds_fn(self, state, carry, batch, sampling):
+        """`spec_rounds` speculative rounds in one call (n-gram lookup on the device). Slot i owns the flat tokens
+        [query_start[i], query_start[i] + 1 + reserved[i]) in every round; at its position p (start[i] in the
+        first round) a round looks up at most min(reserved, its adaptive k, tokens left - 1) drafts in its history
+        row's first p + 1 tokens, runs the target over its last token and the drafts found (positions p .., KV
+        slots from its page table; the other tokens of its range write the null page and are no query), verifies
+        them with the keys of a speculative step at its outputs so far, appends what it emits to the row and
+        advances p by that count. A slot stops once it has emitted `limit` tokens (the KV room the scheduler
+        reserved). Attention reads each slot's positions below p + 1 + drafts only, so the KV a rejected draft
+        left past that is never read and a later round overwrites it. Returns per-round [R, S] results
+        (tokens [R, S, k + 1], counts, logprobs, drafts found), (pools, histories) and each slot's last token."""
+        self.num_compiles += 1
+        pools, history = carry
+        model = self._model(state)
+        i32, ps, k = jnp.int32, self.page_size, self.spec_k
+        s, t = batch["start"].shape[0], batch["tokens"].shape[0]
+        table, qs, rows, limit = batch["page_table"], batch["query_start"], batch["hist_row"], batch["limit"]
+        j = jnp.arange(k + 1, dtype=i32)[None, :]
+        slots = jnp.arange(s, dtype=i32)
+        pad_slots = NULL_PAGE * ps + jnp.arange(t, dtype=i32) % ps  # unused tokens write the null page
+        adaptive = self.serve.speculative.adaptive
+
+        def one(carry, _):
+            pools, history, pos, done, k_now, last = carry
+            left = limit - done
+            active = left > 0
+            cap = jnp.where(active, jnp.minimum(jnp.minimum(batch["reserved"], k_now), left - 1), 0)
+            live = jnp.where(active, rows, -1)
+            drafts, found = propose_drafts(history, live, pos + 1, cap, **self._ngram)
+            used = active[:, None] & (j <= found[:, None])  # [S, k + 1]: the last token, then the drafts found
+            idx = jnp.where(used, qs[:, None] + j, t)  # unused: past the end, dropped
+            at = pos[:, None] + j
+            page = jnp.take_along_axis(table, jnp.clip(at // ps, 0, table.shape[1] - 1), axis=1)
+            tokens = jnp.zeros(t, i32).at[idx].set(jnp.concatenate([last[:, None], drafts], axis=1), mode="drop")
+            positions = jnp.zeros(t, i32).at[idx].set(at, mode="drop")
+            slot_mapping = pad_slots.at[idx].set(page * ps + at % ps, mode="drop")
+            logits_at = (qs[:, None] + jnp.minimum(j, found[:, None])).ravel()  # the last token, each draft
+            meta = PagedMeta(slot_mapping, table, qs, jnp.where(active, found + 1, 0),
+                             jnp.where(active, pos + 1 + found, 0), logits_at)
+            logits, pools = model.forward_paged(tokens[None], positions[None], pools, meta)
+            logits = logits.reshape(s, k + 1, -1)
+            now = sampling.replace(step=sampling.step + done)  # the keys of a speculative step at this output
+            emitted, count, lps = verify(logits, now, drafts, found, None)
+            r = sample(logits[slots, found], now, 0)
+            none = found == 0  # nothing proposed: the plain sampler's token, as a step without drafts
+            emitted = emitted.at[:, 0].set(jnp.where(none, r.tokens, emitted[:, 0]))
+            lps = lps.at[:, 0].set(jnp.where(none, r.logprobs, lps[:, 0]))
+            count = jnp.where(active, count, 0)
+            history = append_tokens(history, live, pos + 1, emitted, count)
+            last = jnp.where(active, emitted[slots, jnp.maximum(count - 1, 0)], last)
+            if adaptive:
+                k_now = jnp.where(active, next_draft_length(k_now, found, count - 1, k), k_now)
+            return (pools, history, pos + count, done + count, k_now, last), (emitted, count, lps, found)
+
+        init = (pools, history, batch["start"], jnp.zeros(s, i32), batch["first_k"], batch["tokens"][qs])
+        (pools, history, *_, last), outs = jax.lax.scan(one, init, None, length=self.spec_rounds)
+        return outs, (pools, history), jnp.zeros(self.max_slots, i32).at[:s].set(last)
+
+    def _rounds_batch(self, t: int, s: int) -> dict[str, np.ndarray]:
+        i32 = np.int32
+        return dict(tokens=np.zeros(t, i32), start=np.zeros(s, i32), query_start=np.zeros(s, i32),
+                    reserved=np.zeros(s, i32), limit=np.zeros(s, i32), first_k=np.zeros(s, i32),
+                    page_table=np.full((s, self.max_pages), NULL_PAGE, i32), hist_row=np.full(s, -1, i32))
+
+    @property
+    def spec_round_shapes(self) -> list[tuple[int, int]]:
+        """The step shapes a call of speculative rounds can take (every step shape); none when off."""
+        return self.step_shapes if self.spec_rounds > 1 else []
+
+    def _dispatch_rounds(self, out: SchedulerOutput, first_k: Mapping[str, int]) -> PendingStep:
+        """Launch a call of speculative rounds: every entry is a decode token with `num_rounds` > 1 and its
+        reserved draft slots; `first_k` (the proposer's) is the drafts each request's first round may make."""
+        t, s = self.step_shape(out.num_scheduled_tokens, len(out.scheduled))
+        batch = self._rounds_batch(t, s)
+        history = self.history
+        history.discard_pending()
+        step = {e.request_id for e in out.scheduled}
+        off = 0
+        for i, entry in enumerate(out.scheduled):
+            rid, request = entry.request_id, self._requests[entry.request_id].request
+            token, known = entry.token_ids[0], entry.start + 1
+            if token == PLACEHOLDER_TOKEN:
+                raise ValueError(f"request {rid!r}: speculative rounds need its last token on the host")
+            batch["tokens"][off], batch["start"][i], batch["query_start"][i] = token, entry.start, off
+            batch["reserved"][i], batch["limit"][i] = entry.num_draft, entry.emit_limit
+            batch["first_k"][i] = first_k.get(rid, self.spec_k)  # (the reserved slots cap each round's drafts)
+            batch["page_table"][i, :len(entry.page_ids)] = entry.page_ids
+            batch["hist_row"][i] = history.row(rid, known, functools.partial(request.token_ids, 0, known), step)
+            off += entry.num_tokens
+        sampling = self._sampling([self._requests[e.request_id].request for e in out.scheduled], s)
+        return PendingStep(out, launched=self._launch(self._rounds, batch, sampling), packed=self._rounds,
+                           rounds=True)
+
+    def _collect_rounds(self, pending: PendingStep) -> dict[str, SampledToken]:
+        emitted, count, lps, found = (x.tolist() for x in self._rounds.outputs(pending.handle))
+        result = {}
+        for i, entry in enumerate(pending.out.scheduled):
+            rid = entry.request_id
+            if rid not in self._requests:
+                continue  # finished since the call was launched
+            tokens: list[int] = []
+            logprobs: list[float] = []
+            sizes = []
+            for r in range(self.spec_rounds):
+                c = count[r][i]
+                if not c:  # the slot reached its limit: no later round ran for it
+                    break
+                tokens += emitted[r][i][:c]
+                logprobs += lps[r][i][:c]
+                sizes.append((found[r][i], c))
+            self.history.wrote(rid, entry.start + 1 + len(tokens))
+            result[rid] = SampledToken(tokens[0], logprobs[0], tokens=tuple(tokens), token_logprobs=tuple(logprobs),
+                                       num_draft=sum(d for d, _ in sizes), rounds=tuple(sizes))
+        return result
+
     def _wants_top(self, entry) -> bool:
         """Whether a scheduled entry's caller reads its top-k candidates: a request asking for logprobs, or a
         beam search's row (its candidates)."""
@@ -663,7 +789,7 @@ class ModelRunner:
         model's pools (draft) beside them for the step that proposes on the device; and whether it is that
         step."""
         pools = self.pools  # (waits for a launcher-thread call, which may also hold the histories)
-        if step is not self._step or (self.history is None and self.draft is None):
+        if step not in (self._step, self._rounds) or (self.history is None and self.draft is None):
             return pools, False
         if self.draft is not None:
             return (pools, self.draft.pools), True
@@ -732,6 +858,8 @@ class ModelRunner:
             self.copy_pages(out.page_copies)
         if out.scheduled and any(e.num_steps > 1 or e.chained for e in out.scheduled):
             return self._dispatch_multi(out, chain)
+        if out.scheduled and any(e.num_rounds > 1 for e in out.scheduled):
+            return self._dispatch_rounds(out, draft_probs or {})
         if not out.scheduled:
             return PendingStep(out, result={})
         if (not self.spec_k or self.spec_dynamic) and all(e.num_tokens == 1 for e in out.scheduled):
@@ -742,6 +870,8 @@ class ModelRunner:
         """The sampled tokens of a dispatched step (waits for the device)."""
         if pending.result is not None:
             return pending.result
+        if pending.rounds:
+            return self._collect_rounds(pending)
         return self._collect_multi(pending) if pending.multi else self._collect_one(pending)
 
     @staticmethod
@@ -907,6 +1037,11 @@ class ModelRunner:
             for history in (0, self.max_model_len):
                 _, self.pools = self._multi(self._leaves, self.pools, self._multi_batch(t, s),
                                             SamplingTensors.from_requests([], s, history), self._no_last)
+        for t, s in self.spec_round_shapes:
+            for history in (0, self.max_model_len):
+                _, carry = self._rounds(self._leaves, (self.pools, self.history.tokens), self._rounds_batch(t, s),
+                                        SamplingTensors.from_requests([], s, history))
+                self._set_carry(carry, True)
         if self.history is not None:  # the token histories' row upload
             self.history.warmup(self._upload)
         if self.serve.max_beam_width > 1:  # the beam forks' page copy

@@ -48,6 +48,11 @@ class ScheduledRequest:
     # scheduled by `schedule_chained` while the previous call runs: its input token (token_ids[0] = -1 here) is
     # that call's last sample for the request, which only the device has yet
     chained: bool = False
+    # > 1: speculative rounds in one call (`serve.speculative.rounds`, the proposer on the device): each round
+    # verifies up to num_draft drafts from the request's current position, which advances by what it emits; the
+    # call emits at most `emit_limit` tokens, and its pages hold KV for that many positions from `start`
+    num_rounds: int = 1
+    emit_limit: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -111,12 +116,16 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                 decode_steps: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+                 decode_steps: int = 1, spec_rounds: int = 1, spec_draft_slots: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = SchedulerLimits(max_num_batched_tokens, max_num_seqs, max_model_len, enable_chunked_prefill,
                                       long_prefill_token_threshold)
         self.kv = kv
         self.clock = clock
         self.decode_steps = decode_steps
+        self.spec_rounds = spec_rounds  # speculative rounds per call (see `_spec_rounds`)
+        # draft slots a request reserves in a call of rounds (its k may grow from round to round: the most)
+        self.spec_draft_slots = spec_draft_slots
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests
         self.waiting: list[Request] = []  # sorted by (priority, arrival, insertion)
         self.running: list[Request] = []  # sorted the same way: the last one is preempted first
@@ -244,18 +253,21 @@ class Scheduler:
 
     def _entry(self, request: Request, n: int, owner: str = "", num_draft: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
-        tokens = request.token_ids(start, start + n - num_draft) + tuple(request.spec_token_ids[:num_draft])
+        drafts = tuple(request.spec_token_ids[:num_draft])  # (a call of rounds may reserve more: placeholders)
+        tokens = request.token_ids(start, start + n - num_draft) + drafts + (PLACEHOLDER_TOKEN,) * (
+            num_draft - len(drafts))
         return ScheduledRequest(request.request_id, tokens, start, tuple(self.kv.block_table(request.request_id)),
                                 start + n - num_draft == request.num_tokens, owner, num_draft)
 
-    def _num_drafts(self, request: Request, n: int, budget: int) -> int:
-        """Speculative tokens to verify with a decode step: what the proposer gave, within the budget, the
-        model length and the request's remaining outputs."""
+    def _num_drafts(self, request: Request, n: int, budget: int, most: int = 0) -> int:
+        """Speculative tokens to verify with a decode step: what the proposer gave (or `most` draft slots, for
+        a call of speculative rounds), within the budget, the model length and the request's remaining
+        outputs."""
         if n != 1 or not request.spec_token_ids or request.num_tokens - request.num_computed_tokens != 1:
             return 0
         left = min(budget - 1, self.limits.max_model_len - request.num_tokens - 1,
                    request.sampling_params.max_tokens - len(request.output_token_ids) - 1)
-        return max(0, min(len(request.spec_token_ids), left))
+        return max(0, min(most or len(request.spec_token_ids), left))
 
     def _multi_steps(self) -> int:
         """Decode steps for this step's call: `decode_steps` when every running request is decoding one token
@@ -270,6 +282,24 @@ class Scheduler:
             if r.beam is not None or r.spec_token_ids or r.num_tokens - r.num_computed_tokens != 1:
                 return 1
         return k
+
+    def _spec_rounds(self) -> int:
+        """Speculative rounds for this step's call: `spec_rounds` when every running request is decoding one
+        token with proposals (no prefill, beam search, or request speculation does not serve) and no waiting
+        request could be admitted now; else 1 (a plain speculative step, which a prefill can join)."""
+        rounds, running = self.spec_rounds, self.running
+        if rounds <= 1 or not running or self._could_admit():
+            return 1
+        for r in running:
+            if r.beam is not None or not r.spec_token_ids or r.num_tokens - r.num_computed_tokens != 1:
+                return 1
+        return rounds
+
+    def _round_limit(self, request: Request, rounds: int, n: int) -> int:
+        """Most tokens a call of `rounds` rounds of `n` tokens (the last known one and the drafts) emits for the
+        request: every round accepting all, within its max_tokens and the model's length."""
+        return min(rounds * n, request.sampling_params.max_tokens - len(request.output_token_ids),
+                   self.limits.max_model_len - request.num_tokens)
 
     def _could_admit(self) -> bool:
         """A waiting request could join at the next step: one waits and a sequence slot is free."""
@@ -304,6 +334,7 @@ class Scheduler:
 
         copies: list[tuple[int, int]] = []
         steps = self._multi_steps()
+        rounds = self._spec_rounds()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -328,14 +359,16 @@ class Scheduler:
                 i += 1
                 continue
             n = self._chunk(request, request.num_computed_tokens, budget)
-            drafts = self._num_drafts(request, n, budget)
+            drafts = self._num_drafts(request, n, budget, self.spec_draft_slots if rounds > 1 else 0)
             n += drafts
             if n == 0:  # its next image does not fit what is left of the budget
                 i += 1
                 continue
             # multi-step: KV room for the tokens fed back, within max_tokens and the model's length
             k = max(1, self._steps_for(request, steps=steps))
-            while self.kv.allocate_slots(request, max(n, k)) is None:
+            # speculative rounds: KV room for every token the call may emit (the rounds' positions advance)
+            limit = self._round_limit(request, rounds, n) if rounds > 1 else 0
+            while self.kv.allocate_slots(request, max(n, k, limit)) is None:
                 victim = self.running[-1]  # least urgent; never one already scheduled (those are before i)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -343,7 +376,11 @@ class Scheduler:
                     break
             else:
                 entry = self._entry(request, n, num_draft=drafts)
-                scheduled.append(dataclasses.replace(entry, num_steps=k) if k > 1 else entry)
+                if k > 1:
+                    entry = dataclasses.replace(entry, num_steps=k)
+                elif rounds > 1:
+                    entry = dataclasses.replace(entry, num_rounds=rounds, emit_limit=limit)
+                scheduled.append(entry)
                 budget -= n
                 i += 1
 
@@ -463,7 +500,8 @@ class Scheduler:
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int | Sequence[int]],
                            candidates: Mapping[str, tuple[Sequence[int], Sequence[float]]] | None = None,
-                           num_drafts: Mapping[str, int] | None = None) -> list[Request]:
+                           num_drafts: Mapping[str, int] | None = None,
+                           rounds: Mapping[str, Sequence[tuple[int, int]]] | None = None) -> list[Request]:
         """Record a finished model step: advance computed tokens, cache full pages, append the sampled tokens,
         stop requests that hit EOS / a stop token / max_tokens / max_model_len. Returns the requests finished now.
 
@@ -472,8 +510,9 @@ class Scheduler:
         `candidates` maps each beam-search row (and a beam request's own id when its prompt completes) to its
         top (token ids, log-softmax logprobs). `num_drafts` maps an entry with speculative tokens to the drafts
         its step verified where the device proposed them (the entry's `num_draft` slots were reserved, fewer may
-        have been filled); the others verified `num_draft`. Requests aborted between `schedule` and this call are
-        skipped.
+        have been filled); the others verified `num_draft`. `rounds` maps an entry of speculative rounds
+        (`num_rounds` > 1) to each round's (drafts verified, tokens emitted), in order, whose tokens together are
+        its sampled ones. Requests aborted between `schedule` and this call are skipped.
         """
         done: list[Request] = []
         now = self.clock()
@@ -504,6 +543,14 @@ class Scheduler:
                                  "sampled_token_ids has no token for it")
             got = sampled_token_ids.get(entry.request_id, ())
             tokens = [int(t) for t in got] if isinstance(got, Sequence) else [int(got)]
+            if entry.num_rounds > 1:
+                sizes = (rounds or {}).get(entry.request_id)
+                if sizes is None or sum(n for _, n in sizes) != len(tokens):
+                    raise ValueError(f"request {entry.request_id!r}: step {output.step} ran speculative rounds but "
+                                     "rounds has no (drafts, tokens) per round adding up to its tokens")
+                if self._report_rounds(request, tokens, sizes, now):
+                    done.append(request)
+                continue
             if entry.num_draft:  # KV is valid up to the last accepted draft token
                 request.num_computed_tokens += len(tokens)
                 self.kv.trim(request.request_id, request.num_computed_tokens + 1)
@@ -543,6 +590,33 @@ class Scheduler:
                 self._finish(root, root.beam.finish())
                 done.append(root)
         return done
+
+    def _report_rounds(self, request: Request, tokens: Sequence[int], sizes: Sequence[tuple[int, int]],
+                       now: float) -> bool:
+        """Apply an entry of speculative rounds round by round, as that many speculative steps would: count each
+        round's drafts and accepted ones, append its tokens (each one's KV, but the last's, was written on the
+        device) and stop at EOS, a stop token, max_tokens or the model's length; the rounds after a stop are
+        dropped uncounted. Pages past the last token are freed. True when the request finished."""
+        if request.first_token_time is None:
+            request.first_token_time = now
+        at = 0
+        for drafted, emitted in sizes:
+            request.num_draft_tokens += drafted
+            request.num_accepted_tokens += emitted - 1
+            self.num_draft_tokens += drafted
+            self.num_accepted_tokens += emitted - 1
+            for token in tokens[at:at + emitted]:
+                request.num_computed_tokens += 1
+                request.output_token_ids.append(token)
+                status = self._stop_status(request, token)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    return True
+            at += emitted
+        self.kv.trim(request.request_id, request.num_computed_tokens + 1)
+        self.kv.cache_pages(request)
+        return False
 
     def _report_advanced(self, request: Request, entry: ScheduledRequest, step: int,
                          sampled_token_ids: Mapping[str, int | Sequence[int]], now: float) -> bool:

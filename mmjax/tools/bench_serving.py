@@ -57,9 +57,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="spec-acceptance: the weights' dtype")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes")
     p.add_argument("--spec-k", type=int, default=4, help="speculative mode: tokens proposed per step")
+    p.add_argument("--spec-rounds", type=int, default=8,
+                   help="speculative mode, method ngram_rounds: speculative rounds per device call")
     p.add_argument("--spec-methods", nargs="+", choices=bench_spec.METHODS, default=list(bench_spec.METHODS),
                    help="speculative and spec-acceptance modes: the methods measured (ngram_device: the n-gram "
-                        "lookup made on the device, serve.speculative.proposer_on_device; draft_device: the draft "
+                        "lookup made on the device, serve.speculative.proposer_on_device; ngram_rounds: that with "
+                        "--spec-rounds rounds per call, serve.speculative.rounds; draft_device: the draft "
                         "model's steps inside the verifying step, the same setting)")
     p.add_argument("--draft-layers", type=int, default=2, help="speculative mode: the draft model's layers")
     p.add_argument("--num-beams", type=int, default=4, help="speculative mode: beams of the beam-search phase")
@@ -168,7 +171,8 @@ def _spec_acceptance(args: argparse.Namespace, command: str) -> int:
 
 def _speculative(args: argparse.Namespace, cfg, command: str) -> int:
     spec = bench_spec.SpecBenchSpec(batches=tuple(args.batches or (1, 8)), prompt_len=args.prompt_len,
-                                    new_tokens=args.new_tokens, num_tokens=args.spec_k, draft_layers=args.draft_layers,
+                                    new_tokens=args.new_tokens, num_tokens=args.spec_k, rounds=args.spec_rounds,
+                                    draft_layers=args.draft_layers,
                                     num_beams=args.num_beams, beam_batch=args.beam_batch, seed=args.seed)
     hf_config = None if args.no_hf else text_config_to_hf(cfg.model.text, cfg.model.vocab_size,
                                                          max(cfg.model.max_seq_len, args.prompt_len + args.new_tokens),

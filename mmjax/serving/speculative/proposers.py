@@ -32,6 +32,7 @@ from mmjax.serving.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 from mmjax.serving.runner import ModelRunner
 from mmjax.serving.sampling import SamplingTensors, full_sampler_history
 from mmjax.serving.speculative.draft_device import CATCH_UP, draft_index, draw_draft
+from mmjax.serving.speculative.length import next_draft_length
 
 
 def decoding(request: Request) -> bool:
@@ -59,13 +60,22 @@ class DraftLength:
         k = self._k.get(rid, self.max_k)
         drafted, accepted = request.num_draft_tokens, request.num_accepted_tokens
         before = self._seen.get(rid, (drafted, accepted))
-        d, a = drafted - before[0], accepted - before[1]
-        if d and a == d:
-            k = min(self.max_k, k + 1)
-        elif d and 2 * a < d:
-            k = max(1, k - 1)
+        k = next_draft_length(k, drafted - before[0], accepted - before[1], self.max_k)
         self._k[rid], self._seen[rid] = k, (drafted, accepted)
         return k
+
+    def replay(self, request_id: str, rounds: Sequence[tuple[int, int]]) -> None:
+        """A call of speculative rounds adapted k after each round on the device: apply the same rule to each
+        round's (drafted, emitted) so the next call starts from the k its last round left, and count the rounds
+        as seen (they are not a delta for the next `__call__`)."""
+        if not self.adaptive or request_id not in self._seen:
+            return
+        k = self._k.get(request_id, self.max_k)
+        drafted, accepted = self._seen[request_id]
+        for d, emitted in rounds:
+            k = next_draft_length(k, d, emitted - 1, self.max_k)
+            drafted, accepted = drafted + d, accepted + emitted - 1
+        self._k[request_id], self._seen[request_id] = k, (drafted, accepted)
 
     def keep_only(self, request_ids: set[str]) -> None:
         """Forget requests that are no longer running."""
@@ -105,19 +115,37 @@ class DeviceNgramProposer:
     """Prompt lookup on the device: each decoding request gets `spec_token_ids` of placeholders, the draft slots
     the scheduler budgets and allocates KV for (k, or what `adaptive` and the speculation policy allow); the
     runner's step looks the drafts up in the request's token history on the device, fills as many slots as the
-    lookup found (none: the step emits its plain next token) and verifies them in the same call."""
+    lookup found (none: the step emits its plain next token) and verifies them in the same call.
+
+    With `rounds` > 1 (`serve.speculative.rounds`) a call may run several speculative rounds, in which each
+    request reserves k draft slots (the scheduler's `spec_draft_slots`: with `adaptive` the device adapts k after
+    every round, up to k); `propose` then returns the k each request's first round starts from (its placeholders'
+    count, as for one round), and `observe` replays the rounds' adaptation on the host."""
 
     def __init__(self, cfg: SpeculativeConfig) -> None:
         self.k = cfg.num_tokens
+        self.rounds = cfg.rounds
         self.length = DraftLength(cfg)
         self.limit = self.k  # most proposals per request this step (the engine's speculation policy sets it)
 
-    def propose(self, requests: Sequence[Request]) -> dict[str, np.ndarray]:
+    def propose(self, requests: Sequence[Request]) -> dict[str, int]:
+        """Reserve each decoding request's draft slots; returns {request: drafts its first round may make}
+        with rounds, else {}."""
         self.length.keep_only({r.request_id for r in requests})
+        first: dict[str, int] = {}
         for r in requests:
             if decoding(r):
-                r.spec_token_ids = [PLACEHOLDER_TOKEN] * min(self.length(r), self.limit)
-        return {}
+                k = min(self.length(r), self.limit)
+                if self.rounds > 1:
+                    first[r.request_id] = k
+                r.spec_token_ids = [PLACEHOLDER_TOKEN] * k
+        return first
+
+    def observe(self, sampled: Mapping[str, Any]) -> None:
+        """After a call of speculative rounds: each request's k as its last round left it (`SampledToken.rounds`)."""
+        for rid, s in sampled.items():
+            if getattr(s, "rounds", ()):
+                self.length.replay(rid, s.rounds)
 
 
 @dataclasses.dataclass
