@@ -614,10 +614,14 @@ class ServeConfig:
     max_logprobs: int = 5  # most top logprobs a request may ask for (every step computes this many)
     seed: int = 0  # draws the sampling seed of each request that gives none, so a run is reproducible
     max_beam_width: int = 4  # most beams a beam-search request may ask for (the step returns 2x this many candidates)
-    # > 1: when every running request is decoding (and no waiting request can be admitted), run this many decode
-    # steps in one device call (tokens fed back on device; the host's per-step work is paid once per call; outputs
-    # come k at a time); 0 = by backend: 8 on a GPU or TPU, 1 on the CPU (serving.runner.auto_decode_steps)
+    # > 1: when every running request is decoding (and no waiting request can be admitted; with mixed_decode_steps
+    # also in calls that prefill), run this many decode steps in one device call (tokens fed back on device; the
+    # host's per-step work is paid once per call; outputs come k at a time); 0 = by backend: 8 on a GPU or TPU, 1
+    # on the CPU (serving.runner.auto_decode_steps)
     decode_steps: int = 0
+    # with decode_steps > 1: a call that prefills (a prompt's chunk, an admitted request) also runs decode_steps - 1
+    # more decode steps for the requests decoding after its ragged step (docs/serving.md, "Mixed calls")
+    mixed_decode_steps: bool = True
     overlap_decode: bool = True  # with decode_steps > 1: launch the next multi-step call before reading the current
     # one's tokens (the host's work between calls overlaps the device's; see Scheduler.schedule_chained)
     # with decode_steps = 1: launch step N+1 before step N's tokens reach the host, its inputs fed from N's samples

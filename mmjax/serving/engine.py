@@ -119,7 +119,8 @@ class Engine:
                                    max_num_seqs=serve.max_num_seqs, max_model_len=self.max_model_len,
                                    enable_chunked_prefill=serve.enable_chunked_prefill,
                                    long_prefill_token_threshold=serve.long_prefill_token_threshold,
-                                   decode_steps=self.runner.decode_steps, spec_rounds=self.runner.spec_rounds,
+                                   decode_steps=self.runner.decode_steps, mixed_steps=self.runner.mixed_steps,
+                                   spec_rounds=self.runner.spec_rounds,
                                    spec_draft_slots=self.runner.spec_k)
         self.image_token_id = self.runner.image_token_id
         # speculative decoding (serve.speculative): draft_model is an MLLM for method=draft (else its checkpoint)

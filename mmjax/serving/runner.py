@@ -267,6 +267,11 @@ class ModelRunner:
                              if serve.speculative.method == "none" or self.spec_dynamic else 1)
         self._multi = PackedStep(self._multi_step_fn, wrap=wrap, put=self._put,
                                  out_shardings=None if out is None else (*out, rep))
+        # a call that prefills also decodes decode_steps tokens for its decoding requests (the ragged step, then
+        # decode steps); not with speculation (its steps verify drafts)
+        self.mixed_steps = self.decode_steps > 1 and not self.spec_k and serve.mixed_decode_steps
+        self._mixed = PackedStep(self._mixed_step_fn, wrap=wrap, put=self._put,
+                                 out_shardings=None if out is None else (*out, rep))
         self._decode = PackedStep(self._decode_step_fn, wrap=wrap, put=self._put,
                                   out_shardings=None if out is None else (*out, rep))
         self._rounds = PackedStep(self._spec_rounds_fn, wrap=wrap, put=self._put,
@@ -275,6 +280,7 @@ class ModelRunner:
         # calls fed on the device by the call launched before them, while it ran: chained multi-step calls
         # (Scheduler.schedule_chained) and overlapped steps (Scheduler.advance)
         self.num_chained = 0
+        self.num_mixed = 0  # mixed calls: a ragged step that prefills, then decode steps (`_mixed_step_fn`)
         self._encode = jax.jit(in_sharding_context(self._encode_fn, sharding), out_shardings=rep)
 
     def _memory_devices(self, mesh: jax.sharding.Mesh | None) -> list[Any]:
@@ -358,9 +364,6 @@ class ModelRunner:
         if self.draft is not None:
             (state, draft_state), (pools, draft_pools) = state, pools
         model = self._model(state)
-        meta = PagedMeta(batch["slot_mapping"], batch["page_table"], batch["query_start"], batch["query_len"],
-                         batch["context_len"], batch["logits_indices"], kv_block_ids=batch.get("kv_block_ids"))
-        rows, mask, blocks = batch.get("image_rows"), batch.get("image_mask"), batch.get("q_block_ids")
         tokens, sampling = self._chained_inputs(batch, sampling, batch["query_start"])
         if history is not None:  # the drafts, from the histories already on the device
             reserved = batch["num_draft"]
@@ -377,10 +380,7 @@ class ModelRunner:
                                   num_draft)
         elif self.spec_k:
             drafts, num_draft = batch["drafts"], batch["num_draft"]
-        logits, pools = model.forward_paged(
-            tokens[None], batch["positions"][None], pools, meta,
-            None if rows is None else rows[None], None if mask is None else mask[None],
-            None if blocks is None else blocks[None])
+        logits, pools = self._ragged_forward(model, pools, batch, tokens)
         spec = ()
         if self.spec_k:  # logits of every row's last known token and its drafts: [S * (k + 1), V]
             s = batch["num_draft"].shape[0]
@@ -402,6 +402,17 @@ class ModelRunner:
             pools = (pools, draft_pools)
         kept = jnp.zeros(self.max_slots, jnp.int32).at[:r.tokens.shape[0]].set(r.tokens)
         return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs, *spec), pools, kept
+
+    @staticmethod
+    def _ragged_forward(model, pools, batch, tokens):
+        """The model over a ragged step's flat tokens (prefill chunks, decode tokens, image rows): the logits at
+        `logits_indices` and the pools with the step's KV written."""
+        meta = PagedMeta(batch["slot_mapping"], batch["page_table"], batch["query_start"], batch["query_len"],
+                         batch["context_len"], batch["logits_indices"], kv_block_ids=batch.get("kv_block_ids"))
+        rows, mask, blocks = batch.get("image_rows"), batch.get("image_mask"), batch.get("q_block_ids")
+        return model.forward_paged(tokens[None], batch["positions"][None], pools, meta,
+                                   None if rows is None else rows[None], None if mask is None else mask[None],
+                                   None if blocks is None else blocks[None])
 
     def _chained_inputs(self, batch, sampling, query_start):
         """The step's tokens with each chained one (chain_src >= 0) taken from the previous step's samples on the
@@ -452,25 +463,37 @@ class ModelRunner:
         return [(t, s) for t, s in self.step_shapes if t <= most]
 
     def _multi_step_fn(self, state, pools, batch, sampling, prev_last):
-        """`decode_steps` decode steps in one call: slot i's token at position start[i] + j goes through the
-        model, its KV into the page table's slot, and the token sampled from it is slot i's input of step j + 1.
-        Slots stop after num_steps[i] steps (their later tokens write to the null page, their outputs are
-        ignored). A chained slot (chain_src[i] >= 0) starts from `prev_last[chain_src[i]]`, the previous call's
-        last sample of that slot, still on device. Returns per-step [K, S] tokens, logprobs and top-k, the pools,
-        and each slot's last sample [max_num_seqs] (kept on device for the next call)."""
+        """`decode_steps` decode steps in one call (`_decode_scan`) from slot i's token at position start[i]. A
+        chained slot (chain_src[i] >= 0) starts from `prev_last[chain_src[i]]`, the previous call's last sample of
+        that slot, still on device. Returns per-step [K, S] tokens, logprobs and top-k, the pools, and each slot's
+        last sample [max_num_seqs] (kept on device for the next call)."""
         self.num_compiles += 1
         model = self._model(state)
-        i32, ps = jnp.int32, self.page_size
         s, t = batch["num_steps"].shape[0], batch["tokens"].shape[0]
+        src = batch["chain_src"]
+        first = jnp.where(src >= 0, prev_last[jnp.clip(src, 0, prev_last.shape[0] - 1)], batch["tokens"][:s])
+        outs, pools = self._decode_scan(model, pools, sampling, sampling.output_ids, batch["page_table"],
+                                        batch["start"], batch["num_steps"], first, t, self.decode_steps)
+        last = jnp.take_along_axis(outs[0], jnp.maximum(batch["num_steps"] - 1, 0)[None], axis=0)[0]
+        return outs, pools, jnp.zeros_like(prev_last).at[:s].set(last)
+
+    def _decode_scan(self, model, pools, sampling, out_ids, table, start, num_steps, first, t, length):
+        """`length` decode steps over S slots laid out by slot (token i is slot i's; `t` >= S tokens): slot i's
+        token at position start[i] + j goes through the model, its KV into the page table's slot, and the token
+        sampled from it (with the keys of output sampling.step[i] + j) is slot i's input of step j + 1. Slots stop
+        after num_steps[i] steps (their later tokens write to the null page, their outputs are ignored).
+        `out_ids`: the penalties' output history, which gets each step's draws. Returns per-step [length, S]
+        tokens, logprobs and top-k, and the pools."""
+        i32, ps = jnp.int32, self.page_size
+        s = start.shape[0]
         slots = jnp.arange(s, dtype=i32)
         pad_slots = NULL_PAGE * ps + jnp.arange(t, dtype=i32) % ps  # padding writes the null page
-        table = batch["page_table"]
         history = sampling.output_ids.shape[1]
 
         def one(carry, j):
             tok, pools, out_ids = carry
-            active = j < batch["num_steps"]
-            pos = batch["start"] + j
+            active = j < num_steps
+            pos = start + j
             page = jnp.take_along_axis(table, jnp.minimum(pos // ps, table.shape[1] - 1)[:, None], axis=1)[:, 0]
             slot = jnp.where(active, page * ps + pos % ps, pad_slots[:s])
             meta = PagedMeta(pad_slots.at[:s].set(slot), table, slots, active.astype(i32),
@@ -485,12 +508,38 @@ class ModelRunner:
                 out_ids = out_ids.at[slots, at].set(jnp.where(active, r.tokens, out_ids[slots, at]))
             return (r.tokens, pools, out_ids), (r.tokens, r.logprobs, r.top_ids, r.top_logprobs)
 
-        src = batch["chain_src"]
-        first = jnp.where(src >= 0, prev_last[jnp.clip(src, 0, prev_last.shape[0] - 1)], batch["tokens"][:s])
-        carry = (first, pools, sampling.output_ids)
-        (_, pools, _), outs = jax.lax.scan(one, carry, jnp.arange(self.decode_steps, dtype=i32))
+        (_, pools, _), outs = jax.lax.scan(one, (first, pools, out_ids), jnp.arange(length, dtype=i32))
+        return outs, pools
+
+    def _mixed_step_fn(self, state, pools, batch, sampling):
+        """A ragged step (prefill chunks, images, one decode token per decoding request) and then up to
+        `decode_steps` - 1 decode steps in the same call for the slots with num_steps[i] > 1: those whose step
+        ends at their last known token (a decoder, or a prompt completed by its chunk), each fed its sample from
+        the step before on the device, from position context_len[i]. The decode steps run over the step's S slots
+        in the slot layout of `_decode_scan`. Returns per-step [K, S] results as `_multi_step_fn` (row 0: the
+        ragged step's samples), the pools and each slot's last sample [max_num_seqs]."""
+        self.num_compiles += 1
+        model = self._model(state)
+        s = batch["num_steps"].shape[0]
+        logits, pools = self._ragged_forward(model, pools, batch, batch["tokens"])
+        r = sample(logits, sampling, self.num_logprobs)
+        out_ids, history = sampling.output_ids, sampling.output_ids.shape[1]
+        if history:  # the penalties of the decode steps see the ragged step's draw
+            slots, at = jnp.arange(s), jnp.minimum(sampling.step, history - 1)
+            out_ids = out_ids.at[slots, at].set(jnp.where(batch["num_steps"] > 1, r.tokens, out_ids[slots, at]))
+        more, pools = self._decode_scan(model, pools, sampling.replace(step=sampling.step + 1), out_ids,
+                                        batch["page_table"], batch["context_len"], batch["num_steps"] - 1, r.tokens,
+                                        pick_bucket(self.token_buckets, s), self.decode_steps - 1)
+        outs = tuple(jnp.concatenate([a[None], b]) for a, b in zip((r.tokens, r.logprobs, r.top_ids, r.top_logprobs),
+                                                                   more))
         last = jnp.take_along_axis(outs[0], jnp.maximum(batch["num_steps"] - 1, 0)[None], axis=0)[0]
-        return outs, pools, jnp.zeros_like(prev_last).at[:s].set(last)
+        return outs, pools, jnp.zeros(self.max_slots, jnp.int32).at[:s].set(last)
+
+    @property
+    def mixed_step_shapes(self) -> list[tuple[int, int]]:
+        """The step shapes a mixed call (a ragged step, then decode steps) can take: every step shape; none when
+        off (`serve.mixed_decode_steps`, one decode step per call, or speculation)."""
+        return self.step_shapes if self.mixed_steps else []
 
     def _multi_batch(self, t: int, s: int) -> dict[str, np.ndarray]:
         i32 = np.int32
@@ -527,9 +576,12 @@ class ModelRunner:
 
     def _collect_multi(self, pending: PendingStep) -> dict[str, SampledToken]:
         # one host conversion per output (Python lists, [K, S] and [K, S, top]); top lists only for rows that use them
-        tokens, logprobs, top_ids, top_lp = (x.tolist() for x in self._multi.outputs(pending.handle))
+        tokens, logprobs, top_ids, top_lp = (x.tolist() for x in (pending.packed or self._multi).outputs(
+            pending.handle))
         result = {}
         for i, entry in enumerate(pending.out.scheduled):
+            if not entry.samples:  # a mixed call's prefill chunk that does not end its prompt
+                continue
             k = entry.num_steps
             toks, lps = tuple(tokens[j][i] for j in range(k)), tuple(logprobs[j][i] for j in range(k))
             ids = tops = ((),) * k
@@ -857,6 +909,8 @@ class ModelRunner:
         if out.page_copies:
             self.copy_pages(out.page_copies)
         if out.scheduled and any(e.num_steps > 1 or e.chained for e in out.scheduled):
+            if any(e.num_tokens > 1 for e in out.scheduled):  # prefill chunks: a ragged step, then decode steps
+                return self._dispatch_mixed(out)
             return self._dispatch_multi(out, chain)
         if out.scheduled and any(e.num_rounds > 1 for e in out.scheduled):
             return self._dispatch_rounds(out, draft_probs or {})
@@ -909,6 +963,25 @@ class ModelRunner:
         return PendingStep(out, launched=self._launch(self._decode, batch, sampling), packed=self._decode)
 
     def _dispatch_one(self, out: SchedulerOutput, draft_probs: Any, chain: PendingStep | None) -> PendingStep:
+        batch, sampling, drafted = self._ragged_inputs(out, draft_probs, chain)
+        launched = self._launch(self._step, batch, sampling)
+        for rid, valid in drafted:  # the draft computed its KV through the last draft it fed
+            draft_probs.ran(rid, valid)
+        return PendingStep(out, launched=launched, packed=self._step)
+
+    def _dispatch_mixed(self, out: SchedulerOutput) -> PendingStep:
+        """Launch a mixed call (`_mixed_step_fn`): the ragged step of `out`, then each entry's num_steps - 1
+        decode steps; its tokens are read as a multi-step call's."""
+        batch, sampling, _ = self._ragged_inputs(out, None, None)
+        batch["num_steps"] = np.zeros(len(batch["query_len"]), np.int32)
+        batch["num_steps"][:len(out.scheduled)] = [e.num_steps for e in out.scheduled]
+        self.num_mixed += 1
+        return PendingStep(out, launched=self._launch(self._mixed, batch, sampling), multi=True, packed=self._mixed)
+
+    def _ragged_inputs(self, out: SchedulerOutput, draft_probs: Any,
+                       chain: PendingStep | None) -> tuple[dict[str, Any], SamplingTensors, list[tuple[str, int]]]:
+        """A ragged step's host inputs: the batch, the sampler's, and the (request, valid KV) of each slot whose
+        drafts the step's draft model computes."""
         t, s = self.step_shape(out.num_scheduled_tokens, len(out.scheduled))
         batch = self._empty_batch(t, s)
         index: dict[str, int] | None = None  # request -> its slot in `chain` (a placeholder's token)
@@ -983,11 +1056,7 @@ class ModelRunner:
             batch["prev_tokens"] = chain.last
             self.num_chained += 1
         slot_requests = [self._requests[e.owner or e.request_id].request for e in out.scheduled]
-        sampling = self._sampling(slot_requests, s)
-        launched = self._launch(self._step, batch, sampling)
-        for rid, valid in drafted:  # the draft computed its KV through the last draft it fed
-            draft_probs.ran(rid, valid)
-        return PendingStep(out, launched=launched, packed=self._step)
+        return batch, self._sampling(slot_requests, s), drafted
 
     def _draft_inputs(self, batch: dict[str, Any], i: int, request: Request, known: int, table: Sequence[int]) -> None:
         """Slot i's inputs of the draft model's steps: its last `CATCH_UP` known tokens (`known` of them) and its
@@ -1037,6 +1106,14 @@ class ModelRunner:
             for history in (0, self.max_model_len):
                 _, self.pools = self._multi(self._leaves, self.pools, self._multi_batch(t, s),
                                             SamplingTensors.from_requests([], s, history), self._no_last)
+        for t, s in self.mixed_step_shapes:
+            batch = self._empty_batch(t, s)
+            batch["num_steps"] = np.zeros(s, np.int32)
+            if not self.text_only:
+                batch["image_rows"] = self._zeros(t)
+            for history in (0, self.max_model_len):
+                _, self.pools = self._mixed(self._leaves, self.pools, batch,
+                                            SamplingTensors.from_requests([], s, history))
         for t, s in self.spec_round_shapes:
             for history in (0, self.max_model_len):
                 _, carry = self._rounds(self._leaves, (self.pools, self.history.tokens), self._rounds_batch(t, s),

@@ -116,13 +116,16 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                 decode_steps: int = 1, spec_rounds: int = 1, spec_draft_slots: int = 0,
+                 decode_steps: int = 1, mixed_steps: bool = False, spec_rounds: int = 1, spec_draft_slots: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = SchedulerLimits(max_num_batched_tokens, max_num_seqs, max_model_len, enable_chunked_prefill,
                                       long_prefill_token_threshold)
         self.kv = kv
         self.clock = clock
         self.decode_steps = decode_steps
+        # with decode_steps > 1: a step that prefills also gives its decoding requests decode_steps tokens (the
+        # runner's mixed call); off, such a step decodes one token per request
+        self.mixed_steps = mixed_steps
         self.spec_rounds = spec_rounds  # speculative rounds per call (see `_spec_rounds`)
         # draft slots a request reserves in a call of rounds (its k may grow from round to round: the most)
         self.spec_draft_slots = spec_draft_slots
@@ -272,15 +275,35 @@ class Scheduler:
     def _multi_steps(self) -> int:
         """Decode steps for this step's call: `decode_steps` when every running request is decoding one token
         (no prefill, beam or speculative tokens), they fit the budget, and no waiting request could be admitted
-        now (a free sequence slot would admit it next step); else 1."""
+        now (a free sequence slot would admit it next step); else 1. With `mixed_steps` prefills and admissions
+        may join such a call (each request whose step ends at its last known token takes the steps), but beam
+        searches (running or waiting) and speculative tokens still make it 1."""
         k, running = self.decode_steps, self.running
-        if k <= 1 or not running or len(running) > self.limits.max_num_batched_tokens:
+        if k <= 1 or not running and not (self.mixed_steps and self.waiting):
             return 1
-        if self._could_admit():
+        if self.mixed_steps:
+            if any(r.beam is not None or r.spec_token_ids for r in running) or any(
+                    r.beam is not None for r in self.waiting):
+                return 1
+            return k
+        if len(running) > self.limits.max_num_batched_tokens or self._could_admit():
             return 1
         for r in running:
             if r.beam is not None or r.spec_token_ids or r.num_tokens - r.num_computed_tokens != 1:
                 return 1
+        return k
+
+    def _more_steps(self, request: Request, start: int, n: int, steps: int, pages: Sequence[int] = ()) -> int:
+        """Steps of a multi-step or mixed call for a request computing `n` tokens from position `start` now: 1
+        unless `steps` > 1 and the chunk ends at its last known token, else `steps` within its max_tokens and the
+        model's length. When it is > 1 the KV room for the tokens fed back (n + steps - 1 tokens from `start`) is
+        taken here (on admission with the prefix hit: its `pages`, `start` tokens); where the pages are short, 1
+        (the caller then allocates the n tokens, preempting or waiting as for a single step)."""
+        if steps <= 1 or start + n != request.num_tokens:
+            return 1
+        k = self._steps_for(request, steps=steps)
+        if k <= 1 or self.kv.allocate_slots(request, n + k - 1, pages, start if pages else 0) is None:
+            return 1
         return k
 
     def _spec_rounds(self) -> int:
@@ -364,11 +387,12 @@ class Scheduler:
             if n == 0:  # its next image does not fit what is left of the budget
                 i += 1
                 continue
-            # multi-step: KV room for the tokens fed back, within max_tokens and the model's length
-            k = max(1, self._steps_for(request, steps=steps))
+            # multi-step: KV room for the tokens fed back, within max_tokens and the model's length (only where
+            # the step ends at the last known token: a partial prefill chunk samples nothing to feed back)
+            k = self._more_steps(request, request.num_computed_tokens, n, steps) if not drafts else 1
             # speculative rounds: KV room for every token the call may emit (the rounds' positions advance)
             limit = self._round_limit(request, rounds, n) if rounds > 1 else 0
-            while self.kv.allocate_slots(request, max(n, k, limit)) is None:
+            while self.kv.allocate_slots(request, max(n, limit)) is None:
                 victim = self.running[-1]  # least urgent; never one already scheduled (those are before i)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -395,7 +419,8 @@ class Scheduler:
             if not self.limits.enable_chunked_prefill and n > budget:
                 break
             n = self._chunk(request, num_cached, budget)
-            if n == 0 or self.kv.allocate_slots(request, n, pages, num_cached) is None:
+            k = self._more_steps(request, num_cached, n, steps, pages) if n and request.beam is None else 1
+            if n == 0 or k == 1 and self.kv.allocate_slots(request, n, pages, num_cached) is None:
                 break
             self.waiting.pop(0)
             if request.status is RequestStatus.PREEMPTED:
@@ -409,7 +434,8 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             self._insert(self.running, request)
-            scheduled.append(self._entry(request, n))
+            entry = self._entry(request, n)
+            scheduled.append(dataclasses.replace(entry, num_steps=k) if k > 1 else entry)
             budget -= n
             num_seqs += self._seq_cost(request)
 
