@@ -531,7 +531,8 @@ class Engine:
     def stats(self) -> dict[str, float]:
         """Scheduler gauges plus the runner's compile, step and image-cache counters."""
         return {**self.scheduler.stats(), "num_compiles": self.runner.num_compiles,
-                "num_steps": self.runner.num_steps, "image_cache_hits": self.runner.image_cache.hits,
+                "num_steps": self.runner.num_steps, "num_mixed_calls": self.runner.num_mixed,
+                "image_cache_hits": self.runner.image_cache.hits,
                 "image_cache_misses": self.runner.image_cache.misses, "spec_steps": self.num_spec_steps,
                 "spec_plain_calls": self.num_plain_calls,
                 "spec_policy_k": self.policy.last_k if self.policy is not None else 0}

@@ -301,10 +301,11 @@ def test_multi_step_decode_through_the_gpu_kernels_equals_xla(tiny, monkeypatch,
     def generate():
         llm = LLM.__new__(LLM)
         llm.engine = Engine(cfg, model, CharTokenizer(), warmup=False)
-        return [o.token_ids for o in llm.generate(prompts, params)]
+        return [o.token_ids for o in llm.generate(prompts, params)], llm.engine.runner.num_mixed
 
-    want = generate()
+    want, _ = generate()
     with _dispatch.assume_platform("gpu", (9, 0)):
-        got = generate()
+        got, mixed = generate()
     assert got == want and all(len(ids) == 9 for ids in got)
+    assert (mixed > 0) == (decode_steps > 1)  # the prefilling calls decoded too (mixed calls)
     assert (True, True) in calls  # the decode steps' attention wrote k, v itself, in slot order
