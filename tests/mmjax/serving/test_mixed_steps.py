@@ -38,10 +38,13 @@ def _jobs(tiny, seed):
     rng = np.random.default_rng(seed)
     img_tok = tiny["image_token"]
     picture = rng.standard_normal((8, 8, 3)).astype(np.float32)
+    shared = rng.integers(4, 64, 9).tolist()  # a prefix that the prefix cache serves
     jobs = []
     for i in range(14):
         n = int(rng.integers(3, 24))  # longer than the budget's 16 tokens: chunked prefill
         prompt = rng.integers(4, 64, n).tolist()
+        if i % 3 == 2:
+            prompt = shared + prompt[:10]
         images = []
         if i % 5 == 1 and n >= 8:
             prompt[2:6] = [img_tok] * 4
@@ -56,6 +59,9 @@ def _jobs(tiny, seed):
                   SamplingParams(max_tokens=max_tokens, temperature=1.1, seed=i, frequency_penalty=0.6,
                                  stop_token_ids=[img_tok, int(prompt[-1])])][kind]
         jobs.append((prompt, images, params))
+    # the model's length (40) is reached inside a call
+    jobs.append((rng.integers(4, 64, 35).tolist(), [], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                                       stop_token_ids=[img_tok])))
     return jobs
 
 
@@ -104,12 +110,14 @@ def test_mixed_calls_equal_single_steps_and_greedy(setup):
     want = _run(one, jobs)
     got = _run(mixed, jobs)
     _same(got, want)
-    assert mixed.runner.num_mixed > 0
+    assert mixed.runner.num_mixed > 0 and mixed.stats()["prefix_cache_hits"] > 0
     assert mixed.runner.num_steps - calls[1] < one.runner.num_steps - calls[0]
+    assert got[2][f"r{len(jobs) - 1}"].finish_reason == "length" and len(got[0][f"r{len(jobs) - 1}"]) == 5
     ref = setup["ref"]
     for i, (prompt, images, params) in enumerate(jobs):
         if params.temperature == 0 and not params.uses_penalties and len(params.stop_token_ids) == 1:
-            assert got[0][f"r{i}"] == ref.greedy(prompt, params.max_tokens, images, eos=EOS)
+            eos = None if params.ignore_eos else EOS
+            assert got[0][f"r{i}"] == ref.greedy(prompt, params.max_tokens, images, eos=eos)
 
 
 def test_mixed_calls_stop_inside_a_call(setup):
