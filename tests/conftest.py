@@ -47,25 +47,37 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# Modules whose time is the run, not the compile: the interpret-mode kernels (Pallas runs op by op there) run
-# slower at -O0, so they keep XLA's full optimisation.
-FULL_OPTIMIZATION = ("kernels",)
+# Folders that keep XLA's full optimisation in the GPU run (`-m gpu`): the kernels' GPU tests compile what users
+# run. On CPU their interpret-mode runs take less time at -O0 as well (measured file by file), so there they compile
+# like every other module.
+FULL_OPTIMIZATION_ON_GPU = ("kernels",)
+FAST_COMPILE_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"  # jax's environment default for jax_disable_most_optimizations
 
 
 @pytest.fixture(scope="module", autouse=True)
 def fast_compile(request):
     """Every test module's XLA compiles at LLVM -O0 without the expensive passes (`jax_disable_most_optimizations`:
-    backend optimisation level 0, no expensive LLVM passes), except the `FULL_OPTIMIZATION` folders and the
-    modules marked `real_model` (a 135M-parameter model runs slower at -O0 than it compiles faster): CPU compile
-    time is most of the tiny training and serving runs' time, and the float32 results are the same (XLA:CPU has no
-    fast-math by default). Restored after the module."""
+    backend optimisation level 0, no expensive LLVM passes), except the modules marked `real_model` (a
+    135M-parameter model runs slower at -O0 than it compiles faster) and, in the GPU run, the
+    `FULL_OPTIMIZATION_ON_GPU` folders: CPU compile time is most of the tiny training and serving runs' time, and
+    the float32 results are the same (XLA:CPU has no fast-math by default). The processes the module starts (a CLI
+    server, an engine-core process, Ray's replicas, a second training run) inherit it through
+    `JAX_DISABLE_MOST_OPTIMIZATIONS`, so they compile as this process does. Restored after the module."""
     real_model = any(m.name == "real_model" for m in request.node.iter_markers())  # its run outweighs its compile
-    if real_model or any(part in FULL_OPTIMIZATION for part in request.path.parent.parts):
+    gpu_kernels = _selects_gpu_tests(request.config) and any(
+        part in FULL_OPTIMIZATION_ON_GPU for part in request.path.parent.parts)
+    if real_model or gpu_kernels:
         yield
         return
     import jax
 
     previous = jax.config.read("jax_disable_most_optimizations")
+    previous_env = os.environ.get(FAST_COMPILE_ENV)
     jax.config.update("jax_disable_most_optimizations", True)
+    os.environ[FAST_COMPILE_ENV] = "1"  # read by jax at import: this process's setting is the call above
     yield
     jax.config.update("jax_disable_most_optimizations", previous)
+    if previous_env is None:
+        os.environ.pop(FAST_COMPILE_ENV, None)
+    else:
+        os.environ[FAST_COMPILE_ENV] = previous_env

@@ -23,6 +23,16 @@ MAX_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
+def converted(smollm2, tmp_path_factory):
+    """A data.cache_dir holding SmolLM2's float32 mmjax weights, converted once for the module: the greedy test
+    serves them and the fine-tune's `model.init_from` finds them there (`converted_copy` reuses a conversion)."""
+    from mmjax.checkpoint.convert.init_from import converted_copy
+
+    cache = tmp_path_factory.mktemp("cache")
+    return cache, converted_copy(smollm2, "float32", cache)
+
+
+@pytest.fixture(scope="module")
 def hf_answers(smollm2):
     """(prompt ids, greedy answer ids without the final eos) of every chat, from transformers in float32."""
     tok = T.AutoTokenizer.from_pretrained(smollm2)
@@ -47,14 +57,13 @@ def test_chat_template_renders_as_transformers(smollm2, hf_answers):
     assert ours.stop_ids == [hf_tok.eos_token_id] and ours.bos_id == hf_tok.bos_token_id
 
 
-def test_greedy_answers_equal_transformers(smollm2, hf_answers, tmp_path_factory):
-    from mmjax.checkpoint.convert.init_from import converted_copy
+def test_greedy_answers_equal_transformers(smollm2, hf_answers, converted):
     from mmjax.serving.engine import LLM
     from mmjax.serving.request import SamplingParams
 
     hf_tok, answers = hf_answers
     assert "Paris" in hf_tok.decode(answers[0][1])  # a real model, not random weights
-    ckpt = converted_copy(smollm2, "float32", tmp_path_factory.mktemp("cache"))
+    _, ckpt = converted
     llm = LLM.from_checkpoint(ckpt, Tokenizer.from_file(smollm2),
                               overrides=["serve.max_num_seqs=3", "serve.num_pages=64", "serve.min_token_bucket=4",
                                          "serve.max_num_batched_tokens=64"])
@@ -67,13 +76,15 @@ def test_greedy_answers_equal_transformers(smollm2, hf_answers, tmp_path_factory
 RECORDS = [{"id": str(i), "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
            for i, (q, a) in enumerate([("What colour is the sky on a clear day?", "Blue."), ("What is 2 + 2?", "4."),
                                        ("Name a fruit.", "An apple."), ("What is the capital of Italy?", "Rome.")])]
+STEPS = 3  # a pass over the four examples (batches of 2) and one batch more: the last loss is below the first
 
 
 @pytest.mark.slow
-def test_ten_step_full_fine_tune_exports_with_the_same_logits(smollm2, tmp_path):
-    """Every weight trains (float32, 10 steps on four chat examples), the run exports to a Hugging Face folder, and
-    transformers' logits of that folder equal mmjax's of the trained parameters; the exported config keeps the
-    source's context length and token ids."""
+def test_full_fine_tune_exports_with_the_same_logits(smollm2, converted, tmp_path):
+    """Every weight trains (float32, 3 steps on four chat examples: the loss falls and the weights move), the run
+    exports to a Hugging Face folder, and transformers' logits of that folder equal mmjax's of the trained
+    parameters; the exported config keeps the source's context length and token ids. The run starts from the
+    module's converted weights (its data.cache_dir), as a second run from the same folder would."""
     import json
 
     import jax
@@ -87,16 +98,16 @@ def test_ten_step_full_fine_tune_exports_with_the_same_logits(smollm2, tmp_path)
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
     cfg = load_run_config("finetune_llava.yaml", [
-        f"model.init_from=hf:{smollm2}", f"data.paths=[{data}]", f"data.cache_dir={tmp_path / 'cache'}",
+        f"model.init_from=hf:{smollm2}", f"data.paths=[{data}]", f"data.cache_dir={converted[0]}",
         f"train.output_dir={tmp_path / 'run'}", "model.max_seq_len=64", "model.compute_dtype=float32",
         "model.remat=none", "data.packing=false", "data.num_workers=0", "train.global_batch_size=2",
-        "train.steps=10", "optim.warmup_steps=0", "optim.lr=1e-4", "observe.sinks=[jsonl]", "observe.log_every=1",
-        "checkpoint.every_steps=0", "checkpoint.async=false"])
+        f"train.steps={STEPS}", "optim.warmup_steps=0", "optim.lr=1e-4", "observe.sinks=[jsonl]",
+        "observe.log_every=1", "checkpoint.every_steps=0", "checkpoint.async=false"])
     trainer = Trainer(cfg, devices=jax.devices()[:1])  # a batch of 2 on one device: the CPU's real layout
     trainer.run()
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     losses = [json.loads(x)["train/loss"] for x in lines if "train/loss" in x]
-    assert len(losses) == 10 and np.isfinite(losses).all() and losses[-1] < losses[0]
+    assert len(losses) == STEPS and np.isfinite(losses).all() and losses[-1] < losses[0]
 
     out = export_hf(tmp_path / "run" / "checkpoints", tmp_path / "hf")
     exported = json.loads((out / "config.json").read_text())
