@@ -20,6 +20,11 @@ def pytest_configure(config):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     if not _selects_gpu_tests(config):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        # torch (the Hugging Face references) and numpy's BLAS on one thread each (before either is imported):
+        # with every core busy (`pytest -n 2` on 2 cores), a second intra-op thread only spins against the other
+        # worker; the references are tiny models, and one thread gives every machine the same reduction order.
+        # XLA's CPU thread pool does not read the variable.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
         if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
             # One persistent compilation cache for this session, fresh each run: the many CLI runs of the same
             # tiny model (in this process and in the subprocesses that inherit the variable) compile each
