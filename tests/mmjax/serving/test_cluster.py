@@ -170,7 +170,11 @@ def test_killed_replica_loses_no_unstarted_request_and_comes_back(cluster):
             break
         assert time.monotonic() < deadline, f"no replacement replica: {status}"
         time.sleep(1)
-    assert {served_by(c, messages=[{"role": "user", "content": f"w{11 + i} w{33 + i}"}]) for i in range(6)} == set(now)
+    served, i = set(), 0
+    while served != set(now):  # unrelated requests spread: the replacement takes its share once the router sees it
+        assert i < 48, f"48 unrelated requests reached only {served} of {set(now)}"
+        served.add(served_by(c, messages=[{"role": "user", "content": f"w{11 + i} w{33 + i}"}]))
+        i += 1
 
 
 def test_tensor_parallel_serving_equals_one_device(run_dir, offline):
