@@ -598,11 +598,7 @@ class Scheduler:
             for index, token in enumerate(tokens):
                 if index and entry.num_steps > 1:  # multi-step: the previous token's KV was written on device
                     request.num_computed_tokens += 1
-                request.output_token_ids.append(token)
-                status = self._stop_status(request, token)
-                if status is not None:
-                    self.running.remove(request)
-                    self._finish(request, status)
+                if self._append_token(request, token):
                     done.append(request)
                     break
             else:
@@ -616,6 +612,17 @@ class Scheduler:
                 self._finish(root, root.beam.finish())
                 done.append(root)
         return done
+
+    def _append_token(self, request: Request, token: int) -> bool:
+        """Append a sampled token; True when the request stops there (EOS, a stop token, max_tokens or the
+        model's length), finished and out of the running list."""
+        request.output_token_ids.append(token)
+        status = self._stop_status(request, token)
+        if status is None:
+            return False
+        self.running.remove(request)
+        self._finish(request, status)
+        return True
 
     def _report_rounds(self, request: Request, tokens: Sequence[int], sizes: Sequence[tuple[int, int]],
                        now: float) -> bool:
@@ -633,11 +640,7 @@ class Scheduler:
             self.num_accepted_tokens += emitted - 1
             for token in tokens[at:at + emitted]:
                 request.num_computed_tokens += 1
-                request.output_token_ids.append(token)
-                status = self._stop_status(request, token)
-                if status is not None:
-                    self.running.remove(request)
-                    self._finish(request, status)
+                if self._append_token(request, token):
                     return True
             at += emitted
         self.kv.trim(request.request_id, request.num_computed_tokens + 1)
