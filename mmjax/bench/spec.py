@@ -195,73 +195,122 @@ WORKLOADS = {
 
 
 def run_acceptance(cfg: Config, model: Any, tokenizer: Any, *, num_tokens: int = 4, draft_layers: int = 8,
-                   new_tokens: int = 96, methods: tuple[str, ...] = METHODS) -> dict[str, Any]:
-    """Greedy, batch 1, through the engine: per method (none, n-gram lookup, a draft of the target's first
-    `draft_layers` layers) and workload (`WORKLOADS`, chat-templated), the acceptance rate (accepted / proposed),
-    accepted tokens per decode step and per verifying step, tokens per decode step, and whether the tokens equal
-    the plain run's (greedy speculation must not change them). Wall times are recorded but, on a CPU, say
-    nothing about speed."""
+                   new_tokens: int = 96, methods: tuple[str, ...] = METHODS, rounds: int = 8,
+                   warm: bool | None = None) -> dict[str, Any]:
+    """Greedy, batch 1, through the engine: per method (`METHODS`: none, n-gram lookup, a draft of the target's
+    first `draft_layers` layers) and workload (`WORKLOADS`, chat-templated), the acceptance rate (accepted /
+    proposed), accepted tokens per decode step and per verifying step, tokens per decode step, whether the tokens
+    equal the plain run's (greedy speculation must not change them), tok/s and the speedup over `none` (plain
+    decoding at the config's settings, e.g. its multi-step calls). With `warm` (default: off the CPU) each
+    workload runs once untimed first, which compiles every shape the timed pass uses (the passes are greedy and
+    the prefix cache is off, so the steps are the same); on a CPU the wall times say nothing about an
+    accelerator's speed."""
     prompts = {w: [render_chat(tokenizer, [{"role": "user", "content": p}]) for p in ps] for w, ps in WORKLOADS.items()}
     longest = max(len(p) for ps in prompts.values() for p in ps)
-    max_len = -(-(longest + new_tokens + num_tokens + 1) // 64) * 64
+    max_len = -(-(longest + new_tokens + rounds * (num_tokens + 1) + 1) // 64) * 64
     serve = dataclasses.replace(cfg.serve, page_size=16, num_pages=1 + 2 * max_len // 16, max_num_seqs=2,
-                                max_num_batched_tokens=max(512, 2 * (num_tokens + 1)), max_model_len=max_len,
-                                max_beam_width=0, max_logprobs=0)
+                                max_num_batched_tokens=max(512, 2 * rounds * (num_tokens + 1)), max_model_len=max_len,
+                                max_beam_width=0, max_logprobs=0, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
     dev = jax.devices()[0]
+    warm = dev.platform != "cpu" if warm is None else warm
     record: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
-        "model": {"layers": cfg.model.text.n_layers, "dim": cfg.model.text.dim, "vocab": cfg.model.vocab_size},
-        "num_tokens": num_tokens, "draft_layers": draft_layers, "new_tokens": new_tokens, "rows": []}
+        "model": {"layers": cfg.model.text.n_layers, "dim": cfg.model.text.dim, "vocab": cfg.model.vocab_size,
+                  "param_dtype": cfg.model.param_dtype},
+        "num_tokens": num_tokens, "rounds": rounds, "draft_layers": draft_layers, "new_tokens": new_tokens,
+        "warm": warm, "rows": []}
     plain: dict[tuple[str, int], list[int]] = {}
+    plain_tok_s: dict[str, float] = {}
     for method in methods:
         draft = first_layers_draft(cfg, model, draft_layers) if method in ("draft", "draft_device") else None
-        sc = method_config(SpeculativeConfig(), method, num_tokens=num_tokens)
+        sc = method_config(SpeculativeConfig(), method, num_tokens=num_tokens, rounds=rounds)
         engine = Engine(dataclasses.replace(cfg, serve=dataclasses.replace(serve, speculative=sc)), model, tokenizer,
                         draft_model=draft)
         for workload, ps in prompts.items():
-            row = {"method": method, "workload": workload, "tokens": 0, "decode_steps": 0, "verify_steps": 0,
-                   "drafted": 0, "accepted": 0, "seconds": 0.0, "same_as_plain": True}
-            for i, ids in enumerate(ps):
-                t0 = time.perf_counter()
-                engine.add_request(ids, sampling_params=params)
-                tokens: list[int] = []
-                drafted = 0
-                while engine.has_unfinished():
-                    for o in engine.step():
-                        if not o.new_token_ids:
-                            continue
-                        if tokens:  # the first token comes from the prefill
-                            row["decode_steps"] += 1
-                            row["verify_steps"] += o.metrics.num_draft_tokens > drafted
-                        drafted = o.metrics.num_draft_tokens
-                        tokens = list(o.token_ids)
-                        if o.finished:
-                            row["drafted"] += o.metrics.num_draft_tokens
-                            row["accepted"] += o.metrics.num_accepted_tokens
-                row["seconds"] += time.perf_counter() - t0
-                row["tokens"] += len(tokens)
+            if warm:
+                _acceptance_pass(engine, ps, params)
+            compiles = engine.runner.num_compiles
+            row, outputs = _acceptance_pass(engine, ps, params)
+            row = {"method": method, "workload": workload, **row,
+                   "compiles_during_timing": engine.runner.num_compiles - compiles if warm else None}
+            for i, tokens in enumerate(outputs):
                 if method == "none":
                     plain[workload, i] = tokens
                 elif (workload, i) in plain:
                     row["same_as_plain"] &= plain[workload, i] == tokens
-            d, steps = row["drafted"], row["decode_steps"]
-            row["acceptance"] = row["accepted"] / d if d else None
-            row["accepted_per_decode_step"] = row["accepted"] / steps if steps else None
-            row["accepted_per_verify_step"] = row["accepted"] / row["verify_steps"] if row["verify_steps"] else None
-            row["tokens_per_decode_step"] = (row["tokens"] - len(ps)) / steps if steps else None
+            row["tok_s"] = row["tokens"] / row["seconds"]
+            if method == "none":
+                plain_tok_s[workload] = row["tok_s"]
+            row["speedup"] = row["tok_s"] / plain_tok_s[workload] if workload in plain_tok_s else None
             record["rows"].append(row)
         del engine
     return record
 
 
+def _acceptance_pass(engine: Engine, prompts: list[list[int]], params: SamplingParams
+                     ) -> tuple[dict[str, Any], list[list[int]]]:
+    """One request at a time: the counts of `run_acceptance`'s row, and each request's tokens."""
+    row = {"tokens": 0, "decode_steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "seconds": 0.0,
+           "same_as_plain": True}
+    outputs = []
+    for ids in prompts:
+        t0 = time.perf_counter()
+        engine.add_request(ids, sampling_params=params)
+        tokens: list[int] = []
+        drafted = 0
+        while engine.has_unfinished():
+            for o in engine.step():
+                if not o.new_token_ids:
+                    continue
+                if tokens:  # the first token comes from the prefill
+                    row["decode_steps"] += 1
+                    row["verify_steps"] += o.metrics.num_draft_tokens > drafted
+                drafted = o.metrics.num_draft_tokens
+                tokens = list(o.token_ids)
+                if o.finished:
+                    row["drafted"] += o.metrics.num_draft_tokens
+                    row["accepted"] += o.metrics.num_accepted_tokens
+        row["seconds"] += time.perf_counter() - t0
+        row["tokens"] += len(tokens)
+        outputs.append(tokens)
+    d, steps = row["drafted"], row["decode_steps"]
+    row["acceptance"] = row["accepted"] / d if d else None
+    row["accepted_per_decode_step"] = row["accepted"] / steps if steps else None
+    row["accepted_per_verify_step"] = row["accepted"] / row["verify_steps"] if row["verify_steps"] else None
+    row["tokens_per_decode_step"] = (row["tokens"] - len(prompts)) / steps if steps else None
+    return row, outputs
+
+
+def acceptance_latest(r: dict, source: str) -> dict[str, dict]:
+    """latest.json `spec` metrics from a warm `run_acceptance` record (real weights, batch 1): the speedups of
+    n-gram (its best on-device form measured) on the repetitive workload and of the draft on both workloads."""
+    rows = {(x["method"], x["workload"]): x for x in r["rows"] if x.get("speedup") is not None}
+    model = f"{r['model']['layers']}-layer real model"
+    out: dict[str, dict] = {}
+
+    def best(prefix: str, workload: str) -> dict | None:
+        found = [x for (m, w), x in rows.items() if m.startswith(prefix) and w == workload]
+        return max(found, key=lambda x: x["speedup"], default=None)
+
+    for key, prefix, workload, what in (("ngram_speedup_bs1_repetitive", "ngram", "repeat_edit", "n-gram"),
+                                        ("draft_speedup_bs1_repetitive", "draft", "repeat_edit", "draft"),
+                                        ("draft_speedup_bs1_chat", "draft", "chat", "draft")):
+        x = best(prefix, workload)
+        if x is not None:
+            out[key] = {"value": round(x["speedup"], 3), "source": source,
+                        "label": f"{what} ({x['method']}), batch 1, {workload} ({x['tok_s']:.0f} tok/s, acceptance "
+                                 f"{x['acceptance'] or 0:.2f}; {model})"}
+    return out
+
+
 def acceptance_table(r: dict) -> str:
     f = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
     lines = ["| method | workload | acceptance | accepted / decode step | accepted / verify step | tokens / decode "
-             "step | same tokens as plain |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "step | same tokens as plain | tok/s | speedup |", "|" + " --- |" * 9]
     for x in r["rows"]:
         lines.append(f"| {x['method']} | {x['workload']} | {f(x['acceptance'])} | {f(x['accepted_per_decode_step'])} "
                      f"| {f(x['accepted_per_verify_step'])} | {f(x['tokens_per_decode_step'])} | "
-                     f"{x['same_as_plain']} |")
+                     f"{x['same_as_plain']} | {x.get('tok_s', 0):.1f} | {f(x.get('speedup'))} |")
     return "\n".join(lines)

@@ -160,12 +160,14 @@ def _spec_acceptance(args: argparse.Namespace, command: str) -> int:
         ckpt, tokenizer = converted_copy(folder, args.dtype, cache_root()), Tokenizer.from_file(folder)
     cfg, model, tok = load_for_serving(ckpt, tokenizer, overrides=args.overrides, dtype=args.dtype)
     record = bench_spec.run_acceptance(cfg, model, tok, num_tokens=args.spec_k, draft_layers=args.draft_layers,
-                                       methods=tuple(args.spec_methods),
+                                       methods=tuple(args.spec_methods), rounds=args.spec_rounds,
                                        new_tokens=args.new_tokens)
     out = Path(args.out or f"docs/perf/results/spec/spec-acceptance-{datetime.date.today().isoformat()}.json")
     _write_record(record, out, command)
     print(bench_spec.acceptance_table(record))
     print(f"wrote {out}")
+    if record["warm"]:  # cold wall times include compiles: not speeds
+        _update_latest(args, "spec", bench_spec.acceptance_latest(record, str(out)), record, command)
     return 0
 
 
