@@ -8,11 +8,8 @@ kept in an LRU keyed by content hash; each step gathers the rows its image place
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import functools
-import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -27,6 +24,8 @@ from mmjax.model.decoder import PagedMeta
 from mmjax.parallel.sharding import in_sharding_context
 from mmjax.quant import quantize_state
 from mmjax.quant.kv import kv_cache_dtype
+from mmjax.serving.buckets import auto_decode_steps, buckets, pick_bucket
+from mmjax.serving.images import ImageCache, ImageInput
 from mmjax.serving.kv_manager import NULL_PAGE
 from mmjax.serving.request import PLACEHOLDER_TOKEN, Request
 from mmjax.serving.sampling import SamplingTensors, full_sampler_history, sample
@@ -36,135 +35,9 @@ from mmjax.serving.speculative.device_ngram import DeviceHistory, append_tokens,
 from mmjax.serving.speculative.draft_device import CATCH_UP, run_draft
 from mmjax.serving.speculative.length import next_draft_length
 from mmjax.serving.speculative.verify import verify
+from mmjax.serving.step_types import PendingStep, RequestState, SampledToken
 from mmjax.serving.transfer import PackedStep, pack
 from mmjax.serving.unroll import serving_layout
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageInput:
-    """A request's images (normalised float32 [H, W, C] each), the prompt range [start, end) of each image's
-    placeholder tokens, and each image's content hash (the encoder cache key). The engine builds it as
-    `Request.mm_data`."""
-
-    images: tuple[np.ndarray, ...]
-    ranges: tuple[tuple[int, int], ...]
-    hashes: tuple[str, ...]
-
-
-def image_hash(image: np.ndarray) -> str:
-    """Content hash of a preprocessed image (shape, dtype and bytes)."""
-    image = np.ascontiguousarray(image)
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{image.shape}{image.dtype}".encode())
-    h.update(image.tobytes())
-    return h.hexdigest()
-
-
-@dataclasses.dataclass(frozen=True)
-class SampledToken:
-    """One sampled token with its logprob and the top-k alternatives (empty when none were asked for)."""
-
-    token: int
-    logprob: float
-    top_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
-    # a step that verified speculative tokens emits several: all of them (token is the first) and their logprobs
-    tokens: tuple[int, ...] = ()
-    token_logprobs: tuple[float, ...] = ()
-    # a multi-step decode's tokens each come with their own top-k (speculative ones carry none)
-    token_top_ids: tuple[tuple[int, ...], ...] = ()
-    token_top_logprobs: tuple[tuple[float, ...], ...] = ()
-    # drafts the step verified (with the proposer on the device: what it found, at most the slots reserved)
-    num_draft: int = 0
-    # a call of speculative rounds: each round's (drafts verified, tokens emitted), in order; `tokens` holds them all
-    rounds: tuple[tuple[int, int], ...] = ()
-
-
-def auto_decode_steps(decode_steps: int) -> int:
-    """`serve.decode_steps`, with 0 (the default) resolved for the backend: on an accelerator a step's host work
-    (scheduling, launching, reading, reporting) outlasts the device's, and 8 steps per call pay it once for 8
-    tokens; on the CPU the device is the host, so one step per call (fewer shapes to compile, a token per event)."""
-    if decode_steps:
-        return decode_steps
-    return 1 if jax.default_backend() == "cpu" else 8
-
-
-def buckets(low: int, high: int) -> tuple[int, ...]:
-    """Powers of two from `low` (capped at `high`) below `high`, then `high` itself."""
-    out, b = [], max(1, min(low, high))
-    while b < high:
-        out.append(b)
-        b *= 2
-    return (*out, high)
-
-
-def pick_bucket(sizes: Sequence[int], n: int) -> int:
-    for size in sizes:
-        if size >= n:
-            return size
-    raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
-
-
-class ImageCache:
-    """LRU of encoded images [image_tokens, E] (host numpy) keyed by content hash."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._data: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
-        self.hits = 0
-        self.misses = 0
-
-    def get(self, key: str, encode: Callable[[], np.ndarray]) -> np.ndarray:
-        rows = self._data.get(key)
-        if rows is not None:
-            self.hits += 1
-            self._data.move_to_end(key)
-            return rows
-        self.misses += 1
-        rows = self._data[key] = encode()
-        if len(self._data) > self.capacity:
-            self._data.popitem(last=False)
-        return rows
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
-@dataclasses.dataclass
-class PendingStep:
-    """A dispatched scheduler step: its sampled tokens (`result`, when there was nothing to run), or the handle
-    of the call on the device (read by `ModelRunner.collect`) and its slots' last samples, kept on the device
-    (`last`, [max_num_seqs]; slot i is `out.scheduled[i]`) for a later step's inputs. `multi`: a multi-step
-    decode call."""
-
-    out: SchedulerOutput
-    result: dict[str, SampledToken] | None = None
-    # (handle, last); while the launcher thread makes the call, a Future of ((handle, last), pools)
-    launched: Any = None
-    multi: bool = False
-    rounds: bool = False  # a call of speculative rounds (`ModelRunner._spec_rounds_fn`)
-    packed: Any = None  # the PackedStep whose `outputs` reads `handle` (single steps)
-
-    @property
-    def handle(self) -> Any:
-        return self._launched()[0]
-
-    @property
-    def last(self) -> Any:
-        return self._launched()[1]
-
-    def _launched(self) -> tuple[Any, Any]:
-        if isinstance(self.launched, Future):  # as a rule the call returned long ago: it is a step back
-            self.launched = self.launched.result()[0]
-        return (None, None) if self.launched is None else self.launched
-
-
-@dataclasses.dataclass
-class _RequestState:
-    request: Request
-    images: ImageInput | None
-    block_ids: np.ndarray  # [prompt] image block id of each prompt position (0 = text)
-    embeds: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # image index -> rows, while live
 
 
 class ModelRunner:
@@ -248,7 +121,7 @@ class ModelRunner:
         self.image_cache = ImageCache(serve.image_cache_size)
         self.num_compiles = 0
         self.num_steps = 0
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._zero_rows: dict[int, jax.Array] = {}
         self._zero_bank: jax.Array | None = None
         rep = self._replicated
@@ -745,7 +618,7 @@ class ModelRunner:
         if images is not None and self.use_blocks:
             for rank, (start, end) in enumerate(images.ranges):
                 block_ids[start:end] = rank + 1
-        self._requests[request.request_id] = _RequestState(request, images, block_ids)
+        self._requests[request.request_id] = RequestState(request, images, block_ids)
         sp = request.sampling_params
         if sp.seed is None and not sp.greedy and request.request_id not in self.seeds:
             self.seeds[request.request_id] = int(self._seed_rng.integers(0, 2**32))
@@ -756,7 +629,7 @@ class ModelRunner:
         return SamplingTensors.from_requests(requests, num_slots, full_sampler_history(requests, self.max_model_len),
                                              seeds=self.seeds)
 
-    def _image_rows(self, state: _RequestState, index: int) -> np.ndarray:
+    def _image_rows(self, state: RequestState, index: int) -> np.ndarray:
         rows = state.embeds.get(index)
         if rows is None:
             image = state.images.images[index]
