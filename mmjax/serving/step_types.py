@@ -50,7 +50,7 @@ class PendingStep:
     # (handle, last); while the launcher thread makes the call, a Future of ((handle, last), pools)
     launched: Any = None
     multi: bool = False
-    rounds: bool = False  # a call of speculative rounds (`ModelRunner._spec_rounds_fn`)
+    rounds: bool = False  # a call of speculative rounds (`StepPrograms.spec_rounds_step`)
     packed: Any = None  # the PackedStep whose `outputs` reads `handle` (single steps)
 
     @property
