@@ -511,7 +511,7 @@ class SpeculativeConfig:
     proposer_on_device: bool = False
     # ngram with proposer_on_device: speculative rounds per device call (propose, verify, append, advance, R times
     # in one lax.scan) when every running request speculates; the scheduler reserves KV for rounds x (k + 1) tokens
-    # per request and the host applies the tokens afterwards (serving/runner.py, `_spec_rounds_fn`)
+    # per request and the host applies the tokens afterwards (serving/step_programs.py, `StepPrograms.spec_rounds_step`)
     rounds: int = 1
     draft_checkpoint: str = ""  # draft: an mmjax checkpoint (same tokenizer), served text-only
     draft_overrides: tuple[str, ...] = ()  # draft: dotted config overrides for loading it
@@ -617,7 +617,7 @@ class ServeConfig:
     # > 1: when every running request is decoding (and no waiting request can be admitted; with mixed_decode_steps
     # also in calls that prefill), run this many decode steps in one device call (tokens fed back on device; the
     # host's per-step work is paid once per call; outputs come k at a time); 0 = by backend: 8 on a GPU or TPU, 1
-    # on the CPU (serving.runner.auto_decode_steps)
+    # on the CPU (serving.buckets.auto_decode_steps)
     decode_steps: int = 0
     # with decode_steps > 1: a call that prefills (a prompt's chunk, an admitted request) also runs decode_steps - 1
     # more decode steps for the requests decoding after its ragged step (docs/serving.md, "Mixed calls")

@@ -22,13 +22,15 @@ from mmjax.config import Config
 from mmjax.data.image import decode_image, preprocess
 from mmjax.errors import DataError
 from mmjax.serving.detokenize import IncrementalDetokenizer
+from mmjax.serving.images import ImageInput, image_hash
 from mmjax.serving.kv_manager import KVCacheManager
 from mmjax.serving.load import load_for_serving
 from mmjax.serving.request import ExtraKey, Request, RequestError, RequestStatus, SamplingParams, StepRequestError
-from mmjax.serving.runner import ImageInput, ModelRunner, PendingStep, SampledToken, image_hash
+from mmjax.serving.runner import ModelRunner
 from mmjax.serving.scheduler import Scheduler, SchedulerOutput
 from mmjax.serving.speculative.policy import SpeculationPolicy
 from mmjax.serving.speculative.proposers import make_proposer
+from mmjax.serving.step_types import PendingStep, SampledToken
 
 FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
                   RequestStatus.FINISHED_ABORTED: "abort"}

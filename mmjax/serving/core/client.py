@@ -36,8 +36,8 @@ from mmjax.serving.http.admission import Decision
 from mmjax.serving.http.health import Health
 from mmjax.serving.http.service import EngineFailed, Stream, deliver
 from mmjax.serving.request import RequestError, SamplingParams
-from mmjax.serving.runner import SampledToken
 from mmjax.serving.served_model import ModelSource
+from mmjax.serving.step_types import SampledToken
 
 log = logging.getLogger(__name__)
 

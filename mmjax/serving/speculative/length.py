@@ -1,5 +1,5 @@
 """The adaptive draft length rule (`serve.speculative.adaptive`), shared by the host's `DraftLength` and the
-device's speculative rounds (`ModelRunner._spec_rounds_fn`), which adapt k after every round inside one call."""
+device's speculative rounds (`StepPrograms.spec_rounds_step`), which adapt k after every round inside one call."""
 
 from __future__ import annotations
 

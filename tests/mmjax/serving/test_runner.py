@@ -7,9 +7,11 @@ import pytest
 from flax import nnx
 
 from mmjax.model.decoder import PagedMeta
+from mmjax.serving.buckets import buckets
+from mmjax.serving.images import ImageInput, image_hash
 from mmjax.serving.kv_manager import KVCacheManager
 from mmjax.serving.request import Request, SamplingParams
-from mmjax.serving.runner import ImageInput, ModelRunner, buckets, image_hash
+from mmjax.serving.runner import ModelRunner
 from mmjax.serving.scheduler import Scheduler
 
 
