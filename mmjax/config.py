@@ -616,8 +616,8 @@ class ServeConfig:
     max_beam_width: int = 4  # most beams a beam-search request may ask for (the step returns 2x this many candidates)
     # > 1: when every running request is decoding (and no waiting request can be admitted; with mixed_decode_steps
     # also in calls that prefill), run this many decode steps in one device call (tokens fed back on device; the
-    # host's per-step work is paid once per call; outputs come k at a time); 0 = by backend: 8 on a GPU or TPU, 1
-    # on the CPU (serving.buckets.auto_decode_steps)
+    # host's per-step work is paid once per call; outputs come k at a time, a stream still sends a chunk per token);
+    # 0 = by backend: 8 on a GPU or TPU, 1 on the CPU (serving.buckets.auto_decode_steps)
     decode_steps: int = 0
     # with decode_steps > 1: a call that prefills (a prompt's chunk, an admitted request) also runs decode_steps - 1
     # more decode steps for the requests decoding after its ragged step (docs/serving.md, "Mixed calls")

@@ -76,6 +76,26 @@ class IncrementalDetokenizer:
                          (int(t) for t in token_ids))
         return self._append(self._advance(hold_incomplete=True))
 
+    def push_each(self, token_ids: Sequence[int], last: bool = False) -> list[tuple[list[int], str]]:
+        """Add tokens one at a time, for token-granular streaming: per token, ([token], the text it released,
+        often "" while a character or a possible stop string is incomplete). The list ends at the token that
+        completes a stop string (later ones are dropped: the output ends there). `last`: the request ended with
+        these tokens, so the text still held back joins the last piece (a piece of no tokens if none came). A
+        tokenizer without text gives one piece of every token and no text."""
+        if self._no_text:
+            return [(list(token_ids), "")] if len(token_ids) else []
+        pieces: list[tuple[list[int], str]] = []
+        for token in token_ids:
+            pieces.append(([int(token)], self.push(token)))
+            if self.stopped:
+                return pieces
+        rest = self.flush() if last else ""
+        if rest and pieces:
+            pieces[-1] = (pieces[-1][0], pieces[-1][1] + rest)
+        elif rest:
+            pieces.append(([], rest))
+        return pieces
+
     def _advance(self, hold_incomplete: bool) -> str:
         """Text of the pending tokens, all but those of a trailing incomplete character when
         `hold_incomplete`; the tokens read become the context of the next window."""

@@ -70,6 +70,10 @@ class RequestOutput:
     metrics: RequestMetrics
     beams: list[tuple[list[int], float]] = dataclasses.field(default_factory=list)  # beam search: n best, scored
     error: str | None = None  # finish_reason "error": why a step could not serve this request
+    # new_token_ids and new_text split by the detokenizer, one token at a time (a beam search: one piece): each
+    # piece's tokens and the text they released ("" while held back: that text comes with a later piece);
+    # joined, they give new_token_ids and new_text. A stream sends a chunk per piece.
+    pieces: list[tuple[list[int], str]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -459,24 +463,16 @@ class Engine:
             if not new:
                 continue
             start = time.perf_counter()
-            if len(new) > 1 and live.detok.stop:  # several tokens at once: end where a stop string completes
-                text, cut = "", len(new)
-                for j, token in enumerate(new):
-                    text += live.detok.push(token)
-                    if live.detok.stopped:
-                        cut = j + 1
-                        break
-                if cut < len(new):  # as one step at a time: no tokens after the stop string
-                    new = new[:cut]
-                    del request.output_token_ids[before[rid] + cut:]
+            # token by token (a stream sends each token's text), ending where a stop string completes
+            pieces = live.detok.push_each(new, last=request.status.is_finished)
+            if live.detok.stopped:
+                if len(pieces) < len(new):  # as one step at a time: no tokens after the stop string
+                    new = new[:len(pieces)]
+                    del request.output_token_ids[before[rid] + len(pieces):]
                     live.stop_str = live.detok.stop_str
-            else:
-                text = live.detok.push(new)
-            if live.detok.stopped and not request.status.is_finished:
-                live.stop_str = live.detok.stop_str
-                self.scheduler.abort_request(rid)
-            elif request.status.is_finished and not live.detok.stopped:
-                text += live.detok.flush()
+                if not request.status.is_finished:
+                    live.stop_str = live.detok.stop_str
+                    self.scheduler.abort_request(rid)
             live.detokenize_s += time.perf_counter() - start
             top = (request.sampling_params.logprobs or 0)
             if tok.tokens:  # speculative or multi-step: several tokens, each with its logprob (multi-step: top-k)
@@ -485,7 +481,7 @@ class Engine:
                 lps = [SampledToken(t, lp, i[:top], p[:top]) for t, lp, i, p in zip(new, tok.token_logprobs, ids, tlps)]
             else:
                 lps = [SampledToken(tok.token, tok.logprob, tok.top_ids[:top], tok.top_logprobs[:top])]
-            outputs.append(self._output(live, list(new), lps, text))
+            outputs.append(self._output(live, list(new), lps, pieces))
             if request.status.is_finished:
                 self._pop(rid)
         return outputs
@@ -499,13 +495,15 @@ class Engine:
         text += "" if live.detok.stopped else live.detok.flush()
         live.detokenize_s += time.perf_counter() - start
         lps = request.beam.result_logprobs[0] if request.beam.result_logprobs else [float("nan")] * len(tokens)
-        out = self._output(live, tokens, [SampledToken(t, lp) for t, lp in zip(tokens, lps)], text)
+        out = self._output(live, tokens, [SampledToken(t, lp) for t, lp in zip(tokens, lps)], [(tokens, text)])
         out.beams = [(list(t), score) for t, score in request.beam.results]
         return out
 
     def _output(self, live: _Live, new_ids: list[int], logprobs: list[SampledToken],
-                new_text: str = "") -> RequestOutput:
+                pieces: list[tuple[list[int], str]] | None = None) -> RequestOutput:
         request = live.request
+        pieces = pieces or []
+        new_text = "".join(text for _, text in pieces)
         live.text += new_text
         live.token_ids.extend(new_ids)
         finished = request.status.is_finished
@@ -514,7 +512,7 @@ class Engine:
             reason = "stop" if live.stop_str is not None else FINISH_REASONS[request.status]
             stop = live.stop_str if live.stop_str is not None else request.stop_reason
         return RequestOutput(request.request_id, live.prompt_token_ids, new_ids, new_text, live.token_ids, live.text,
-                             finished, reason, stop, logprobs, self.metrics(live))
+                             finished, reason, stop, logprobs, self.metrics(live), pieces=pieces)
 
     def metrics(self, live: _Live) -> RequestMetrics:
         r = live.request

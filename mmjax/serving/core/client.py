@@ -74,20 +74,13 @@ class _Tracked:
         if self.params.use_beam_search:  # the best beam's tokens come whole, at the end
             text = detok.push(new) if new else ""
             text += detok.flush() if finished and not detok.stopped else ""
-        elif len(new) > 1 and detok.stop:  # several tokens in one step: end where a stop string completes
-            text = ""
-            for j, token in enumerate(new):
-                text += detok.push(token)
-                if detok.stopped:
-                    new, lps = new[:j + 1], lps[:j + 1]
-                    break
-        else:
-            text = detok.push(new) if new else ""
-        if not self.params.use_beam_search:
+            pieces = [(new, text)]
+        else:  # token by token (a stream sends each token's text), ending where a stop string completes
+            pieces = detok.push_each(new, last=finished)
             if detok.stopped:
+                new, lps = new[:len(pieces)], lps[:len(pieces)]
                 finished, reason, stop_reason = True, "stop", detok.stop_str
-            elif finished:
-                text += detok.flush()
+            text = "".join(t for _, t in pieces)
         self.detokenize_s += time.perf_counter() - t0
         self.token_ids.extend(new)
         self.text += text
@@ -97,7 +90,8 @@ class _Tracked:
             metrics.num_generated_tokens = len(self.token_ids)
         logprobs = [SampledToken(int(t), float(lp), tuple(ids), tuple(p)) for t, lp, ids, p in lps]
         return RequestOutput(o.request_id, self.prompt_ids, new, text, self.token_ids, self.text, finished, reason,
-                             stop_reason, logprobs, metrics, [(list(t), float(s)) for t, s in o.beams], o.error)
+                             stop_reason, logprobs, metrics, [(list(t), float(s)) for t, s in o.beams], o.error,
+                             pieces)
 
 
 class EngineCoreClient:

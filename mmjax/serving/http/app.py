@@ -7,8 +7,9 @@ body limits). A request is parsed and checked on the event loop (prompt ids, sam
 parameters against the model's vocabulary and context), its images fetched and decoded on the media worker
 pool, then admitted and added by the engine's side in one step (so the queue state admission reads is
 current), and its outputs are read from its stream: whole for a plain response, as server-sent events for
-`stream=true`. A handler whose client goes away (a closed stream, or a closed connection while a plain
-response is being made: a watcher task sees it at once) aborts its requests, which frees their KV pages.
+`stream=true` (a chunk per generated token, however many tokens an engine output carries). A handler whose
+client goes away (a closed stream, or a closed connection while a plain response is being made: a watcher task
+sees it at once) aborts its requests, which frees their KV pages.
 Every error, the framework's own included (unknown route, wrong method, unparsable body), is OpenAI's JSON.
 """
 
@@ -360,6 +361,7 @@ class _Generation:
         self.post_s = [0.0] * n
         self.arrival = arrival  # the HTTP request's, before parsing: end-to-end latency counts from here
         self.streams: list[Any] = [None] * n
+        self.lp_offset = [0] * n  # a streamed choice's text_offset: its logprob entries' text so far
 
     async def next_output(self) -> Any:
         """The next engine output of any choice; raises ApiError when the request failed, None on disconnect."""
@@ -490,8 +492,8 @@ class _Generation:
     async def sse(self, first: Any) -> AsyncIterator[bytes]:
         state = self.state
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
-        make = lambda choices, usage=None: _sse(P.chunk(self.rid, state.model_name, self.created, self.chat, choices,
-                                                          usage, with_usage_key=include_usage))
+        make = _chunk_maker(P.chunk(self.rid, state.model_name, self.created, self.chat, [],
+                                    with_usage_key=include_usage))
         try:
             async for chunk in self._chunks(first, make, include_usage):
                 yield chunk
@@ -507,9 +509,8 @@ class _Generation:
 
     async def _chunks(self, first: Any, make: Callable[..., bytes], include_usage: bool) -> AsyncIterator[bytes]:
         if self.chat:
-            for i in range(len(self.text)):
-                yield make([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}])
+            yield b"".join(make([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}]) for i in range(len(self.text)))
         out = first
         while out is not None and self.body.use_beam_search:  # its beams arrive whole, at the end
             i = self._absorb(out)
@@ -526,16 +527,10 @@ class _Generation:
             before = len(self.logprobs[self.index[out.request_id]])
             i = self._absorb(out)
             t0 = time.perf_counter()
-            new_lps = self.logprobs[i][before:]
-            if out.new_text or new_lps or self.done[i]:
-                lp = self._choice_logprobs(new_lps, len(self.text[i]) - len(out.new_text))
-                fin = self._finish_reason(i) if self.done[i] else None
-                if self.chat:
-                    yield make([{"index": i, "delta": {"content": out.new_text} if out.new_text else {},
-                                 "logprobs": lp, "finish_reason": fin}])
-                else:
-                    yield make([{"index": i, "text": out.new_text, "logprobs": lp, "finish_reason": fin}])
+            events = self._token_events(i, out, self.logprobs[i][before:], make)
             self.post_s[i] += time.perf_counter() - t0
+            if events:
+                yield events  # one write for all of the output's tokens
             if self.done[i]:
                 self._record(i)
             if all(self.done):
@@ -545,6 +540,47 @@ class _Generation:
             yield make([], self._usage())
         yield b"data: [DONE]\n\n"
 
+    def _token_events(self, i: int, out: Any, entries: list, make: Callable[..., bytes]) -> bytes:
+        """The SSE events of one engine output of choice i, one chunk per token: each carries the text its token
+        released and, with logprobs, that token's entry. A token whose text is held back (or empty) has no
+        chunk of its own without logprobs (its text comes with a later token's); finish_reason goes on the
+        output's last chunk once the choice is done."""
+        pieces = out.pieces or ([(out.new_token_ids, out.new_text)] if out.new_token_ids or out.new_text else [])
+        parts, k = [], 0
+        for ids, text in pieces:
+            lps, k = entries[k:k + len(ids)], k + len(ids)
+            if text or lps:
+                parts.append((text, lps))
+        if self.done[i] and not parts:
+            parts.append(("", []))
+        events = []
+        for n, (text, lps) in enumerate(parts):
+            lp = self._choice_logprobs(lps, self.lp_offset[i])
+            self.lp_offset[i] += sum(len(t) for t, _, _ in lps)
+            fin = self._finish_reason(i) if self.done[i] and n == len(parts) - 1 else None
+            choice = ({"index": i, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": fin}
+                      if self.chat else {"index": i, "text": text, "logprobs": lp, "finish_reason": fin})
+            events.append(make([choice]))
+        return b"".join(events)
+
 
 def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _dumps(obj).encode() + b"\n\n"
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def _chunk_maker(envelope: dict[str, Any]) -> Callable[..., bytes]:
+    """`make(choices, usage=None)`: the SSE event of a chunk of `envelope` (its id, model, created; `choices`
+    empty). A stream sends a chunk per token, so the envelope is serialised once and each event only adds
+    its choices' JSON; a usage chunk is serialised whole."""
+    head, tail = _dumps(envelope).split('"choices":[]', 1)  # JSON strings escape quotes: the key itself
+    head_b, tail_b = b"data: " + head.encode() + b'"choices":[', b"]" + tail.encode() + b"\n\n"
+
+    def make(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        if usage is not None:
+            return _sse({**envelope, "choices": choices, "usage": usage})
+        return head_b + ",".join(_dumps(c) for c in choices).encode() + tail_b
+    return make

@@ -114,5 +114,26 @@ def test_a_tokenizer_without_text_costs_nothing_and_refuses_stop_strings():
 
     d = IncrementalDetokenizer(NoText(), [1, 2, 3])
     assert d.push([4, 5]) == "" and d.push(6) == "" and d.flush() == "" and d.text == ""
+    assert d.push_each([7, 8], last=True) == [([7, 8], "")] and d.push_each([]) == []  # one piece, no per-token work
     with pytest.raises(ValueError, match="stop strings"):
         IncrementalDetokenizer(NoText(), [1], stop=["x"])
+
+
+def test_push_each_splits_by_token_and_ends_at_the_stop(tok):
+    """push_each: a piece per token holding the text it released (the one push at a time would), the held-back
+    text joining the last piece when the request ends; a stop string ends the pieces at the token completing it."""
+    ids = tok.encode(TEXT)
+    d, one_at_a_time = stream(tok, ids)
+    e = IncrementalDetokenizer(tok, [1])
+    pieces = e.push_each(ids[:9]) + e.push_each(ids[9:], last=True)
+    assert [p[0] for p in pieces] == [[i] for i in ids]
+    assert [t for _, t in pieces] == one_at_a_time[:-2] + [one_at_a_time[-2] + one_at_a_time[-1]]
+    assert any(t == "" for _, t in pieces) and "".join(t for _, t in pieces) == TEXT
+    s = IncrementalDetokenizer(tok, [1], stop=["STOP"])
+    pieces = s.push_each(ids, last=True)
+    assert s.stopped and "".join(t for _, t in pieces) == TEXT[:TEXT.index("STOP")]
+    assert tok.decode([i for p, _ in pieces for i in p]).endswith("STOP")  # the token completing it is the last
+    assert not tok.decode([i for p, _ in pieces[:-1] for i in p]).endswith("STOP")
+    held = IncrementalDetokenizer(tok, [1], stop=["STOP here"])
+    assert held.push_each(tok.encode("done. STOP"), last=True)[-1][1].endswith("STOP")  # flushed with the last
+    assert held.push_each([], last=True) == []

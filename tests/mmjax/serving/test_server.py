@@ -1,5 +1,6 @@
 """The OpenAI-compatible server, run for real on 127.0.0.1 and driven with the official `openai` client: chat with
-an image, streaming with usage, stop strings, n > 1, seeds, logprobs, greedy == the engine offline; every error
+an image, streaming with usage, a chunk per token of multi-step outputs (the servers run serve.decode_steps=4), stop
+strings, n > 1, seeds, logprobs, greedy == the engine offline; every error
 status followed by a good request; overload 429s with Retry-After; interactive work preempting batch work; a
 disconnect returning its pages; SIGTERM draining a subprocess server to exit 0; /metrics parsing."""
 
@@ -117,8 +118,9 @@ def server(request, run_dir, cli_server):
     port = free_port()
     media = root / mode / "media"  # each server's own allowed folder (and files beside it)
     media.mkdir(parents=True)
-    overrides = [*SERVE, f"serve.port={port}", f"serve.request_log={media.parent / 'requests.jsonl'}",
-                 f"serve.allowed_local_media_path={media}"]
+    # several decode steps per device call, as on an accelerator (the CPU default is 1): outputs of several tokens
+    overrides = [*SERVE, "serve.decode_steps=4", f"serve.port={port}",
+                 f"serve.request_log={media.parent / 'requests.jsonl'}", f"serve.allowed_local_media_path={media}"]
     cfg, model, tok = load_for_serving(run / "checkpoints", overrides=overrides)
     engine = Engine(cfg, model, tok)
     # the engine's offline greedy answer to compare HTTP with, computed before the server owns the engine
@@ -271,6 +273,83 @@ def test_stop_n_seed_logprobs(server):
     assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy = most likely
     lc = c.completions.create(model=MODEL, prompt="w12", max_tokens=3, temperature=0, logprobs=2)
     assert len(lc.choices[0].logprobs.token_logprobs) == 3 and len(lc.choices[0].logprobs.top_logprobs[0]) == 2
+
+
+def stream_choice(chunks: list, chat: bool) -> tuple[list[str], list, str | None]:
+    """A streamed single choice: its non-empty content deltas, its logprob entries in order, its finish_reason."""
+    texts, entries, finish = [], [], None
+    for ch in chunks:
+        if not ch.choices:
+            continue
+        choice = ch.choices[0]
+        assert finish is None  # nothing after the chunk with the finish_reason
+        text = choice.delta.content if chat else choice.text
+        texts += [text] if text else []
+        lp = choice.logprobs
+        if lp is not None and chat:
+            entries += [e.model_dump() for e in lp.content or []]
+        elif lp is not None:
+            entries += list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset, strict=True))
+        finish = choice.finish_reason
+    return texts, entries, finish
+
+
+def whole_entries(choice, chat: bool) -> list:
+    lp = choice.logprobs
+    if chat:
+        return [e.model_dump() for e in lp.content]
+    return list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset, strict=True))
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_multi_step_outputs_stream_a_chunk_per_token(server, chat):
+    """With serve.decode_steps=4 one engine output carries several tokens; a stream still sends each token's text
+    in a chunk of its own, its logprob entry with it, and their concatenation is the plain response's text and
+    entries."""
+    c, base = server["client"], server["base"]
+    create = c.chat.completions.create if chat else c.completions.create
+    kw = dict(model=MODEL, max_tokens=12, temperature=0, extra_body={"ignore_eos": True},
+              **({"messages": user("w7 w8 w9")} if chat else {"prompt": "w7 w8 w9"}))
+    lp = dict(logprobs=True, top_logprobs=2) if chat else dict(logprobs=2)
+    whole = create(**kw, **lp).choices[0]
+    text = whole.message.content if chat else whole.text
+    tokens = [e[0] if not chat else e["token"] for e in whole_entries(whole, chat)]
+    assert len(tokens) == 12 and "".join(tokens) == text.replace(" ", "")
+    steps = metrics(base)["mmjax:engine_steps_total"]
+    texts, entries, finish = stream_choice(list(create(**kw, stream=True)), chat)
+    assert metrics(base)["mmjax:engine_steps_total"] - steps < 12  # device calls of several tokens each
+    # a word-level tokenizer: every token but a special one (no text) releases its word, with a space after the first
+    assert [t.strip() for t in texts] == [t for t in tokens if t] and "".join(texts) == text
+    assert finish == whole.finish_reason == "length" and entries == []
+    # with logprobs: one chunk per token (a token without text too), each carrying that token's entry
+    chunks = [ch for ch in create(**kw, **lp, stream=True) if ch.choices and ch.choices[0].logprobs is not None]
+    texts, entries, finish = stream_choice(chunks, chat)
+    assert len(chunks) == 12 and entries == whole_entries(whole, chat) and "".join(texts) == text
+    assert finish == "length"
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_stop_strings_end_a_multi_step_stream_as_the_plain_response(server, chat):
+    """A stop string completed inside an output of several tokens ends the streamed text (and its logprob entries)
+    exactly where the plain response's end; text held back as a possible stop string is released whole."""
+    c = server["client"]
+    create = c.chat.completions.create if chat else c.completions.create
+    kw = dict(model=MODEL, max_tokens=12, temperature=0, extra_body={"ignore_eos": True},
+              **({"messages": user("w7 w8 w10")} if chat else {"prompt": "w7 w8 w10"}),
+              **(dict(logprobs=True, top_logprobs=1) if chat else dict(logprobs=1)))
+    get = (lambda ch: ch.message.content) if chat else (lambda ch: ch.text)
+    words = get(create(**kw).choices[0]).split()
+    assert len(words) == 12
+    # word n-grams (a tiny random model's greedy text repeats): the first completes at the 6th token, the second
+    # at the 5th while the first's "w.. nowhere" is held back from the 4th; the last never completes
+    for stop, reason in (([" ".join(words[1:6])], "stop"),
+                         ([f"{words[3]} nowhere", " ".join(words[2:5])], "stop"), ([f"{words[4]} nowhere"], "length")):
+        whole = create(**kw, stop=stop).choices[0]
+        texts, entries, finish = stream_choice(list(create(**kw, stop=stop, stream=True)), chat)
+        assert whole.finish_reason == finish == reason, stop
+        assert "".join(texts) == get(whole) and entries == whole_entries(whole, chat), stop
+        n = len(get(whole).split())
+        assert not any(s in get(whole) for s in stop) and (n <= 2 if reason == "stop" else n == 12), stop
 
 
 def test_beam_search_equals_the_engines(server):
