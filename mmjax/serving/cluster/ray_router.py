@@ -63,13 +63,14 @@ class PrefixAwareRequestRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         rid = _id(replica_id)
         chosen, reason, key = self._choices.pop(pending_request.metadata.internal_request_id, (rid, "load", RouteKey()))
-        routing.ROUTING.router.routed(rid, key, reason if rid == chosen else "load")
+        routing.ROUTING.router.routed(rid, key, reason if rid == chosen else "load",
+                                      request_id=pending_request.metadata.internal_request_id)
         attempt = (pending_request.kwargs.get("route") or {}).get("attempt", "")
         if attempt:
             routing.ROUTING.note_attempt(attempt, rid)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        routing.ROUTING.router.finished(_id(replica_id))
+        routing.ROUTING.router.finished(_id(replica_id), internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

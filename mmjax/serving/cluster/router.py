@@ -26,7 +26,7 @@ import dataclasses
 import hashlib
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 MAX_BLOCKS_PER_REPLICA = 65536  # block hashes remembered per replica (LRU): a few MB of keys
@@ -94,7 +94,7 @@ class _LRU(collections.OrderedDict):
         super().__init__()
         self.capacity = capacity
 
-    def touch(self, key: str, value: Any = True) -> None:
+    def touch(self, key: Hashable, value: Any = True) -> None:
         self[key] = value
         self.move_to_end(key)
         while len(self) > self.capacity:
@@ -110,6 +110,11 @@ class PrefixRouter:
         self._blocks: dict[str, _LRU] = {}
         self._sessions = _LRU(MAX_SESSIONS)
         self._in_flight: dict[str, int] = collections.Counter()
+        # with request ids (Ray's router): which replica each open request is on, and the (request, replica) pairs
+        # whose completion came before their routing (a quick request's done-callback may fire first, and a rejected
+        # attempt completes without being routed), so neither leaves a count behind
+        self._open: dict[str, str] = {}
+        self._done_unrouted = _LRU(MAX_SESSIONS)
         self._last_routed: dict[str, int] = {}  # replica -> when it last got a request (a running count)
         self._routed_count = 0
         self._lock = threading.Lock()
@@ -149,8 +154,9 @@ class PrefixRouter:
             self.routed(picked[0], key, picked[1])
         return picked
 
-    def routed(self, replica: str, key: RouteKey, reason: str) -> None:
-        """A request went to `replica`: it now holds the request's prefix, its session, and one more in flight."""
+    def routed(self, replica: str, key: RouteKey, reason: str, request_id: str = "") -> None:
+        """A request went to `replica`: it now holds the request's prefix, its session, and one more in flight
+        (unless `finished` already saw this request end there)."""
         with self._lock:
             cached = self._blocks.setdefault(replica, _LRU(MAX_BLOCKS_PER_REPLICA))
             for b in key.blocks:
@@ -159,8 +165,12 @@ class PrefixRouter:
                 self._sessions.touch(key.session, replica)
             self._routed_count += 1
             self._last_routed[replica] = self._routed_count
-            self._in_flight[replica] += 1
             self.reasons[reason] += 1
+            if request_id and self._done_unrouted.pop((request_id, replica), None) is not None:
+                return
+            if request_id:
+                self._open[request_id] = replica
+            self._in_flight[replica] += 1
 
     def _match(self, replica: str, blocks: Sequence[str]) -> int:
         cached = self._blocks.get(replica)
@@ -173,8 +183,14 @@ class PrefixRouter:
             n += 1
         return n
 
-    def finished(self, replica: str) -> None:
+    def finished(self, replica: str, request_id: str = "") -> None:
+        """A request on `replica` ended. With its id, only a routed request's count is taken back."""
         with self._lock:
+            if request_id:
+                if self._open.get(request_id) != replica:
+                    self._done_unrouted.touch((request_id, replica))
+                    return
+                del self._open[request_id]
             self._in_flight[replica] = max(0, self._in_flight[replica] - 1)
 
     def forget(self, replica: str) -> None:
@@ -183,6 +199,8 @@ class PrefixRouter:
             self._blocks.pop(replica, None)
             self._in_flight.pop(replica, None)
             self._last_routed.pop(replica, None)
+            for request in [q for q, r in self._open.items() if r == replica]:
+                del self._open[request]
             for user in [u for u, r in self._sessions.items() if r == replica]:
                 del self._sessions[user]
 

@@ -72,6 +72,24 @@ def test_idle_replicas_take_turns():
     assert seen == ["a", "b", "c", "a", "b", "c"]
 
 
+def test_request_ids_keep_counts_right_when_completion_comes_first_or_an_attempt_is_rejected():
+    router = PrefixRouter()
+    key = RouteKey(("u",))
+    router.finished("a", "r1")  # a quick request's completion reaches the router before its routing
+    router.routed("a", key, "load", request_id="r1")
+    assert router.in_flight("a") == 0
+    router.finished("a", "r2")  # r2 rejected by a, then routed to b: b holds it until it ends there
+    router.routed("b", key, "load", request_id="r2")
+    assert (router.in_flight("a"), router.in_flight("b")) == (0, 1)
+    assert router.choose(["a", "b"], RouteKey(("v",)))[0] == "a"
+    router.finished("b", "r2")
+    assert router.in_flight("b") == 0
+    router.routed("b", key, "load", request_id="r3")
+    router.forget("b")
+    router.finished("b", "r3")  # the dead replica's requests end after it was forgotten: nothing goes negative
+    assert router.in_flight("b") == 0
+
+
 def test_sessions_stick_and_a_dead_replica_is_forgotten():
     router = PrefixRouter(max_imbalance=4)
     replicas = ["a", "b", "c"]
