@@ -78,16 +78,19 @@ def test_request_ids_keep_counts_right_when_completion_comes_first_or_an_attempt
     router.finished("a", "r1")  # a quick request's completion reaches the router before its routing
     router.routed("a", key, "load", request_id="r1")
     assert router.in_flight("a") == 0
-    router.finished("a", "r2")  # r2 rejected by a, then routed to b: b holds it until it ends there
+    router.routed("a", key, "load", request_id="r0")
+    router.finished("a", "r2")  # r2 rejected by a (r0 still running there), then routed to b until it ends there
     router.routed("b", key, "load", request_id="r2")
-    assert (router.in_flight("a"), router.in_flight("b")) == (0, 1)
+    assert (router.in_flight("a"), router.in_flight("b")) == (1, 1)
+    router.finished("a", "r0")
     assert router.choose(["a", "b"], RouteKey(("v",)))[0] == "a"
     router.finished("b", "r2")
     assert router.in_flight("b") == 0
     router.routed("b", key, "load", request_id="r3")
-    router.forget("b")
-    router.finished("b", "r3")  # the dead replica's requests end after it was forgotten: nothing goes negative
-    assert router.in_flight("b") == 0
+    router.forget("b")  # b died with r3 on it and comes back under the same name with r4
+    router.routed("b", key, "load", request_id="r4")
+    router.finished("b", "r3")  # the dead request's late completion takes nothing from r4's count
+    assert router.in_flight("b") == 1
 
 
 def test_sessions_stick_and_a_dead_replica_is_forgotten():
