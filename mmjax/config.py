@@ -7,6 +7,7 @@ every failure is a `ConfigError` naming the key and the fix, raised before anyth
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import os
@@ -778,6 +779,20 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
             raise ConfigError(f"override {dotted}: {key} is a value, not a section")
         node = child
     node[keys[-1]] = value
+
+
+# a dotted override on a command line: `section.key=value` (the key has a dot; `name=...` values are not)
+OVERRIDE_ARG = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
+
+
+def parse_cli(parser: argparse.ArgumentParser, argv: typing.Sequence[str]) -> argparse.Namespace:
+    """`parser` over `argv` with the dotted overrides taken out first, wherever they stand, and returned in order
+    as `args.overrides`: an option of several values (`--batches 1 8`) would otherwise take the overrides after
+    it as its own values and fail on them. Options and other positionals may come in any order."""
+    overrides = [a for a in argv if OVERRIDE_ARG.match(a)]
+    args = parser.parse_intermixed_args([a for a in argv if not OVERRIDE_ARG.match(a)])
+    args.overrides = [*(getattr(args, "overrides", None) or []), *overrides]
+    return args
 
 
 def from_tree(cls: type, tree: Any, prefix: str = "") -> Any:

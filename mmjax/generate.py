@@ -20,6 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
+from mmjax.config import parse_cli
 from mmjax.errors import MmjaxError
 
 
@@ -43,7 +44,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print ids, text, logprobs and finish reason as JSON")
     p.add_argument("--logprobs", type=int, default=0, help="with --json: the N most likely tokens at each step")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. serve.num_pages=1024")
-    return p.parse_intermixed_args(argv)
+    return parse_cli(p, argv)
 
 
 def prompt_input(llm, prompt: str, num_images: int, system: str | None, raw: bool) -> str | list[int]:

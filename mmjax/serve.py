@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from mmjax.config import PACKAGED_CONFIGS, Config, load_config, to_yaml
+from mmjax.config import PACKAGED_CONFIGS, Config, load_config, parse_cli, to_yaml
 from mmjax.errors import ConfigError, MmjaxError
 from mmjax.observe.console import setup_console_logging
 
@@ -46,7 +46,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "same as serve.replicas=N; see docs/serving.md, \"Scaling out\")")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. serve.port=8080 serve.max_num_seqs=32")
-    return parser.parse_intermixed_args(argv)  # overrides may come before and after the options
+    return parse_cli(parser, argv)  # overrides may come before and after the options
 
 
 def main(argv: list[str] | None = None) -> int:

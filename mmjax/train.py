@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from mmjax.config import PACKAGED_CONFIGS, to_yaml
+from mmjax.config import PACKAGED_CONFIGS, parse_cli, to_yaml
 from mmjax.errors import ConfigError, MmjaxError
 from mmjax.observe.console import close_log_file, log_file_name, log_to_file, setup_console_logging
 
@@ -26,7 +26,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "an experiment then parallel/fsdp_tp.yaml (a file, or a config shipped in mmjax/configs)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 mesh.tensor=2")
-    return parser.parse_intermixed_args(argv)  # options may follow overrides (launch scripts append both)
+    return parse_cli(parser, argv)  # options may follow overrides (launch scripts append both)
 
 
 def main(argv: list[str] | None = None) -> int:

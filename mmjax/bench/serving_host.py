@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from mmjax.bench.serving import BenchSpec, IdTokenizer, serving_config
-from mmjax.config import load_config
+from mmjax.config import load_config, parse_cli
 from mmjax.serving import transfer
 from mmjax.serving.engine import Engine
 from mmjax.serving.load import build_model
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--out", help="write the rows (the last repeat of each batch) to this JSON file")
     p.add_argument("overrides", nargs="*", help="dotted config overrides")
-    args = p.parse_args(argv)
+    args = parse_cli(p, sys.argv[1:] if argv is None else argv)
     cfg = load_config("models/llama_1b.yaml", [*(FULL if args.full else TINY), *args.overrides])
     cfg = serving_config(cfg, BenchSpec(batches=tuple(args.batch), prompt_len=args.prompt_len,
                                         new_tokens=2 * args.steps + 20, ttft_prompts=(), num_requests=0))

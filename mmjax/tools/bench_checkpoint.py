@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mmjax.bench import checkpoint as checkpoint_bench
 from mmjax.checkpoint.orbax_state import package_versions
-from mmjax.config import load_config, to_dict
+from mmjax.config import load_config, parse_cli, to_dict
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="save modes in order, comma-separated, ending with sync (its checkpoint is restored)")
     parser.add_argument("--saves", type=int, default=2, help="saves per mode (averaged; each listed in the JSON)")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    args = parse_cli(parser, sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("mmjax.bench.checkpoint").setLevel(logging.INFO)  # partial results as they come
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from mmjax.bench.data import run_bench
-from mmjax.config import load_config
+from mmjax.config import load_config, parse_cli
 from mmjax.errors import MmjaxError
 
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="docs/perf/results/data")
     p.add_argument("--tag", default="", help="added to the output file name (e.g. the machine)")
     p.add_argument("overrides", nargs="*")
-    args = p.parse_args(argv)
+    args = parse_cli(p, sys.argv[1:] if argv is None else argv)
     from absl import flags  # grain's worker pools read absl flags
 
     flags.FLAGS(sys.argv[:1])

@@ -37,7 +37,7 @@ from mmjax.checkpoint.convert import load_params
 from mmjax.checkpoint.convert.hf import text_config_to_hf
 from mmjax.checkpoint.convert.init_from import converted_copy
 from mmjax.checkpoint.known_models import KNOWN_MODELS, cache_root, model_folder
-from mmjax.config import load_config
+from mmjax.config import load_config, parse_cli
 from mmjax.data.tokenizer import Tokenizer
 from mmjax.parallel.distributed import configure_backend
 from mmjax.serving.load import load_for_serving
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--prompt-mu", type=float, default=None, help="log-normal mu of prompt lengths")
     server.add_argument("--output-mu", type=float, default=None, help="log-normal mu of output lengths")
     server.add_argument("--plot", default="", help="latency-vs-rate PNG (default: the JSON path with .png)")
-    args = p.parse_args(argv)
+    args = parse_cli(p, sys.argv[1:] if argv is None else argv)
     command = _command(argv)
     if args.server:
         return server_main(args, command)

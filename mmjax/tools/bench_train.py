@@ -30,7 +30,7 @@ from pathlib import Path
 from mmjax.bench.peer_process import run_peer_process
 from mmjax.bench.train import format_result, run_with_remat_fallback
 from mmjax.checkpoint.convert.hf import text_config_to_hf
-from mmjax.config import Config, load_config
+from mmjax.config import Config, load_config, parse_cli
 from mmjax.parallel.distributed import configure_backend
 
 PEERS = {"hf-torch-compile": True, "hf-torch-eager": False}  # peer name -> torch.compile on
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run with these config overrides (space-separated) after the command's, in its own "
                         "process (repeatable), e.g. --variant fused='optim.fused=true'")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.global_batch_size=8")
-    args = p.parse_args(argv)
+    args = parse_cli(p, sys.argv[1:] if argv is None else argv)
     peers = [n for n in args.peer.split(",") if n]
     if unknown := [n for n in peers if n not in PEERS]:
         p.error(f"--peer {','.join(unknown)}: not one of {', '.join(PEERS)}")

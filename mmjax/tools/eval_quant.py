@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mmjax.bench.quant_quality import BF16, evaluate
-from mmjax.config import load_config
+from mmjax.config import load_config, parse_cli
 from mmjax.data.builtin.shapes import generate_records
 from mmjax.data.pipeline import SHAPES_SEED
 from mmjax.model.layers import resolve_dtype
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="write the model with its decoder matmuls quantized to SCHEME into DIR "
                         "(mmjax.quant.store.load_quantized reads it) and exit")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.compute_dtype=bfloat16")
-    args = p.parse_args(argv)
+    args = parse_cli(p, sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     overrides = ["model.text_only=true", *args.overrides]
     if args.checkpoint and args.model:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from mmjax.bench.residuals import format_table, to_json, train_step_residuals
-from mmjax.config import load_config
+from mmjax.config import load_config, parse_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, default=1, help="local devices of the mesh (1: a one-GPU step)")
     p.add_argument("--json", default="", help="write the inventory to this JSON file")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.remat=dots")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_cli(p, sys.argv[1:] if argv is None else argv)
     # the layer scan is what this inventories (a config that unrolls its layers has no layer stacks to list)
     overrides = ["model.compute_dtype=bfloat16", "model.scan_layers=true",
                  *(["model.text_only=true"] if args.text_only else []),

@@ -1,3 +1,4 @@
+import argparse
 import os
 import subprocess
 import sys
@@ -5,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mmjax.config import Config, load_config, to_yaml
+from mmjax.config import Config, load_config, parse_cli, to_yaml
 from mmjax.errors import ConfigError
 from mmjax.training.checks import check_runnable
 
@@ -177,3 +178,30 @@ def test_kernel_support_query_needs_no_backend():
     assert proc.stdout.strip().endswith("False") and "needs a CUDA GPU" in proc.stdout
 
 
+
+
+def test_overrides_are_taken_out_wherever_they_stand_even_after_an_option_of_several_values():
+    p = argparse.ArgumentParser()
+    p.add_argument("--methods", nargs="+", choices=("none", "ngram", "draft"))
+    p.add_argument("--batches", type=int, nargs="+")
+    p.add_argument("--variant", action="append", default=[])
+    p.add_argument("overrides", nargs="*")
+    args = parse_cli(p, ["a.b=1", "--methods", "none", "draft", "serve.x.y=true", "--batches", "1", "8",
+                         "serve.z=[1,2]", "--variant", "fused=optim.fused=true"])
+    assert args.methods == ["none", "draft"] and args.batches == [1, 8]
+    assert args.overrides == ["a.b=1", "serve.x.y=true", "serve.z=[1,2]"]  # in order
+    assert args.variant == ["fused=optim.fused=true"]  # a NAME=... value stays its option's
+    with pytest.raises(SystemExit):  # a bad value still fails, naming the option
+        parse_cli(p, ["--methods", "bogus", "a.b=1"])
+
+
+def test_train_serve_and_generate_take_overrides_before_and_after_their_options():
+    from mmjax.generate import parse_args as generate_args
+    from mmjax.serve import parse_args as serve_args
+    from mmjax.train import parse_args as train_args
+    assert train_args(["train.steps=3", "--config", "x.yaml", "mesh.tensor=2"]).overrides == [
+        "train.steps=3", "mesh.tensor=2"]
+    assert serve_args(["serve.port=1", "--random-init", "serve.max_num_seqs=4"]).overrides == [
+        "serve.port=1", "serve.max_num_seqs=4"]
+    g = generate_args(["hf:some/folder", "serve.num_pages=64", "--prompt", "hi", "model.x=1"])
+    assert g.overrides == ["serve.num_pages=64", "model.x=1"] and g.prompt == "hi"
