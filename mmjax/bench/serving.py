@@ -10,9 +10,9 @@ per-step host work included; detokenization is a no-op here (ids in, ids out).
 Decode roofline: a decode step must read every weight once plus the KV of each sequence's context, so at an
 HBM bandwidth `hbm_gbps` a batch of `b` sequences generates at most
 `b * hbm_gbps * 1e9 / (weight_bytes + b * mean_context * kv_bytes_per_token)` tokens/s, with
-`kv_bytes_per_token = layers * 2 * kv_heads * head_dim * kv_itemsize` and `mean_context = prompt + new / 2`
-(the mean context of the timed decode steps, which produce tokens 2..new). Activations and logits are left
-out, so the bound is optimistic.
+`kv_bytes_per_token = layers * 2 * kv_heads * head_dim * kv_itemsize` and `mean_context` the requests' mean
+context over the timed decode calls (`decode_window`: the batch decoding together, after its prefill).
+Activations and logits are left out, so the bound is optimistic.
 
 The Hugging Face peer (`transformers` `generate`, greedy, same shapes) runs in its own process
 (`mmjax.bench.hf_generate_peer`): JAX preallocates most of the GPU's memory, so torch cannot share this one.
@@ -74,6 +74,11 @@ class LengthDistribution:
         return out
 
 
+# a decode window's requests may generate this many times `new_tokens`: the tokens of the calls that prefill the
+# batch (the first requests decode while the last ones prefill), two untimed calls and the timed ones
+DECODE_WINDOW_BUDGET = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchSpec:
     """What to measure. Lengths are tokens; `hbm_gbps` is the roofline's bandwidth (GB/s)."""
@@ -94,7 +99,7 @@ class BenchSpec:
         """Longest request of any phase (a TTFT request generates one token)."""
         ttft = max(self.ttft_prompts, default=0) + 1
         mixed = self.lengths.max_total if self.num_requests else 0
-        return max(self.prompt_len + self.new_tokens, ttft, mixed)
+        return max(self.prompt_len + DECODE_WINDOW_BUDGET * self.new_tokens, ttft, mixed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,22 +228,67 @@ def _stats(xs: Sequence[float]) -> dict[str, float | None]:
     return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90))}
 
 
+def decode_window(engine: Engine, batch: int, spec: BenchSpec, rng: np.random.Generator) -> dict:
+    """The steady decode rate at `batch`: `batch` requests of `prompt_len` tokens are prefilled and decoded together
+    (untimed until every one has its first token, then two calls), then `new_tokens` tokens' worth of calls are
+    timed; a call counts when every request got tokens from it. The requests are aborted afterwards. Measuring
+    inside one pass instead would find no such call at large batches, where the first requests finish before
+    the last ones are prefilled. Returns the counted calls, tokens, seconds, the requests' mean context over
+    them and the compiles while timing."""
+    k = max(engine.runner.decode_steps, 1)
+    vocab = engine.model_cfg.vocab_size
+    params = SamplingParams(max_tokens=DECODE_WINDOW_BUDGET * spec.new_tokens, ignore_eos=True)
+    ids = [engine.add_request(rng.integers(0, vocab, spec.prompt_len).tolist(), sampling_params=params)
+           for _ in range(batch)]
+    generated = dict.fromkeys(ids, 0)
+
+    def step() -> tuple[list[RequestOutput], float]:
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        dt = time.perf_counter() - t0
+        for o in outputs:
+            generated[o.request_id] += len(o.new_token_ids)
+        return outputs, dt
+
+    while min(generated.values()) == 0:  # prefill, untimed
+        step()
+    for _ in range(2):
+        step()
+    compiles = engine.runner.num_compiles
+    calls, tokens, seconds, contexts = 0, 0, 0.0, []
+    for _ in range(-(-spec.new_tokens // k)):
+        before = np.mean(list(generated.values()))
+        outputs, dt = step()
+        if len(outputs) == batch and all(o.new_token_ids for o in outputs):
+            calls, seconds = calls + 1, seconds + dt
+            tokens += sum(len(o.new_token_ids) for o in outputs)
+            # the call's steps attend over prompt + before .. prompt + after - 1 tokens
+            contexts.append(spec.prompt_len + (before + np.mean(list(generated.values())) - 1) / 2)
+    compiles = engine.runner.num_compiles - compiles
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    return {"calls": calls, "tokens": tokens, "seconds": seconds,
+            "mean_context": float(np.mean(contexts)) if contexts else None, "compiles": compiles}
+
+
 def bench_decode(engine: Engine, batch: int, spec: BenchSpec, weight_bytes: int, rng: np.random.Generator) -> dict:
-    """`batch` requests of `prompt_len` tokens generating `new_tokens` each; decode rate over pure-decode steps."""
+    """`batch` requests of `prompt_len` tokens generating `new_tokens` each: the end-to-end rate of one pass (an
+    untimed pass first compiles its shapes) and the steady decode rate of `decode_window`, against the roofline
+    at the window's mean context."""
     run = _timed(engine, [(spec.prompt_len, spec.new_tokens)] * batch, rng)
-    dec = [s for s, d in zip(run.step_s, run.decode_step) if d]
-    dec_tokens = sum(n for n, d in zip(run.step_tokens, run.decode_step) if d)
-    decode_s = sum(dec)
-    tok_s = dec_tokens / decode_s if dec else None
-    roof = roofline(weight_bytes, kv_bytes_per_token(engine), batch, spec.prompt_len + spec.new_tokens / 2,
-                    spec.hbm_gbps)
+    w = decode_window(engine, batch, spec, rng)
+    tok_s = w["tokens"] / w["seconds"] if w["calls"] else None
+    context = w["mean_context"] or spec.prompt_len + spec.new_tokens / 2
+    roof = roofline(weight_bytes, kv_bytes_per_token(engine), batch, context, spec.hbm_gbps)
     return {"batch": batch, "prompt_len": spec.prompt_len, "new_tokens": spec.new_tokens,
-            "decode_steps": len(dec), "decode_tokens": dec_tokens, "decode_tok_s": tok_s,
-            "decode_step_ms": 1e3 * decode_s * batch / dec_tokens if dec else None,  # per token of each request
+            "decode_steps": w["calls"], "decode_tokens": w["tokens"], "decode_tok_s": tok_s,
+            "decode_step_ms": 1e3 * w["seconds"] * batch / w["tokens"] if w["calls"] else None,  # per token of each
             "decode_steps_per_call": engine.runner.decode_steps,
             "e2e_tok_s": batch * spec.new_tokens / run.total_s, "e2e_s": run.total_s, "steps": len(run.step_s),
             "roofline": roof, "fraction_of_roofline": None if tok_s is None else tok_s / roof["tok_s"],
-            "compiles_during_timing": run.compiles}
+            "compiles_during_timing": run.compiles + w["compiles"]}
 
 
 def bench_ttft(engine: Engine, prompt_len: int, repeats: int, rng: np.random.Generator) -> dict:

@@ -150,8 +150,10 @@ def run_spec_bench(cfg: Config, spec: SpecBenchSpec = SpecBenchSpec(), *, params
         if method in ("draft", "draft_device"):
             text = dataclasses.replace(cfg.model.text, n_layers=spec.draft_layers)
             draft = build_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, text=text)))
+        # with dynamic speculation the untimed pass does not compile what the timed one runs (the policy's choices
+        # differ between passes): such an engine compiles every shape first, as a server does at start
         engine = Engine(dataclasses.replace(cfg, serve=dataclasses.replace(serve, speculative=sc)), model,
-                        IdTokenizer(), draft_model=draft)
+                        IdTokenizer(), draft_model=draft, warmup=sc.dynamic)
         record["speculation"].extend(bench_speculation(engine, method, spec, rng))
         if method == "none":
             record["beam"] = bench_beam(engine, spec, rng)

@@ -61,7 +61,6 @@ class SpeculationPolicy:
         self._acc: dict[str, list[float]] = {}
         self._global = [cfg.dynamic_prior_acceptance, 1.0]
         self._off_steps = 0
-        self._probing = False
         self.last_k = 0
 
     # -- measurements ---------------------------------------------------------------------------------------
@@ -73,7 +72,6 @@ class SpeculationPolicy:
     def record_spec(self, num_seqs: int, k: int, seconds: float) -> None:
         """A speculative step at k over `num_seqs` sequences took `seconds` (proposing included)."""
         self._time((batch_bucket(num_seqs), k), seconds)
-        self._probing = False
 
     def _time(self, key: tuple[int, int], seconds: float) -> None:
         self.times.setdefault(key, _Ema()).add(seconds, self.weight, skip=1)
@@ -129,9 +127,8 @@ class SpeculationPolicy:
                 k = max(rates, key=lambda j: rates[j])
                 if k == 0 and self.probe_every:
                     self._off_steps += 1
-                    if self._off_steps >= self.probe_every:
-                        self._off_steps, self._probing = 0, True
-                    if self._probing:  # until a speculative step is recorded
+                    if self._off_steps >= self.probe_every:  # one speculative step, measured or not (a step
+                        self._off_steps = 0                  # that also prefills is not): probes stay 1 in N
                         k = max(range(1, self.max_k + 1), key=lambda j: rates[j])
         self.last_k = k
         return k

@@ -56,12 +56,17 @@ def test_record(record, tmp_path):
     assert [r["batch"] for r in record["decode"]] == [1, 4]
     for r in record["decode"]:
         assert r["compiles_during_timing"] == 0
-        # alone: one prefill step, then tokens 2..new one step each; batch 4 prefills over two steps (32-token
-        # budget), so its first two requests finish a step early and the last step is not all-decode either
-        assert r["decode_steps"] == (SPEC.new_tokens - 1 if r["batch"] == 1 else SPEC.new_tokens - 2)
+        # the decode window: every request decodes in each of new_tokens calls (one token per call on the CPU),
+        # after the prefill (batch 4: two calls of the 32-token budget, the first two requests decoding in the
+        # second) and two untimed calls
+        assert r["decode_steps"] == SPEC.new_tokens and r["decode_tokens"] == SPEC.new_tokens * r["batch"]
         for key in ("decode_tok_s", "decode_step_ms", "e2e_tok_s", "e2e_s"):
             assert r[key] > 0, key
-        step_bytes = weight_bytes + r["batch"] * (12 + 6 / 2) * kv_per_token
+        # prompt 12; before the timed calls a request has 3 tokens (batch 4: 3 or 4, one prefilled a call later),
+        # and a call that makes token j + 1 attends over 12 + j
+        context = r["roofline"]["mean_context"]
+        assert context == pytest.approx(12 + (5.5 if r["batch"] == 1 else 6.0)), context
+        step_bytes = weight_bytes + r["batch"] * context * kv_per_token
         roofline = r["batch"] * 100e9 / step_bytes
         assert r["roofline"]["step_bytes"] == pytest.approx(step_bytes)
         assert r["roofline"]["tok_s"] == pytest.approx(roofline)
