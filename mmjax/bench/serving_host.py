@@ -107,9 +107,10 @@ class Phases:
 def measure(engine: Engine, batch: int, steps: int, rng: np.random.Generator, prompt_len: int = 64) -> dict:
     """One pass: `batch` requests prefilled untimed, then `steps` tokens of each timed, phase by phase (ms/step).
 
-    The requests may run longer than `steps` (their `max_tokens` leaves room), so the timed steps decode all
-    `batch` of them even where the prefill spread their starts over several steps; what is left is aborted."""
-    params = SamplingParams(max_tokens=2 * steps + 16, ignore_eos=True)
+    The requests may run to the engine's longest request (`max_tokens`), so the timed steps decode all `batch` of
+    them even where the prefill spread their starts over many calls (which, with multi-step mixed calls, also
+    decode the requests already prefilled); what is left is aborted."""
+    params = SamplingParams(max_tokens=max(engine.serve.max_model_len - prompt_len, 2 * steps + 16), ignore_eos=True)
     ids = [engine.add_request(rng.integers(0, engine.model_cfg.vocab_size, prompt_len).tolist(), sampling_params=params)
            for _ in range(batch)]
     started: set[str] = set()
