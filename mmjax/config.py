@@ -542,9 +542,6 @@ class SpeculativeConfig:
         need(self.rounds == 1 or (self.method == "ngram" and self.proposer_on_device),
              f"serve.speculative.rounds={self.rounds} needs serve.speculative.method=ngram with proposer_on_device="
              "true (the rounds propose from the token histories kept on the device); use rounds=1 otherwise")
-        need(self.rounds == 1 or not self.dynamic,
-             f"serve.speculative.rounds={self.rounds} with dynamic=true is not supported (the policy prices one "
-             "round per step); use rounds=1 or dynamic=false")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,11 +57,9 @@ METHODS = ("none", "ngram", "ngram_device", "ngram_rounds", "draft", "draft_devi
 def method_config(base: SpeculativeConfig, method: str, *, rounds: int = 8, **kw: Any) -> SpeculativeConfig:
     """The speculative settings of a benchmark method (`METHODS`): `ngram_device` / `draft_device` are `ngram` /
     `draft` with the proposer run on the device, inside the verifying step (`proposer_on_device`);
-    `ngram_rounds` is `ngram_device` with `rounds` speculative rounds per call (never `dynamic`, which it
-    excludes)."""
+    `ngram_rounds` is `ngram_device` with `rounds` speculative rounds per call."""
     if method == "ngram_rounds":
-        return dataclasses.replace(base, method="ngram", proposer_on_device=True, rounds=rounds,
-                                   **{**kw, "dynamic": False})
+        return dataclasses.replace(base, method="ngram", proposer_on_device=True, rounds=rounds, **kw)
     on_device = method.endswith("_device")
     return dataclasses.replace(base, method=method.removesuffix("_device"), proposer_on_device=on_device, rounds=1,
                                **kw)
@@ -227,9 +225,12 @@ def run_acceptance(cfg: Config, model: Any, tokenizer: Any, *, num_tokens: int =
     plain_tok_s: dict[str, float] = {}
     for method in methods:
         draft = first_layers_draft(cfg, model, draft_layers) if method in ("draft", "draft_device") else None
-        sc = method_config(SpeculativeConfig(), method, num_tokens=num_tokens, rounds=rounds)
+        # the config's `dynamic` applies to every speculative method (such an engine warms up first, see
+        # run_spec_bench); its other speculative settings are the benchmark's
+        dynamic = cfg.serve.speculative.dynamic and method != "none"
+        sc = method_config(SpeculativeConfig(), method, num_tokens=num_tokens, rounds=rounds, dynamic=dynamic)
         engine = Engine(dataclasses.replace(cfg, serve=dataclasses.replace(serve, speculative=sc)), model, tokenizer,
-                        draft_model=draft)
+                        draft_model=draft, warmup=dynamic)
         for workload, ps in prompts.items():
             if warm:
                 _acceptance_pass(engine, ps, params)

@@ -400,11 +400,15 @@ class Engine:
         self.num_spec_steps += 1
         if self.policy is None or not all(e.samples and e.num_tokens - e.num_draft == 1 for e in entries):
             return
-        self.policy.record_spec(len(entries), k, seconds)
+        # a call of speculative rounds is priced per round: its time over the rounds it ran (every one of them
+        # runs the model, also for requests already done) and each round's acceptance
+        self.policy.record_spec(len(entries), k, seconds / max(e.num_rounds for e in entries))
         for e in entries:
             s = sampled.get(e.request_id)
-            if s is not None:
-                self.policy.record_acceptance(e.request_id, k, len(s.tokens) - 1 if e.num_draft else 0)
+            if s is None:
+                continue
+            for emitted in [n for _, n in s.rounds] or [len(s.tokens) if e.num_draft else 1]:
+                self.policy.record_acceptance(e.request_id, k, emitted - 1)
 
     def _overlap(self, k: int) -> bool:
         """Whether this step runs overlapped: one decode step per call, no speculation, no beam search live."""

@@ -158,9 +158,7 @@ def test_reserved_draft_slots_of_a_single_round_and_of_a_call_of_rounds():
      "must be in"),
     (["serve.speculative.method=ngram", "serve.speculative.rounds=2"], "needs serve.speculative.method=ngram with"),
     (["serve.speculative.method=draft", "serve.speculative.proposer_on_device=true", "serve.speculative.rounds=2"],
-     "needs serve.speculative.method=ngram with"),
-    (["serve.speculative.method=ngram", "serve.speculative.proposer_on_device=true", "serve.speculative.rounds=2",
-      "serve.speculative.dynamic=true"], "not supported")])
+     "needs serve.speculative.method=ngram with")])
 def test_rounds_config_is_validated(overrides, message):
     from mmjax.config import load_config
     from mmjax.errors import ConfigError
@@ -168,6 +166,36 @@ def test_rounds_config_is_validated(overrides, message):
         load_config(None, overrides)
     assert load_config(None, ["serve.speculative.method=ngram", "serve.speculative.proposer_on_device=true",
                               "serve.speculative.rounds=4"]).serve.speculative.rounds == 4
+
+
+def test_dynamic_speculation_prices_a_call_of_rounds_per_round(lm):
+    """With `dynamic` and rounds: greedy tokens still equal plain greedy, nothing compiles after warm-up, calls of
+    rounds run, and the policy records a speculative step's time per round (the call's time over its rounds) and
+    one acceptance try per round, so a request's acceptance stays a fraction (a call's tokens taken as one step's
+    would give more accepted tokens than proposals)."""
+    from mmjax.serving.engine import Engine
+    from mmjax.serving.request import SamplingParams
+    n = 16
+    want = [lm["ref"].greedy(p, n, stop=()) for p in REPETITIVE[:4]]
+    serve = ServeConfig(page_size=4, num_pages=80, max_num_batched_tokens=32, max_num_seqs=4, min_token_bucket=32,
+                        min_slot_bucket=4, max_model_len=40, max_logprobs=0, decode_steps=1,
+                        speculative=SpeculativeConfig(method="ngram", num_tokens=3, proposer_on_device=True,
+                                                      rounds=ROUNDS, dynamic=True, dynamic_probe_every=4))
+    eng = Engine(Config(model=lm["model"].cfg, serve=serve), lm["model"], _Ids(), warmup=True)
+    compiles, seen, spec = eng.runner.num_compiles, [], []
+    _watch_rounds(eng, seen)
+    record_spec, record_acceptance = eng.policy.record_spec, eng.policy.record_acceptance
+    eng.policy.record_spec = lambda n, k, s: (spec.append(s), record_spec(n, k, s))
+    tries = []
+    eng.policy.record_acceptance = lambda rid, k, a: (tries.append((k, a)), record_acceptance(rid, k, a))
+    outs = _run(eng, REPETITIVE[:4], [SamplingParams(max_tokens=n)] * 4)
+    assert [o.token_ids for o, _ in outs] == want
+    assert eng.runner.num_compiles == compiles
+    assert seen and max(seen) > 1  # calls of rounds ran
+    assert spec and tries and all(0 <= a <= k for k, a in tries)  # one try per round: at most k accepted
+    assert all(0 <= eng.policy.acceptance(f"req-{i}") <= 1 for i in range(4))
+    eng.kv.check_consistency()
+    assert eng.kv.num_free_pages == eng.kv.num_usable_pages
 
 
 def test_speculative_bench_runs_the_rounds_method(tiny):
