@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                         "lookup made on the device, serve.speculative.proposer_on_device; ngram_rounds: that with "
                         "--spec-rounds rounds per call, serve.speculative.rounds; draft_device: the draft "
                         "model's steps inside the verifying step, the same setting)")
+    p.add_argument("--spec-repeats", type=int, default=1,
+                   help="speculative mode: timed passes per row, the median rate kept (short passes are noisy)")
     p.add_argument("--draft-layers", type=int, default=2, help="speculative mode: the draft model's layers")
     p.add_argument("--num-beams", type=int, default=4, help="speculative mode: beams of the beam-search phase")
     p.add_argument("--beam-batch", type=int, default=8, help="speculative mode: beam-search requests at once")
@@ -175,7 +177,8 @@ def _speculative(args: argparse.Namespace, cfg, command: str) -> int:
     spec = bench_spec.SpecBenchSpec(batches=tuple(args.batches or (1, 8)), prompt_len=args.prompt_len,
                                     new_tokens=args.new_tokens, num_tokens=args.spec_k, rounds=args.spec_rounds,
                                     draft_layers=args.draft_layers,
-                                    num_beams=args.num_beams, beam_batch=args.beam_batch, seed=args.seed)
+                                    num_beams=args.num_beams, beam_batch=args.beam_batch, seed=args.seed,
+                                    repeats=args.spec_repeats)
     hf_config = None if args.no_hf else text_config_to_hf(cfg.model.text, cfg.model.vocab_size,
                                                          max(cfg.model.max_seq_len, args.prompt_len + args.new_tokens),
                                                          "llama", cfg.model.param_dtype)

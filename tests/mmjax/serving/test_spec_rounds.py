@@ -206,9 +206,10 @@ def test_speculative_bench_runs_the_rounds_method(tiny):
                  serve=ServeConfig(page_size=4, num_pages=64, max_num_batched_tokens=16, max_num_seqs=4,
                                    min_token_bucket=16, min_slot_bucket=4, max_logprobs=0, decode_steps=1))
     spec = bench_spec.SpecBenchSpec(batches=(2,), prompt_len=16, new_tokens=12, num_tokens=2, rounds=3,
-                                    repeat_block=4, beam_batch=1, num_beams=2)
+                                    repeat_block=4, beam_batch=1, num_beams=2, repeats=2)
     rows = bench_spec.run_spec_bench(cfg, spec, methods=("ngram_device", "ngram_rounds"))["speculation"]
     one = {r["workload"]: r for r in rows if r["method"] == "ngram_device"}
     for r in (r for r in rows if r["method"] == "ngram_rounds"):
         assert r["compiles_during_timing"] == 0 and r["tokens"] == one[r["workload"]]["tokens"]
+        assert len(r["tok_s_runs"]) == 2 and r["tok_s"] == pytest.approx(sum(r["tok_s_runs"]) / 2)  # their median
         assert r["steps"] < one[r["workload"]]["steps"] and r["accepted"] == one[r["workload"]]["accepted"]
