@@ -24,7 +24,7 @@ import dataclasses
 import datetime
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -187,6 +187,31 @@ def _timed(engine: Engine, lengths: Sequence[tuple[int, int]], rng: np.random.Ge
     return run_pass(engine, lengths, rng)
 
 
+def start_decoding(engine: Engine, batch: int, prompt_len: int, max_tokens: int,
+                   rng: np.random.Generator) -> dict[str, int]:
+    """Submit `batch` requests of `prompt_len` random ids (greedy, `max_tokens`, EOS ignored), step until every one
+    has its first token, then two more calls (the first decode calls), all untimed; returns each request's tokens
+    so far."""
+    vocab = engine.model_cfg.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    generated = {engine.add_request(rng.integers(0, vocab, prompt_len).tolist(), sampling_params=params): 0
+                 for _ in range(batch)}
+    first_decode_calls = 2
+    while first_decode_calls:
+        first_decode_calls -= min(generated.values()) > 0  # every request has started: a decode call
+        for o in engine.step():
+            generated[o.request_id] += len(o.new_token_ids)
+    return generated
+
+
+def stop_decoding(engine: Engine, request_ids: Iterable[str]) -> None:
+    """Abort the requests and step until the engine holds none."""
+    for rid in request_ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+
+
 def profile_decode(engine: Engine, batch: int, spec: BenchSpec, rng: np.random.Generator) -> dict:
     """Trace `spec.profile_steps` pure-decode calls of `batch` requests (each `serve.decode_steps` token steps):
     the device's busy/idle shares and top kernels (`observe.profile`) per token step, next to the wall time, so
@@ -195,15 +220,7 @@ def profile_decode(engine: Engine, batch: int, spec: BenchSpec, rng: np.random.G
 
 
     n, k = spec.profile_steps, engine.runner.decode_steps
-    vocab = engine.model_cfg.vocab_size
-    ids = [engine.add_request(rng.integers(0, vocab, spec.prompt_len).tolist(),
-                              sampling_params=SamplingParams(max_tokens=(n + 8) * k + 8, ignore_eos=True))
-           for _ in range(batch)]
-    started: set[str] = set()
-    while len(started) < batch:  # prefill, untraced
-        started.update(o.request_id for o in engine.step() if o.new_token_ids)
-    for _ in range(2):
-        engine.step()  # the first decode calls, untraced
+    ids = list(start_decoding(engine, batch, spec.prompt_len, (n + 8) * k + 8, rng))
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
         t0 = time.perf_counter()
@@ -212,10 +229,7 @@ def profile_decode(engine: Engine, batch: int, spec: BenchSpec, rng: np.random.G
         jax.profiler.stop_trace()
         # every distinct kernel of a step, not a top 15: `tools.kernel_sources` names the code behind each
         summary = summarize_trace(trace_dir, steps=max(tokens // batch, 1), top=PROFILE_KERNELS)
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
+    stop_decoding(engine, ids)
     summary.pop("trace_file", None)
     return {"batch": batch, "calls": n, "token_steps": tokens // batch,
             "wall_step_ms": 1e3 * wall * batch / max(tokens, 1), **summary}
@@ -236,39 +250,23 @@ def decode_window(engine: Engine, batch: int, spec: BenchSpec, rng: np.random.Ge
     the last ones are prefilled. Returns the counted calls, tokens, seconds, the requests' mean context over
     them and the compiles while timing."""
     k = max(engine.runner.decode_steps, 1)
-    vocab = engine.model_cfg.vocab_size
-    params = SamplingParams(max_tokens=DECODE_WINDOW_BUDGET * spec.new_tokens, ignore_eos=True)
-    ids = [engine.add_request(rng.integers(0, vocab, spec.prompt_len).tolist(), sampling_params=params)
-           for _ in range(batch)]
-    generated = dict.fromkeys(ids, 0)
-
-    def step() -> tuple[list[RequestOutput], float]:
+    generated = start_decoding(engine, batch, spec.prompt_len, DECODE_WINDOW_BUDGET * spec.new_tokens, rng)
+    compiles = engine.runner.num_compiles
+    calls, tokens, seconds, contexts = 0, 0, 0.0, []
+    for _ in range(-(-spec.new_tokens // k)):
+        before = np.mean(list(generated.values()))
         t0 = time.perf_counter()
         outputs = engine.step()
         dt = time.perf_counter() - t0
         for o in outputs:
             generated[o.request_id] += len(o.new_token_ids)
-        return outputs, dt
-
-    while min(generated.values()) == 0:  # prefill, untimed
-        step()
-    for _ in range(2):
-        step()
-    compiles = engine.runner.num_compiles
-    calls, tokens, seconds, contexts = 0, 0, 0.0, []
-    for _ in range(-(-spec.new_tokens // k)):
-        before = np.mean(list(generated.values()))
-        outputs, dt = step()
         if len(outputs) == batch and all(o.new_token_ids for o in outputs):
             calls, seconds = calls + 1, seconds + dt
             tokens += sum(len(o.new_token_ids) for o in outputs)
             # the call's steps attend over prompt + before .. prompt + after - 1 tokens
             contexts.append(spec.prompt_len + (before + np.mean(list(generated.values())) - 1) / 2)
     compiles = engine.runner.num_compiles - compiles
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
+    stop_decoding(engine, generated)
     return {"calls": calls, "tokens": tokens, "seconds": seconds,
             "mean_context": float(np.mean(contexts)) if contexts else None, "compiles": compiles}
 
