@@ -1,12 +1,14 @@
 """Decode-shape sweep of the ragged paged attention's tiling: keys per loop step, warps, pipeline stages and key
 splits, at batch 1 and 64 of the 1.24B decoder's attention (H32 KV8 D64, page 16, 16 layers, context 576-640).
 
-    python -m mmjax.bench.decode_sweep OUT.json [--quick]
+    python -m mmjax.bench.decode_sweep OUT.json [--batches 1 8 64] [--quick]
 
 Each row times 16 layer calls in one jitted loop, each as the engine's multi-step decode runs it (slot order, the
 step's k, v written by the kernel, the pools donated and carried) with its jnp pre-pass and merge, and reports
-microseconds per call, the KV bandwidth that implies and the largest difference from the first configuration's
-output. Few sequences try key splits with their warps and stages; many try the unsplit tilings. The defaults of
+microseconds per call (wall time: a loop of small kernels launched one by one is paced by their launches), the
+attention kernels' own device time per call from a trace of a few more iterations (`device_us_per_layer`: the
+kernel and its merge, what a step inside a command buffer pays), the KV bandwidth that implies and the largest
+difference from the first configuration's output. Few sequences try key splits with their warps and stages; many try the unsplit tilings. The defaults of
 `ragged_paged_attention_pallas` come from this sweep (docs/perf).
 `--quick` shrinks everything to check the script on CPU (interpret mode; the timings mean nothing there).
 """
@@ -18,9 +20,13 @@ import itertools
 import json
 import time
 
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from mmjax.observe.profile import summarize_trace
 
 from mmjax.kernels.ragged_paged_attention.pallas import ragged_paged_attention_pallas
 
@@ -51,7 +57,12 @@ def decode_case(batch: int, layers: int, context: int, max_len: int = 4096):
             (k_new, v_new, jnp.asarray(slots)))
 
 
-def time_config(case, layers: int, iters: int, **tiling) -> tuple[float, np.ndarray]:
+TRACED_ITERS = 5  # loop calls traced for the kernels' device time
+
+
+def time_config(case, layers: int, iters: int, **tiling) -> tuple[float, float | None, np.ndarray]:
+    """(wall us per layer call, the attention kernels' device us per layer call or None where the trace has no
+    device kernels (the CPU), the output)."""
     q, k, v, table, qstart, qlen, ctx, new_kv = case
 
     def step(q, k, v):
@@ -70,7 +81,17 @@ def time_config(case, layers: int, iters: int, **tiling) -> tuple[float, np.ndar
     for _ in range(iters):
         out, k, v = step(q, k, v)
     out.block_until_ready()
-    return (time.perf_counter() - start) / iters / layers * 1e6, np.asarray(out, np.float32)
+    wall = (time.perf_counter() - start) / iters / layers * 1e6
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for _ in range(TRACED_ITERS):
+            out, k, v = step(q, k, v)
+        out.block_until_ready()
+        jax.profiler.stop_trace()
+        families = summarize_trace(trace_dir, steps=1, top=1).get("kernel_families", [])
+    attention_ms = sum(f["total_ms"] for f in families if "ragged_paged_attention" in f["family"])
+    device = 1e3 * attention_ms / (TRACED_ITERS * layers) if attention_ms else None
+    return wall, device, np.asarray(out, np.float32)
 
 
 def configs(batch: int) -> list[dict]:
@@ -78,7 +99,7 @@ def configs(batch: int) -> list[dict]:
     unsplit tilings for many; {} is the kernel's default."""
     if batch <= 16:
         return [dict(block_tokens=bt, kv_splits=k, num_warps=w, num_stages=st)
-                for bt, k, (w, st) in itertools.product((32, 64, 128), (2, 4, 8, 16), ((4, 1), (4, 2), (2, 2)))] + [{}]
+                for bt, k, (w, st) in itertools.product((16, 32, 64), (4, 8, 16, 32), ((4, 1), (4, 2)))] + [{}]
     return [dict(block_tokens=bt, num_warps=w, num_stages=st, kv_splits=1)
             for bt, w, st in itertools.product((64, 128, 256), (4, 8), (1, 2, 3))] + [{}]
 
@@ -87,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     args = p.parse_args(argv)
-    layers, context, iters, batches = (1, 40, 1, (1, 4)) if args.quick else (16, 576, 50, (1, 64))
+    layers, context, iters, batches = (1, 40, 1, (1, 4)) if args.quick else (16, 576, 20, tuple(args.batches))
     rows = []
     for batch in batches:
         case = decode_case(batch, layers, context)
@@ -98,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         todo = configs(batch)[:1] + configs(batch)[-1:] if args.quick else configs(batch)
         for tiling in todo:
             try:
-                us, out = time_config(case, layers, iters, **tiling)
+                us, device_us, out = time_config(case, layers, iters, **tiling)
                 first = out if first is None else first
-                row = dict(batch=batch, us_per_layer=round(us, 2), kv_gbps=round(kv_bytes / us / 1e3, 1),
+                row = dict(batch=batch, us_per_layer=round(us, 2),
+                           device_us_per_layer=None if device_us is None else round(device_us, 2),
+                           kv_gbps=round(kv_bytes / (device_us or us) / 1e3, 1),
                            max_diff=float(np.abs(out - first).max()), **(tiling or {"tiling": "default"}))
             except Exception as e:  # a tiling that does not compile (shared memory, registers)
                 row = dict(batch=batch, error=str(e)[:200], **tiling)

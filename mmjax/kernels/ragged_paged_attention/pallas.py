@@ -34,6 +34,7 @@ BLOCK_TOKENS = 128  # key tokens per loop step (pages_per_block * page_size): [r
 BLOCK_ROWS = 64     # query rows (tokens x grouped heads) a prefill block aims at
 MIN_ROWS = 16       # query rows of a dot tile
 SPLIT_TOKENS = 16   # decode steps of at most this many tokens (sequences) split each sequence's keys
+DECODE_SPLITS = 16  # ... into this many parts, each walked by its own program
 
 
 def query_tile(group: int, max_query_len: int | None = None, block_rows: int = BLOCK_ROWS) -> int:
@@ -205,9 +206,10 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
 
     `kv_splits` > 1 cuts each block's keys into that many parts walked by separate programs (more programs
     for few, long sequences), whose partial softmax results are merged afterwards. Left as None, the tiling
-    is the decode sweep's best (docs/perf/log/2026-12-05.md, "Serving"): a decode step of at most `SPLIT_TOKENS` tokens
-    splits the keys in 4 and walks 64 at a time; other decode steps walk 128 keys unpipelined (one stage);
-    prefill keeps 128 keys and two stages.
+    is the decode sweep's best by the kernels' device time (`bench.decode_sweep`; docs/perf/log/2026-12-07.md):
+    a decode step of at most `SPLIT_TOKENS` tokens splits the keys in `DECODE_SPLITS` and walks 64 at a time,
+    unpipelined; other decode steps walk 128 keys unpipelined (one stage); prefill keeps 128 keys and two
+    stages.
 
     `new_kv` = (k [T, KV, D], v [T, KV, D], slot_mapping [T]), for a decode step (max_query_len 1) over an
     unquantized pool without image blocks: the kernel also writes each token's k, v at its flat slot (page *
@@ -228,11 +230,11 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
         raise ValueError("new_kv needs a decode step (max_query_len=1) over an unquantized pool without image "
                          "block ids")
     if kv_splits is None:
-        kv_splits = 4 if decode and t <= SPLIT_TOKENS else 1
+        kv_splits = DECODE_SPLITS if decode and t <= SPLIT_TOKENS else 1
     if block_tokens is None:
         block_tokens = 64 if kv_splits > 1 else BLOCK_TOKENS
     if num_stages is None:
-        num_stages = 1 if decode and kv_splits == 1 else 2
+        num_stages = 1 if decode else 2
     stacked = layer is not None
     if layer is None:
         k_pages, v_pages = k_pages[None], v_pages[None]
