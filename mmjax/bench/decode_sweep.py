@@ -8,8 +8,9 @@ step's k, v written by the kernel, the pools donated and carried) with its jnp p
 microseconds per call (wall time: a loop of small kernels launched one by one is paced by their launches), the
 attention kernels' own device time per call from a trace of a few more iterations (`device_us_per_layer`: the
 kernel and its merge, what a step inside a command buffer pays), the KV bandwidth that implies and the largest
-difference from the first configuration's output. Few sequences try key splits with their warps and stages; many try the unsplit tilings. The defaults of
-`ragged_paged_attention_pallas` come from this sweep (docs/perf).
+difference from the first configuration's output. Few sequences try key splits with their warps and stages; many
+try the unsplit tilings. The defaults of `ragged_paged_attention_pallas` come from this sweep's device time
+(docs/perf).
 `--quick` shrinks everything to check the script on CPU (interpret mode; the timings mean nothing there).
 """
 
@@ -18,17 +19,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import time
-
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mmjax.observe.profile import summarize_trace
-
 from mmjax.kernels.ragged_paged_attention.pallas import ragged_paged_attention_pallas
+from mmjax.observe.profile import summarize_trace
 
 KV, H, D, PAGE = 8, 32, 64, 16
 

@@ -63,14 +63,17 @@ def _fold_new_key(carry, s, v, valid):
 
 def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_blocks: bool, kv_heads: int,
             num_pages: int, has_scales: bool = False, kv_splits: int = 1, writes_kv: bool = False,
-            slot_group: int = 0, max_keys: int = 0):
+            slot_group: int = 0, max_keys: int = 0, packed_row: int = 0):
     ks_ref = vs_ref = m_ref = l_ref = None
     if writes_kv:  # the pools again, as outputs aliased to the inputs: this step's k, v are written here
         *refs, k_out_ref, v_out_ref = refs
     if kv_splits > 1:  # partial results: unnormalized output, running max and denominator
         *refs, o_ref, m_ref, l_ref = refs
         refs = (*refs, o_ref)
-    if writes_kv:
+    if writes_kv and packed_row:  # the step's k, v are rows packed_row, packed_row + 1 of the query tile
+        *refs, slot_ref, o_ref = refs
+        refs = (*refs, o_ref)
+    elif writes_kv:
         *refs, k_new_ref, v_new_ref, slot_ref, o_ref = refs
         refs = (*refs, o_ref)
     if has_scales:
@@ -122,7 +125,11 @@ def _kernel(*refs, pages_per_block: int, page_size: int, scale: float, has_block
 
     carry = softmax_carry(q.shape[0], d)
     if writes_kv:  # a decode block: one query at position ctx - 1, whose own k, v this program holds
-        k_new, v_new, slot = k_new_ref[...], v_new_ref[...], jnp.where(live, slot_ref[0], -1)
+        if packed_row:
+            k_new, v_new = q_ref[packed_row, :], q_ref[packed_row + 1, :]
+        else:
+            k_new, v_new = k_new_ref[...], v_new_ref[...]
+        slot = jnp.where(live, slot_ref[0], -1)
         lead = (pl.program_id(2) == 0) if kv_splits > 1 else True  # one program per (token, kv head) writes
         s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * scale
         carry = _fold_new_key(carry, s_new, v_new, (qpos >= 0) & (slot >= 0) & lead)
@@ -299,7 +306,19 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
         args += [flat(k_scale), flat(v_scale)]
         specs += [whole(args[-2]), whole(args[-1])]
     pool_outs, pool_specs = [], []
-    if writes_kv:  # per block: its token's k, v rows [nb, KV, D] and flat slot (-1: a block of no token)
+    # a decode step in slot order packs its k, v into two spare rows of each (slot, kv head)'s query tile (rows
+    # past the group attend nothing): one fused producer of the tile, instead of three (q's tile, k and v apart)
+    packed_row = gp if writes_kv and slot_tokens and gp + 2 <= rows else 0
+    if packed_row:
+        k_new, v_new, slot_mapping = new_kv
+        kv_rows = jnp.stack([k_new[:nb], v_new[:nb]], axis=2).astype(q.dtype)  # [nb, KV, 2, D]
+        qt = jnp.concatenate([qt[:, :, :packed_row], kv_rows, qt[:, :, packed_row + 2:]], axis=2)
+        args[0] = qt
+        args += [slot_mapping.astype(jnp.int32)]
+        specs += [scalar]
+        pool_outs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (k_pages, v_pages)]
+        pool_specs = [whole(k_pages), whole(v_pages)]
+    elif writes_kv:  # per block: its token's k, v rows [nb, KV, D] and flat slot (-1: a block of no token)
         k_new, v_new, slot_mapping = new_kv
         slot_mapping = slot_mapping.astype(jnp.int32)
         if slot_tokens:  # block s reads row s of the step's k, v and slots where they lie (no slice or gather)
@@ -315,7 +334,8 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
     kernel = functools.partial(_kernel, pages_per_block=pages_per_block, page_size=page_size,
                                scale=1.0 / math.sqrt(d), has_blocks=has_blocks, has_scales=has_scales,
                                kv_heads=kvh, num_pages=n_pages, kv_splits=kv_splits, writes_kv=writes_kv,
-                               slot_group=g if slot_tokens else 0, max_keys=max_pages * page_size)
+                               slot_group=g if slot_tokens else 0, max_keys=max_pages * page_size,
+                               packed_row=packed_row)
     # with key splits in slot order, the merge writes the token rows itself: no layout ops after it
     token_rows = kv_splits > 1 and slot_tokens and g == gp
     params = dict(in_specs=specs, interpret=_interpret(), compiler_params=compiler_params(num_warps, num_stages),
