@@ -259,6 +259,17 @@ def test_top_logprobs_only_for_the_requests_that_ask(setup, decode_steps):
     assert engine.kv.num_free_pages == engine.kv.num_usable_pages
 
 
+def test_beam_search_of_one_beam_is_greedy(setup):
+    """A beam search of width 1 gets its candidates (top logprobs) like a wider one and gives the greedy tokens."""
+    prompt = [5, 6, 7, 8]
+    want = setup["ref"].greedy(prompt, 6, eos=EOS)
+    assert len(want) == 6 and EOS not in want and setup["tiny"]["image_token"] not in want  # no early stop
+    llm = LLM.__new__(LLM)
+    llm.engine = setup["engine"]
+    [out] = llm.generate([prompt], SamplingParams(max_tokens=6, use_beam_search=True))
+    assert out.token_ids == want and [b[0] for b in out.beams] == [want]
+
+
 def test_overlapped_decode_equals_single_steps(setup):
     """serve.overlap_decode: each multi-step call is launched before the previous one's tokens are read. Requests
     that stop inside a call (a stop token, a stop string, max_tokens) or are aborted while the next call is
