@@ -609,7 +609,9 @@ class ServeConfig:
     # of 576, e.g. SmolLM2-135M); a multiple of 128 keeps the packed layout and the fused decode kernel
     quant_group: int = 128
     image_cache_size: int = 64  # encoded images kept (LRU by content hash) so a repeated image is encoded once
-    max_logprobs: int = 5  # most top logprobs a request may ask for (every step computes this many)
+    # most top logprobs a request may ask for (a call with such a request or a beam search computes this many, or
+    # 2 * max_beam_width if more; a call without one computes none)
+    max_logprobs: int = 5
     seed: int = 0  # draws the sampling seed of each request that gives none, so a run is reproducible
     max_beam_width: int = 4  # most beams a beam-search request may ask for (the step returns 2x this many candidates)
     # > 1: when every running request is decoding (and no waiting request can be admitted; with mixed_decode_steps

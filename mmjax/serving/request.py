@@ -179,6 +179,12 @@ class SamplingParams:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
     @property
+    def needs_top_logprobs(self) -> bool:
+        """Whether the sampler must return this request's most likely tokens: top logprobs asked for, or a beam
+        search's candidates (its rows use them to extend the beams)."""
+        return bool(self.logprobs) or self.use_beam_search
+
+    @property
     def uses_penalties(self) -> bool:
         """Whether the sampler needs this request's token history."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

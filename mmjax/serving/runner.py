@@ -31,7 +31,6 @@ from mmjax.serving.buckets import StepShapes, auto_decode_steps, buckets
 from mmjax.serving.images import ImageCache, ImageInput
 from mmjax.serving.launch import CallLauncher
 from mmjax.serving.request import Request
-from mmjax.serving.sampling import SamplingTensors
 from mmjax.serving.scheduler import SchedulerOutput
 from mmjax.serving.sizing import size_serving
 from mmjax.serving.speculative.device_ngram import DeviceHistory, set_rows
@@ -46,10 +45,12 @@ from mmjax.serving.unroll import serving_layout
 class ModelRunner(StepShapes, StepInputs, CallLauncher):
     """Owns the parameters and the KV pools and runs one step per `execute`.
 
-    `model` is an `MLLM` (or a (graphdef, state) pair of one). The step samples with `sampling.sample`,
-    returning `serve.max_logprobs` top logprobs per token. The sampler's token history (for penalties) is
-    either empty or `max_model_len` long, so each (token, slot) bucket has two shapes, both compiled by
-    `warmup()`. `num_compiles` counts traces of the step and of the image encoder: it stays put after warm-up.
+    `model` is an `MLLM` (or a (graphdef, state) pair of one). The step samples with `sampling.sample`. Each
+    (token, slot) bucket has two sampler programs, both compiled by `warmup()`: the plain one (no token history,
+    no top logprobs) and the full one, for a call in which some request uses penalties, top-k/top-p, top logprobs
+    or beam search (a `max_model_len` token history, the sort, and the `num_logprobs` = max(serve.max_logprobs,
+    2 * serve.max_beam_width) most likely tokens per sampled token). `num_compiles` counts traces of the step and
+    of the image encoder: it stays put after warm-up.
 
     On a `mesh` the host inputs and the sampled outputs are replicated over it (every process of a multi-process
     run feeds the same inputs and reads every token) and the pools are split over the context's head axes on
@@ -141,10 +142,9 @@ class ModelRunner(StepShapes, StepInputs, CallLauncher):
         self.decode_steps = (auto_decode_steps(serve.decode_steps)
                              if serve.speculative.method == "none" or self.spec_dynamic else 1)
         self._programs = StepPrograms(  # the settings the traced programs read
-            page_size=self.page_size, max_slots=self.max_slots, num_logprobs=self.num_logprobs,
-            decode_steps=self.decode_steps, token_buckets=self.token_buckets, spec_k=self.spec_k,
-            ngram_min=serve.speculative.ngram_min, ngram_max=serve.speculative.ngram_max,
-            spec_rounds=self.spec_rounds, adaptive=serve.speculative.adaptive)
+            page_size=self.page_size, max_slots=self.max_slots, decode_steps=self.decode_steps,
+            token_buckets=self.token_buckets, spec_k=self.spec_k, ngram_min=serve.speculative.ngram_min,
+            ngram_max=serve.speculative.ngram_max, spec_rounds=self.spec_rounds, adaptive=serve.speculative.adaptive)
         self._multi = PackedStep(self._traced(self._programs.multi_step), wrap=wrap, put=self._put,
                                  out_shardings=None if out is None else (*out, rep))
         # a call that prefills also decodes decode_steps tokens for its decoding requests (the ragged step, then
@@ -374,15 +374,15 @@ class ModelRunner(StepShapes, StepInputs, CallLauncher):
             if not self.text_only:
                 batch["image_rows"] = self._zeros(t)
             for history in (0, self.max_model_len):
-                self._run(batch, SamplingTensors.from_requests([], s, history))
+                self._run(batch, self._sampler_tensors([], s, history))
         for t, s in self.decode_shapes:
             for history in (0, self.max_model_len):
                 _, self.pools = self._decode(self._leaves, self.pools, self._decode_batch(t, s),
-                                             SamplingTensors.from_requests([], s, history))
+                                             self._sampler_tensors([], s, history))
         for t, s in self.multi_step_shapes:
             for history in (0, self.max_model_len):
                 _, self.pools = self._multi(self._leaves, self.pools, self._multi_batch(t, s),
-                                            SamplingTensors.from_requests([], s, history), self._no_last)
+                                            self._sampler_tensors([], s, history), self._no_last)
         for t, s in self.mixed_step_shapes:
             batch = self._empty_batch(t, s)
             batch["num_steps"] = np.zeros(s, np.int32)
@@ -390,11 +390,11 @@ class ModelRunner(StepShapes, StepInputs, CallLauncher):
                 batch["image_rows"] = self._zeros(t)
             for history in (0, self.max_model_len):
                 _, self.pools = self._mixed(self._leaves, self.pools, batch,
-                                            SamplingTensors.from_requests([], s, history))
+                                            self._sampler_tensors([], s, history))
         for t, s in self.spec_round_shapes:
             for history in (0, self.max_model_len):
                 _, carry = self._rounds(self._leaves, (self.pools, self.history.tokens), self._rounds_batch(t, s),
-                                        SamplingTensors.from_requests([], s, history))
+                                        self._sampler_tensors([], s, history))
                 self._set_carry(carry, True)
         if self.history is not None:  # the token histories' row upload
             self.history.warmup(self._upload)

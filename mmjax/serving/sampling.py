@@ -43,17 +43,20 @@ class SamplingTensors:
     # static (part of the compiled program's key): whether any row needs the top-k/top-p sort. A device-side
     # branch instead would make the GPU wait for the host to read its predicate in every token step.
     sort: bool = flax.struct.field(pytree_node=False, default=False)
+    # static too: K, the most likely tokens `sample` returns per row with their logprobs (0: none, no top-k pass)
+    top_logprobs: int = flax.struct.field(pytree_node=False, default=0)
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request | None], num_slots: int, max_len: int, *,
-                      seeds: Mapping[str, int] | None = None) -> SamplingTensors:
+                      seeds: Mapping[str, int] | None = None, top_logprobs: int = 0) -> SamplingTensors:
         """Host-side (numpy) tensors; `requests[i]` fills row `i`, `None` leaves a slot empty.
 
         `seeds` maps the id of each request without `sampling_params.seed` to the seed the engine drew for
         it once (from its own seeded RNG), so unseeded requests are reproducible for a seeded engine too.
         `max_len` (`L`) must be >= `history_len` of the penalised requests. The sort (top-k / top-p) is
         compiled in when a row needs it or the history is non-empty (`full_sampler_history` picks one of the
-        two programs a runner compiles: plain, or penalties and sort).
+        two programs a runner compiles: plain, or penalties and sort). `top_logprobs` is K (the runner's full
+        program returns them, its plain one none).
         """
         if len(requests) > num_slots:
             raise RequestError(f"{len(requests)} requests do not fit num_slots={num_slots}")
@@ -94,7 +97,7 @@ class SamplingTensors:
                                        f"arrays: {e}") from e
         sort = max_len > 0 or any(r is not None and r.sampling_params.needs_sort for r in requests)
         return cls(temperature, top_k, top_p, min_p, repetition, presence, frequency, seed, step,
-                   prompt_ids, output_ids, sort)
+                   prompt_ids, output_ids, sort, top_logprobs)
 
 
 def history_len(requests: Sequence[Request | None]) -> int:
@@ -104,12 +107,13 @@ def history_len(requests: Sequence[Request | None]) -> int:
                 if r is not None and r.sampling_params.uses_penalties), default=0)
 
 
-def full_sampler_history(requests: Sequence[Request | None], max_len: int) -> int:
-    """The history length a runner's step samples with: `max_len` (penalties and the top-k/top-p sort) when a
-    request uses a penalty or needs the sort, else 0 (greedy, temperature, min-p). Two programs per step shape,
-    both compiled at warm-up; a batch of plain requests never pays for the sort."""
-    full = any(r is not None and (r.sampling_params.uses_penalties or r.sampling_params.needs_sort)
-               for r in requests)
+def full_sampler_history(requests: Sequence[Request | None], max_len: int, top_logprobs: bool = True) -> int:
+    """The history length a runner's step samples with: `max_len` (the full program: penalties, the top-k/top-p
+    sort and the top-K logprobs) when a request uses a penalty, needs the sort or (with `top_logprobs`, for a
+    program that returns them) wants its most likely tokens, else 0 (the plain program: greedy, temperature,
+    min-p). Two programs per step shape, both compiled at warm-up; a batch of plain requests pays for none of it."""
+    full = any(r is not None and (r.sampling_params.uses_penalties or r.sampling_params.needs_sort
+                                  or (top_logprobs and r.sampling_params.needs_top_logprobs)) for r in requests)
     return max_len if full else 0
 
 
@@ -120,7 +124,7 @@ class SampleResult:
 
     tokens: jax.Array  # i32[S]
     logprobs: jax.Array  # f32[S]: the chosen token's logprob
-    top_ids: jax.Array  # i32[S, K], most likely first
+    top_ids: jax.Array  # i32[S, K], most likely first (K = SamplingTensors.top_logprobs, maybe 0)
     top_logprobs: jax.Array  # f32[S, K]
 
 
@@ -193,12 +197,13 @@ def filtered_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return jnp.where(scaled < floor, -jnp.inf, scaled)
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs",))
-def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0) -> SampleResult:
+@jax.jit
+def sample(logits: jax.Array, t: SamplingTensors) -> SampleResult:
     """One token per row of `logits` f32[S, V].
 
     Penalties, then: greedy rows (temperature 0) take the argmax of the penalised logits; the others divide by
-    temperature, mask to top-k, top-p and min-p, and draw with their row key. `num_logprobs` (static) is K.
+    temperature, mask to top-k, top-p and min-p, and draw with their row key. The top-K logprobs (K =
+    `t.top_logprobs`, static) are computed only when K > 0; else they come back with 0 columns.
     """
     logits = logits.astype(jnp.float32)
     penalised = apply_penalties(logits, t)
@@ -209,8 +214,8 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0) -> Samp
 
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    if num_logprobs > 0:
-        top_logprobs, top_ids = top_k(logprobs, num_logprobs)
+    if t.top_logprobs > 0:
+        top_logprobs, top_ids = top_k(logprobs, t.top_logprobs)
     else:
         top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)

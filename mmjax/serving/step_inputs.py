@@ -44,6 +44,7 @@ class StepInputs:
     embed_dim: int
     embed_dtype: Any
     spec_k: int
+    num_logprobs: int
     spec_draft_probs: bool
     fused_draft: bool
     history: DeviceHistory | None
@@ -123,10 +124,16 @@ class StepInputs:
     # -- per-request inputs ---------------------------------------------------------------------------------
 
     def _sampling(self, requests: Sequence[Request | None], num_slots: int) -> SamplingTensors:
-        """Per-slot sampler inputs: plain, or with the token history and the sort when a request uses a penalty
-        or top-k/top-p (two programs per step shape, `full_sampler_history`)."""
-        return SamplingTensors.from_requests(requests, num_slots, full_sampler_history(requests, self.max_model_len),
-                                             seeds=self.seeds)
+        """Per-slot sampler inputs: plain, or with the token history, the sort and the top-K logprobs when a
+        request uses a penalty, top-k/top-p, top logprobs or beam search (two programs per step shape,
+        `full_sampler_history`)."""
+        return self._sampler_tensors(requests, num_slots, full_sampler_history(requests, self.max_model_len))
+
+    def _sampler_tensors(self, requests: Sequence[Request | None], num_slots: int, history: int) -> SamplingTensors:
+        """The sampler's inputs of one of the two programs: the full one (`history` > 0) returns the runner's
+        `num_logprobs` most likely tokens per row, the plain one none (warm-up compiles both this way)."""
+        return SamplingTensors.from_requests(requests, num_slots, history, seeds=self.seeds,
+                                             top_logprobs=self.num_logprobs if history else 0)
 
     def _image_rows(self, state: RequestState, index: int) -> np.ndarray:
         rows = state.embeds.get(index)

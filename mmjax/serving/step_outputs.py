@@ -18,10 +18,10 @@ from mmjax.serving.step_types import RequestState, SampledToken
 
 
 def wants_top(entry: ScheduledRequest, requests: Mapping[str, RequestState]) -> bool:
-    """Whether a scheduled entry's caller reads its top-k candidates: a request asking for logprobs, or a
-    beam search's row (its candidates)."""
-    request = requests[entry.owner or entry.request_id].request
-    return bool(entry.owner) or bool(request.sampling_params.logprobs) or request.sampling_params.num_beams > 1
+    """Whether a scheduled entry's caller reads its top-k candidates: a request asking for top logprobs, or a
+    beam search's row (its candidates). Such a request made its call the sampler's full program, which returns
+    them; the plain program's top-k outputs have no columns."""
+    return requests[entry.owner or entry.request_id].request.sampling_params.needs_top_logprobs
 
 
 def step_tokens(outputs: Sequence[np.ndarray], scheduled: Sequence[ScheduledRequest],

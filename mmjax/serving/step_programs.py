@@ -69,13 +69,14 @@ def copy_pool_pages(pools, src, dst):
 @dataclasses.dataclass(frozen=True)
 class StepPrograms:
     """The traced programs of one runner and the settings they read: `page_size`, `max_slots` (the length of
-    the per-slot samples a call keeps on the device), `num_logprobs` (top-k per token), `decode_steps` (steps of
-    a multi-step call), `token_buckets`, and with speculation `spec_k` drafts per step, the n-gram lookup's
-    `ngram_min`/`ngram_max`, `spec_rounds` rounds per call and whether each round adapts k (`adaptive`)."""
+    the per-slot samples a call keeps on the device), `decode_steps` (steps of a multi-step call),
+    `token_buckets`, and with speculation `spec_k` drafts per step, the n-gram lookup's `ngram_min`/`ngram_max`,
+    `spec_rounds` rounds per call and whether each round adapts k (`adaptive`). How many top logprobs a call
+    returns per token is its sampler tensors' (`SamplingTensors.top_logprobs`: 0 in the plain program), the same
+    for every step of a call, so a mixed call's ragged step and decode steps stack."""
 
     page_size: int
     max_slots: int
-    num_logprobs: int
     decode_steps: int
     token_buckets: tuple[int, ...]
     spec_k: int = 0
@@ -128,7 +129,7 @@ class StepPrograms:
                 q = draft_q
             spec = verify(logits, sampling, drafts, num_draft, q)
             logits = logits[jnp.arange(s), num_draft]
-        r = sample(logits, sampling, self.num_logprobs)
+        r = sample(logits, sampling)
         if history is not None:
             emitted, count, lps = spec
             none = num_draft == 0  # nothing proposed: the plain sampler's token, as a step without drafts
@@ -150,7 +151,7 @@ class StepPrograms:
                          slots, max_query_len=1, slot_tokens=t >= s)
         tokens, sampling = chained_inputs(batch, sampling, slots)
         logits, pools = model.forward_paged(tokens[None], batch["positions"][None], pools, meta)
-        r = sample(logits, sampling, self.num_logprobs)
+        r = sample(logits, sampling)
         kept = jnp.zeros(self.max_slots, jnp.int32).at[:s].set(r.tokens)
         return (r.tokens, r.logprobs, r.top_ids, r.top_logprobs), pools, kept
 
@@ -192,7 +193,7 @@ class StepPrograms:
             tokens = jnp.zeros(t, i32).at[:s].set(tok)
             positions = jnp.zeros(t, i32).at[:s].set(jnp.where(active, pos, 0))
             logits, pools = model.forward_paged(tokens[None], positions[None], pools, meta)
-            r = sample(logits, sampling.replace(step=sampling.step + j, output_ids=out_ids), self.num_logprobs)
+            r = sample(logits, sampling.replace(step=sampling.step + j, output_ids=out_ids))
             if history:  # penalties see the tokens drawn so far in this call
                 at = jnp.minimum(sampling.step + j, history - 1)
                 out_ids = out_ids.at[slots, at].set(jnp.where(active, r.tokens, out_ids[slots, at]))
@@ -210,7 +211,7 @@ class StepPrograms:
         ragged step's samples), the pools and each slot's last sample [max_num_seqs]."""
         s = batch["num_steps"].shape[0]
         logits, pools = ragged_forward(model, pools, batch, batch["tokens"])
-        r = sample(logits, sampling, self.num_logprobs)
+        r = sample(logits, sampling)
         out_ids, history = sampling.output_ids, sampling.output_ids.shape[1]
         if history:  # the penalties of the decode steps see the ragged step's draw
             slots, at = jnp.arange(s), jnp.minimum(sampling.step, history - 1)
@@ -265,7 +266,7 @@ class StepPrograms:
             logits = logits.reshape(s, k + 1, -1)
             now = sampling.replace(step=sampling.step + done)  # the keys of a speculative step at this output
             emitted, count, lps = verify(logits, now, drafts, found, None)
-            r = sample(logits[slots, found], now, 0)
+            r = sample(logits[slots, found], now.replace(top_logprobs=0))  # rounds return no top logprobs
             none = found == 0  # nothing proposed: the plain sampler's token, as a step without drafts
             emitted = emitted.at[:, 0].set(jnp.where(none, r.tokens, emitted[:, 0]))
             lps = lps.at[:, 0].set(jnp.where(none, r.logprobs, lps[:, 0]))

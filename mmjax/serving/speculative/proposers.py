@@ -204,8 +204,8 @@ class DraftRunner(ModelRunner):
         if not self.text_only:
             batch["image_rows"] = self._zeros(t)
         requests = [e[0] for e in entries]
-        sampling = SamplingTensors.from_requests(requests, s, full_sampler_history(requests, self.max_model_len),
-                                                 seeds=seeds)
+        history = full_sampler_history(requests, self.max_model_len, top_logprobs=False)  # the draft returns none
+        sampling = SamplingTensors.from_requests(requests, s, history, seeds=seeds)
         # a fresh key per request and draft position: step = outputs so far x 64 + position
         step = np.asarray(sampling.step).copy()
         step[:len(entries)] = draft_index(step[:len(entries)], np.asarray([e[4] for e in entries]))

@@ -11,7 +11,7 @@ from PIL import Image
 
 from mmjax.config import Config
 from mmjax.serving.engine import LLM, Engine
-from mmjax.serving.request import RequestError, SamplingParams
+from mmjax.serving.request import Request, RequestError, SamplingParams
 
 EOS = 2
 
@@ -209,6 +209,65 @@ def test_multi_step_decode_equals_single_steps(setup):
         np.testing.assert_allclose([lp.logprob for lp in many.logprobs], [lp.logprob for lp in one.logprobs],
                                    atol=1e-5)
         assert [lp.top_ids for lp in many.logprobs] == [lp.top_ids for lp in one.logprobs]
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    return x - x.max() - np.log(np.exp(x - x.max()).sum())
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_top_logprobs_only_for_the_requests_that_ask(setup, decode_steps):
+    """A call computes the top-K logprobs only when a request of it asks for them (the sampler's full program;
+    a call of plain requests runs the plain one, which returns none). A greedy request without logprobs, alone
+    and beside one with logprobs=3 (which arrives while it decodes: with decode_steps=4 a mixed call, then
+    multi-step calls), gets the reference's greedy tokens and chosen-token logprobs and no top ones; the other
+    gets its 3 most likely tokens and their logprobs as the plain forward's log-softmax orders them. Nothing
+    compiles after warm-up."""
+    engine = setup["engine"]
+    if decode_steps > 1:
+        serve = dataclasses.replace(setup["cfg"].serve, decode_steps=decode_steps)
+        engine = Engine(dataclasses.replace(setup["cfg"], serve=serve), setup["model"], CharTokenizer(), warmup=True)
+    ref, img_tok, runner = setup["ref"], setup["tiny"]["image_token"], engine.runner
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(4, 64, int(n)).tolist() for n in (6, 9)]
+    params = [SamplingParams(max_tokens=12, stop_token_ids=[img_tok]),
+              SamplingParams(max_tokens=5, stop_token_ids=[img_tok], logprobs=3)]
+    requests = [Request(f"q{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    assert runner._sampling(requests[:1], 4).top_logprobs == 0  # the plain program: no top-k
+    assert runner._sampling(requests, 4).top_logprobs == runner.num_logprobs
+    compiles, mixed = runner.num_compiles, runner.num_mixed
+    ids = [engine.add_request(prompts[0], sampling_params=params[0])]
+    got: dict[str, list] = {ids[0]: []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].extend(out.logprobs)
+        if len(ids) == 1 and len(got[ids[0]]) >= 2:  # the second arrives while the first decodes
+            ids.append(engine.add_request(prompts[1], sampling_params=params[1]))
+            got[ids[1]] = []
+    assert runner.num_compiles == compiles
+    assert decode_steps == 1 or runner.num_mixed > mixed
+    for prompt, sp, rid in zip(prompts, params, ids):
+        want = ref.greedy(prompt, sp.max_tokens, eos=EOS)
+        assert [lp.token for lp in got[rid]] == want
+        ref_lps = [_log_softmax(ref.logits(prompt + want[:j])[-1]) for j in range(len(want))]
+        np.testing.assert_allclose([lp.logprob for lp in got[rid]], [r[t] for r, t in zip(ref_lps, want)], atol=1e-4)
+        top = sp.logprobs or 0
+        assert [lp.top_ids for lp in got[rid]] == [tuple(np.argsort(-r)[:top].tolist()) for r in ref_lps]
+        np.testing.assert_allclose([lp.top_logprobs for lp in got[rid]], [np.sort(r)[::-1][:top] for r in ref_lps],
+                                   atol=1e-4)
+    assert engine.kv.num_free_pages == engine.kv.num_usable_pages
+
+
+def test_beam_search_of_one_beam_is_greedy(setup):
+    """A beam search of width 1 gets its candidates (top logprobs) like a wider one and gives the greedy tokens."""
+    prompt = [5, 6, 7, 8]
+    want = setup["ref"].greedy(prompt, 6, eos=EOS)
+    assert len(want) == 6 and EOS not in want and setup["tiny"]["image_token"] not in want  # no early stop
+    llm = LLM.__new__(LLM)
+    llm.engine = setup["engine"]
+    [out] = llm.generate([prompt], SamplingParams(max_tokens=6, use_beam_search=True))
+    assert out.token_ids == want and [b[0] for b in out.beams] == [want]
 
 
 def test_overlapped_decode_equals_single_steps(setup):

@@ -28,8 +28,8 @@ def req(rid, prompt=(1, 2, 3), outputs=(), **sp):
 def run(logits, requests, num_slots=None, max_len=None, num_logprobs=0, seeds=None):
     num_slots = num_slots or len(requests)
     max_len = history_len(requests) if max_len is None else max_len
-    t = SamplingTensors.from_requests(requests, num_slots, max_len, seeds=seeds)
-    out = sample(np.asarray(logits, np.float32), t, num_logprobs=num_logprobs)
+    t = SamplingTensors.from_requests(requests, num_slots, max_len, seeds=seeds, top_logprobs=num_logprobs)
+    out = sample(np.asarray(logits, np.float32), t)
     return {k: np.asarray(v) for k, v in vars(out).items()}
 
 
