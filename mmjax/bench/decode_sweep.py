@@ -59,7 +59,8 @@ def decode_case(batch: int, layers: int, context: int, max_len: int = 4096):
 TRACED_ITERS = 5  # loop calls traced for the kernels' device time
 
 
-def time_config(case, layers: int, iters: int, **tiling) -> tuple[float, float | None, np.ndarray]:
+def time_config(case, layers: int, iters: int, traced: int = TRACED_ITERS, **tiling
+                ) -> tuple[float, float | None, np.ndarray]:
     """(wall us per layer call, the attention kernels' device us per layer call or None where the trace has no
     device kernels (the CPU), the output)."""
     q, k, v, table, qstart, qlen, ctx, new_kv = case
@@ -83,13 +84,13 @@ def time_config(case, layers: int, iters: int, **tiling) -> tuple[float, float |
     wall = (time.perf_counter() - start) / iters / layers * 1e6
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
-        for _ in range(TRACED_ITERS):
+        for _ in range(traced):
             out, k, v = step(q, k, v)
         out.block_until_ready()
         jax.profiler.stop_trace()
         families = summarize_trace(trace_dir, steps=1, top=1).get("kernel_families", [])
     attention_ms = sum(f["total_ms"] for f in families if "ragged_paged_attention" in f["family"])
-    device = 1e3 * attention_ms / (TRACED_ITERS * layers) if attention_ms else None
+    device = 1e3 * attention_ms / (traced * layers) if attention_ms else None
     return wall, device, np.asarray(out, np.float32)
 
 
@@ -116,10 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         *_, ctx, _ = case
         kv_bytes = int(np.asarray(ctx).sum()) * KV * D * 2 * 2
         first = None
-        todo = configs(batch)[:1] + configs(batch)[-1:] if args.quick else configs(batch)
+        todo = configs(batch)[-2:] if args.quick else configs(batch)  # quick: the last tiling and the default
         for tiling in todo:
             try:
-                us, device_us, out = time_config(case, layers, iters, **tiling)
+                us, device_us, out = time_config(case, layers, iters, 1 if args.quick else TRACED_ITERS, **tiling)
                 first = out if first is None else first
                 row = dict(batch=batch, us_per_layer=round(us, 2),
                            device_us_per_layer=None if device_us is None else round(device_us, 2),
