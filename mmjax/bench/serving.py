@@ -218,9 +218,11 @@ def profile_decode(engine: Engine, batch: int, spec: BenchSpec, rng: np.random.G
     host overhead shows as device idle time."""
     import tempfile
 
-
     n, k = spec.profile_steps, engine.runner.decode_steps
-    ids = list(start_decoding(engine, batch, spec.prompt_len, (n + 8) * k + 8, rng))
+    # the decode window's budget: with mixed calls the first requests decode while the last are prefilled, and
+    # none may finish inside the traced calls
+    ids = list(start_decoding(engine, batch, spec.prompt_len, max(DECODE_WINDOW_BUDGET * spec.new_tokens,
+                                                                  (n + 8) * k + 8), rng))
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
         t0 = time.perf_counter()
