@@ -233,8 +233,11 @@ def profile_decode(engine: Engine, batch: int, spec: BenchSpec, rng: np.random.G
         summary = summarize_trace(trace_dir, steps=max(tokens // batch, 1), top=PROFILE_KERNELS)
     stop_decoding(engine, ids)
     summary.pop("trace_file", None)
+    devices = summary.get("devices") or [{}]
+    kernels = devices[0].get("kernels")  # every kernel the device ran in the traced calls
     return {"batch": batch, "calls": n, "token_steps": tokens // batch,
-            "wall_step_ms": 1e3 * wall * batch / max(tokens, 1), **summary}
+            "wall_step_ms": 1e3 * wall * batch / max(tokens, 1),
+            "kernels_per_token_step": None if kernels is None else kernels / max(n * k, 1), **summary}
 
 
 def _stats(xs: Sequence[float]) -> dict[str, float | None]:
