@@ -5,6 +5,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mmjax import kernels
@@ -201,7 +202,9 @@ class Decoder(nnx.Module):
             (h, pending), pools = carry
             return layer.paged(h, pending, positions, *pools, index, meta), None
 
-        layer_ids = jnp.arange(self.cfg.text.n_layers, dtype=jnp.int32)
+        # numpy, not jnp: unrolled, each layer's index is then a literal constant of the program, where a slice of
+        # a traced iota costs a one-thread kernel per layer of every step on a GPU
+        layer_ids = np.arange(self.cfg.text.n_layers, dtype=np.int32)
         x = constrain(x, RESIDUAL)
         ((x, pending), kv), _ = run_stack(self.layers, body, ((x, jnp.zeros_like(x)), kv), layer_ids,
                                           scan=self.scan)
