@@ -309,26 +309,21 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, query_start, 
     # a decode step in slot order packs its k, v into two spare rows of each (slot, kv head)'s query tile (rows
     # past the group attend nothing): one fused producer of the tile, instead of three (q's tile, k and v apart)
     packed_row = gp if writes_kv and slot_tokens and gp + 2 <= rows else 0
-    if packed_row:
+    if writes_kv:  # per block: its token's k, v rows and flat slot (-1: a block of no token)
         k_new, v_new, slot_mapping = new_kv
-        kv_rows = jnp.stack([k_new[:nb], v_new[:nb]], axis=2).astype(q.dtype)  # [nb, KV, 2, D]
-        qt = jnp.concatenate([qt[:, :, :packed_row], kv_rows, qt[:, :, packed_row + 2:]], axis=2)
-        args[0] = qt
-        args += [slot_mapping.astype(jnp.int32)]
-        specs += [scalar]
-        pool_outs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (k_pages, v_pages)]
-        pool_specs = [whole(k_pages), whole(v_pages)]
-    elif writes_kv:  # per block: its token's k, v rows [nb, KV, D] and flat slot (-1: a block of no token)
-        k_new, v_new, slot_mapping = new_kv
-        slot_mapping = slot_mapping.astype(jnp.int32)
-        if slot_tokens:  # block s reads row s of the step's k, v and slots where they lie (no slice or gather)
-            slot = slot_mapping
+        slot = slot_mapping.astype(jnp.int32)  # in slot order block s's slot lies at s (no slice or gather)
+        if packed_row:
+            kv_rows = jnp.stack([k_new[:nb], v_new[:nb]], axis=2).astype(q.dtype)  # [nb, KV, 2, D]
+            args[0] = jnp.concatenate([qt[:, :, :packed_row], kv_rows, qt[:, :, packed_row + 2:]], axis=2)
         else:
-            rows_of = jnp.minimum(idx[:, 0], t - 1)
-            k_new, v_new, slot = k_new[rows_of], v_new[rows_of], jnp.where(nrows > 0, slot_mapping[rows_of], -1)
-        row_block = pl.BlockSpec((None, None, d), lambda i, j, *_: (i, j, 0))
-        args += [k_new.astype(q.dtype), v_new.astype(q.dtype), slot]
-        specs += [row_block, row_block, scalar]
+            if not slot_tokens:
+                rows_of = jnp.minimum(idx[:, 0], t - 1)
+                k_new, v_new, slot = k_new[rows_of], v_new[rows_of], jnp.where(nrows > 0, slot[rows_of], -1)
+            row_block = pl.BlockSpec((None, None, d), lambda i, j, *_: (i, j, 0))
+            args += [k_new.astype(q.dtype), v_new.astype(q.dtype)]
+            specs += [row_block, row_block]
+        args += [slot]
+        specs += [scalar]
         pool_outs = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (k_pages, v_pages)]
         pool_specs = [whole(k_pages), whole(v_pages)]
     kernel = functools.partial(_kernel, pages_per_block=pages_per_block, page_size=page_size,
