@@ -1,5 +1,6 @@
 """Decode-shape sweep of the ragged paged attention's tiling: keys per loop step, warps, pipeline stages and key
-splits, at batch 1 and 64 of the 1.24B decoder's attention (H32 KV8 D64, page 16, 16 layers, context 576-640).
+splits, at batches 1, 8 and 64 (`--batches`) of the 1.24B decoder's attention (H32 KV8 D64, page 16, 16 layers,
+context 576-640).
 
     python -m mmjax.bench.decode_sweep OUT.json [--batches 1 8 64] [--quick]
 
