@@ -93,6 +93,7 @@ class BenchSpec:
     hbm_gbps: float = PEAK_GBPS
     seed: int = 0
     profile_steps: int = 0  # > 0: trace this many decode calls at the smallest and largest batch
+    warmup: bool = False  # compile every step shape before the first phase, as a server does at start
 
     @property
     def max_model_len(self) -> int:
@@ -357,7 +358,7 @@ def run_serving_bench(cfg: Config, spec: BenchSpec = BenchSpec(), *, params: dic
         log.info("hf peer done in %.1f s", time.perf_counter() - t0)
     model = build_model(cfg, params)
     n_params = int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
-    engine = Engine(cfg, model, IdTokenizer())
+    engine = Engine(cfg, model, IdTokenizer(), warmup=spec.warmup)
     del model  # the engine may hold its own (unrolled) copy of the weights: do not keep both on the device
     weight_bytes = quant_weight_bytes(engine.runner.state)  # as served: serve.quantization's bytes
     rng = np.random.default_rng(spec.seed + 1)

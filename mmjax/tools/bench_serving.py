@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--profile-steps", type=int, default=0,
                    help="trace this many decode steps at the smallest and largest batch (device idle, top kernels)")
+    p.add_argument("--warmup", action="store_true",
+                   help="compile every step shape before measuring, as a server does at start (slow to start)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate peer")
     p.add_argument("--hf-on-cpu", action="store_true", help="run the HF peer on the CPU (tiny models only)")
     p.add_argument("--out", default="", help="JSON path (default docs/perf/results/serving/serving-<date>.json)")
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = bench.BenchSpec(batches=tuple(args.batches), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                            ttft_prompts=tuple(args.ttft_prompts), ttft_repeats=args.ttft_repeats,
                            num_requests=args.num_requests, hbm_gbps=args.hbm_gbps, seed=args.seed,
-                           profile_steps=args.profile_steps)
+                           profile_steps=args.profile_steps, warmup=args.warmup)
     params = None
     if args.checkpoint:
         params, _, _ = load_params(args.checkpoint)
