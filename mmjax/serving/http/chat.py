@@ -70,7 +70,9 @@ def _content(content: Any, i: int, marker: str, images: list[ImageRef], max_imag
         else:
             raise ApiError(400, f"messages[{i}].content[{j}].type={_short(kind)}: expected 'text' or 'image_url'",
                            param=f"messages[{i}].content[{j}].type")
-    return "".join(out)
+    # parts on their own lines, as the training records put an image's marker before its question ("<image>\nWhat
+    # ...?"): a model trained on such records sees the same text from an image part followed by a text part
+    return "\n".join(out)
 
 
 def _short(value: Any) -> str:

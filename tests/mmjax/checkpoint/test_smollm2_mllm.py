@@ -77,3 +77,14 @@ def test_mllm_on_smollm2_adds_the_image_token_keeps_text_logits_and_trains(smoll
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     losses = [json.loads(x)["train/loss"] for x in lines if "train/loss" in x]
     assert len(losses) == 2 and np.isfinite(losses).all()
+
+
+def test_shapes_recipe_config_takes_the_real_decoder(smollm2, tmp_path):
+    """`smollm2_shapes.yaml` (the recipe on the built-in data) resolves to SmolLM2's decoder with the image token added,
+    the new small tower in front and the built-in shapes data."""
+    cfg = load_run_config("smollm2_shapes.yaml", [f"model.init_from=hf:{smollm2}",
+                                                  f"data.cache_dir={cache_root() / 'test_cache'}"])
+    vocab = json.loads((smollm2 / "config.json").read_text())["vocab_size"]
+    assert cfg.data.dataset == "shapes" and not cfg.model.text_only and cfg.model.image_tokens == 9
+    assert cfg.model.text.n_layers == 30 and cfg.model.vocab_size == -(-(vocab + 1) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    assert Tokenizer.from_file(cfg.data.tokenizer).image_id == vocab

@@ -36,6 +36,7 @@ from mmjax.data.tokenizer import SPECIAL_TOKENS
 from mmjax.serving.core.client import EngineCoreClient
 from mmjax.serving.engine import Engine
 from mmjax.serving.http.admission import Admission
+from mmjax.serving.http.chat import parse_messages
 from mmjax.serving.http.server import make_server, serve_service
 from mmjax.serving.load import load_for_serving
 from mmjax.serving.request import SamplingParams
@@ -881,3 +882,11 @@ def test_engine_core_killed_mid_stream_fails_in_flight_requests_and_exits_1(run_
     app = TestClient(srv.config.app)
     assert_openai_error(app.get("/health"), 503, "engine failed")
     assert_openai_error(app.post("/v1/completions", json={"model": MODEL, "prompt": "w7"}), 503, "engine failed")
+
+
+def test_content_parts_render_on_their_own_lines():
+    """An image part then a text part renders as the training records write them: the marker, a newline, the text."""
+    turns, images = parse_messages([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png_data_url()}}, {"type": "text", "text": "What color?"}]}],
+        "<image>", max_images=4)
+    assert turns == [{"role": "user", "content": "<image>\nWhat color?"}] and len(images) == 1
