@@ -49,9 +49,6 @@ TEXT_REQUESTS = ("Summarize this paragraph in two sentences:\n\n{}",
                  "Continue this text with a few more sentences in the same style:\n\n{}",
                  "Write three questions a reader might ask about this text, and answer them:\n\n{}")
 
-log = logging.getLogger("mmjax.distill_draft")
-
-
 def prompt_texts(*, held_out_every: int, max_prompts: int = 0, with_text: bool = True) -> tuple[list[str], list[str]]:
     """(train, held-out) user messages: the built-in instructions and requests about the packaged English
     paragraphs (the first `max_prompts` of them when > 0), every `held_out_every`-th held out, and the speculation
@@ -69,8 +66,9 @@ def prompt_texts(*, held_out_every: int, max_prompts: int = 0, with_text: bool =
 
 
 def resolve_target(model: str, dtype: str, overrides: list[str]) -> tuple[Any, Any, Any, Path | None]:
-    """(config, model, tokenizer, tokenizer folder to copy) of `--model`: a known model converted once into the
-    cache (as `bench_serving --mode spec-acceptance` loads it), or an mmjax checkpoint folder."""
+    """(config, model, tokenizer, its tokenizer.json or folder, to copy beside the draft) of `--model`: a known
+    model converted once into the cache (as `bench_serving --mode spec-acceptance` loads it), or an mmjax
+    checkpoint folder."""
     overrides = ["model.text_only=true", *overrides]
     if model in KNOWN_MODELS:
         folder = model_folder(model)
@@ -82,8 +80,10 @@ def resolve_target(model: str, dtype: str, overrides: list[str]) -> tuple[Any, A
         raise ConfigError(f"--model {model}: neither a known model ({', '.join(KNOWN_MODELS)}) nor an existing mmjax "
                           "checkpoint folder")
     cfg, target, tok = load_for_serving(path, overrides=overrides, dtype=dtype)
-    beside = [p / "tokenizer" for p in (path, path.parent, path.parent.parent)]
-    return cfg, target, tok, next((p for p in beside if (p / "tokenizer.json").is_file()), None)
+    # where `load_for_serving` found it: the run's data.tokenizer, else the folder beside the steps
+    if cfg.data.tokenizer:
+        return cfg, target, tok, Path(cfg.data.tokenizer).expanduser()
+    return cfg, target, tok, next((p / "tokenizer" for p in (path, path.parent) if (p / "tokenizer").is_dir()), None)
 
 
 def check_out(out: Path) -> None:
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("overrides", nargs="*", help="dotted overrides of the target's config")
     args = parse_cli(p, sys.argv[1:] if argv is None else argv)
-    setup_console_logging(logging.INFO)
+    setup_console_logging(logging.WARNING)  # progress is printed: library INFO logs would drown it
     command = "python -m mmjax.tools.distill_draft " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     try:
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace, command: str) -> int:
                        freeze_embeddings=args.freeze_embeddings, seed=args.seed)
     spec.validate()
     t0 = time.perf_counter()
-    cfg, target, tok, tokenizer_dir = resolve_target(args.model, args.dtype, args.overrides)
+    cfg, target, tok, tokenizer_file = resolve_target(args.model, args.dtype, args.overrides)
     n = cfg.model.text.n_layers
     if not 1 <= args.draft_layers < n:
         raise ConfigError(f"--draft-layers {args.draft_layers}: a draft of the target's first layers needs 1 <= "
@@ -155,11 +155,11 @@ def run(args: argparse.Namespace, command: str) -> int:
                               seed=args.seed, max_num_seqs=args.gen_seqs)
     gen_seconds = time.perf_counter() - t0
     train, held = split_by_prompt(seqs, set(range(len(train_texts), len(texts))))
-    log.info("generated %d rows (%d tokens, %d generated) in %.1f s: %d to train on, %d held out", len(seqs),
-             int(seqs.lengths.sum()), int(seqs.generated().sum()), gen_seconds, len(train), len(held))
+    print(f"generated {len(seqs)} rows ({int(seqs.lengths.sum())} tokens, {int(seqs.generated().sum())} generated) "
+          f"in {gen_seconds:.1f} s: {len(train)} to train on, {len(held)} held out", flush=True)
 
     draft_cfg, draft = init_draft(cfg, target, args.draft_layers)
-    distiller, summary = distill(target, draft, train, held, spec, log_fn=lambda r: log.info("%s", _short(r)))
+    distiller, summary = distill(target, draft, train, held, spec, log_fn=lambda r: print(_short(r), flush=True))
     before, after = summary["before"], summary["after"]
     print(f"held-out top-1 agreement with the target at generated positions: {before['agreement']:.3f} before, "
           f"{after['agreement']:.3f} after {spec.steps} steps (KL {before['kl']:.3f} -> {after['kl']:.3f})")
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace, command: str) -> int:
               "temperature": args.temperature, "greedy": not args.no_greedy, "prompts": len(texts),
               "held_out_prompts": len(held_texts), "rows": len(seqs), "tokens": int(seqs.lengths.sum()),
               "load_seconds": load_seconds, "generate_seconds": gen_seconds, **summary}
-    save_draft(out, draft_cfg, distiller.draft_params(), dtype=args.dtype, tokenizer_dir=tokenizer_dir,
+    save_draft(out, draft_cfg, distiller.draft_params(), dtype=args.dtype, tokenizer=tokenizer_file,
                distill={"target": args.model, "draft_layers": args.draft_layers, "steps": spec.steps,
                         "held_out_agreement_before": before["agreement"],
                         "held_out_agreement_after": after["agreement"]})

@@ -212,14 +212,15 @@ def distill(target: Any, draft: Any, train: Sequences, held_out: Sequences, spec
 
 
 def save_draft(out: str | Path, draft_cfg: Config, params: dict, *, dtype: str,
-               tokenizer_dir: str | Path | None = None, **meta: Any) -> Path:
+               tokenizer: str | Path | None = None, **meta: Any) -> Path:
     """Write the draft as a params-only mmjax checkpoint `out/0` (its model config with `dtype` parameters),
-    with the target's tokenizer files under `out/tokenizer` when given; `meta` adds keys to its meta. Returns
-    the checkpoint folder (what `serve.speculative.draft_checkpoint` takes)."""
+    with the target's tokenizer files (`tokenizer`: its tokenizer.json or a folder holding one) under
+    `out/tokenizer` when given; `meta` adds keys to its meta. Returns the checkpoint folder (what
+    `serve.speculative.draft_checkpoint` takes)."""
     model = dataclasses.replace(draft_cfg.model, param_dtype=dtype, text_only=True)
     cast = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}[dtype]
     params = jax.tree.map(lambda x: np.asarray(x).astype(cast), params)
     save_params_checkpoint(out, params, Config(model=model), **meta)
-    if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
-        save_tokenizer_files(tokenizer_dir, Path(out) / "tokenizer")
+    if tokenizer is not None:
+        save_tokenizer_files(tokenizer, Path(out) / "tokenizer")
     return Path(out)
