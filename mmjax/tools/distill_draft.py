@@ -49,6 +49,7 @@ TEXT_REQUESTS = ("Summarize this paragraph in two sentences:\n\n{}",
                  "Continue this text with a few more sentences in the same style:\n\n{}",
                  "Write three questions a reader might ask about this text, and answer them:\n\n{}")
 
+
 def prompt_texts(*, held_out_every: int, max_prompts: int = 0, with_text: bool = True) -> tuple[list[str], list[str]]:
     """(train, held-out) user messages: the built-in instructions and requests about the packaged English
     paragraphs (the first `max_prompts` of them when > 0), every `held_out_every`-th held out, and the speculation
