@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from mmjax.bench.serving import BenchSpec, IdTokenizer, hf_peer
 from mmjax.checkpoint.orbax_state import package_versions
@@ -200,9 +201,10 @@ WORKLOADS = {
 
 def run_acceptance(cfg: Config, model: Any, tokenizer: Any, *, num_tokens: int = 4, draft_layers: int = 8,
                    new_tokens: int = 96, methods: tuple[str, ...] = METHODS, rounds: int = 8,
-                   warm: bool | None = None) -> dict[str, Any]:
-    """Greedy, batch 1, through the engine: per method (`METHODS`: none, n-gram lookup, a draft of the target's
-    first `draft_layers` layers) and workload (`WORKLOADS`, chat-templated), the acceptance rate (accepted /
+                   warm: bool | None = None, draft_model: Any = None) -> dict[str, Any]:
+    """Greedy, batch 1, through the engine: per method (`METHODS`: none, n-gram lookup, a draft model: the given
+    `draft_model`, e.g. a distilled one (`mmjax.tools.distill_draft`), else the target's first `draft_layers`
+    layers) and workload (`WORKLOADS`, chat-templated), the acceptance rate (accepted /
     proposed), accepted tokens per decode step and per verifying step, tokens per decode step, whether the tokens
     equal the plain run's (greedy speculation must not change them), tok/s and the speedup over `none` (plain
     decoding at the config's settings, e.g. its multi-step calls). With `warm` (default: off the CPU) each
@@ -223,12 +225,15 @@ def run_acceptance(cfg: Config, model: Any, tokenizer: Any, *, num_tokens: int =
         "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
         "model": {"layers": cfg.model.text.n_layers, "dim": cfg.model.text.dim, "vocab": cfg.model.vocab_size,
                   "param_dtype": cfg.model.param_dtype},
-        "num_tokens": num_tokens, "rounds": rounds, "draft_layers": draft_layers, "new_tokens": new_tokens,
-        "warm": warm, "rows": []}
+        "num_tokens": num_tokens, "rounds": rounds, "new_tokens": new_tokens, "warm": warm, "rows": [],
+        "draft": "first_layers" if draft_model is None else "given",
+        "draft_layers": draft_layers if draft_model is None else _layers(draft_model)}
     plain: dict[tuple[str, int], list[int]] = {}
     plain_tok_s: dict[str, float] = {}
     for method in methods:
-        draft = first_layers_draft(cfg, model, draft_layers) if method in ("draft", "draft_device") else None
+        draft = None
+        if method in ("draft", "draft_device"):
+            draft = first_layers_draft(cfg, model, draft_layers) if draft_model is None else draft_model
         # the config's `dynamic` applies to every speculative method (such an engine warms up first, see
         # run_spec_bench); its other speculative settings are the benchmark's
         dynamic = cfg.serve.speculative.dynamic and method != "none"
@@ -254,6 +259,11 @@ def run_acceptance(cfg: Config, model: Any, tokenizer: Any, *, num_tokens: int =
             record["rows"].append(row)
         del engine
     return record
+
+
+def _layers(model: Any) -> int:
+    """Decoder layers of an MLLM or (graphdef, state)."""
+    return (nnx.merge(*model) if isinstance(model, tuple) else model).cfg.text.n_layers
 
 
 def _acceptance_pass(engine: Engine, prompts: list[list[int]], params: SamplingParams
@@ -301,9 +311,10 @@ def acceptance_latest(r: dict, source: str) -> dict[str, dict]:
         found = [x for (m, w), x in rows.items() if m.startswith(prefix) and w == workload]
         return max(found, key=lambda x: x["speedup"], default=None)
 
+    draft = "draft" if r.get("draft", "first_layers") == "first_layers" else f"{r['draft_layers']}-layer given draft"
     for key, prefix, workload, what in (("ngram_speedup_bs1_repetitive", "ngram", "repeat_edit", "n-gram"),
-                                        ("draft_speedup_bs1_repetitive", "draft", "repeat_edit", "draft"),
-                                        ("draft_speedup_bs1_chat", "draft", "chat", "draft")):
+                                        ("draft_speedup_bs1_repetitive", "draft", "repeat_edit", draft),
+                                        ("draft_speedup_bs1_chat", "draft", "chat", draft)):
         x = best(prefix, workload)
         if x is not None:
             out[key] = {"value": round(x["speedup"], 3), "source": source,

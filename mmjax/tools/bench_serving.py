@@ -5,6 +5,7 @@
     python -m mmjax.tools.bench_serving --mode speculative     # speculation on/off at batch 1 and 8, beam k=4
     python -m mmjax.tools.bench_serving --mode speculative --spec-methods ngram ngram_device   # host vs device lookup
     python -m mmjax.tools.bench_serving --sweep-quant none int8 fp8 int4 none:fp8 int8:fp8 --latest
+    python -m mmjax.tools.bench_serving --mode spec-acceptance --draft-checkpoint DIR   # a distilled draft
     python -m mmjax.tools.bench_serving --server http://127.0.0.1:8000 --rates 1 2 4 8   # a running server
 
 Server mode (`--server URL`) drives a running `python -m mmjax.serve` over HTTP instead: open-loop Poisson
@@ -40,7 +41,7 @@ from mmjax.checkpoint.known_models import KNOWN_MODELS, cache_root, model_folder
 from mmjax.config import load_config, parse_cli
 from mmjax.data.tokenizer import Tokenizer
 from mmjax.parallel.distributed import configure_backend
-from mmjax.serving.load import load_for_serving
+from mmjax.serving.load import load_for_serving, load_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
                         "model's steps inside the verifying step, the same setting)")
     p.add_argument("--spec-repeats", type=int, default=1,
                    help="speculative mode: timed passes per row, the median rate kept (short passes are noisy)")
-    p.add_argument("--draft-layers", type=int, default=2, help="speculative mode: the draft model's layers")
+    p.add_argument("--draft-layers", type=int, default=2,
+                   help="speculative and spec-acceptance modes: the draft model's layers (the target's first ones)")
+    p.add_argument("--draft-checkpoint", default="",
+                   help="spec-acceptance: the draft methods use this mmjax checkpoint (e.g. written by "
+                        "mmjax.tools.distill_draft) instead of the target's first layers")
     p.add_argument("--num-beams", type=int, default=4, help="speculative mode: beams of the beam-search phase")
     p.add_argument("--beam-batch", type=int, default=8, help="speculative mode: beam-search requests at once")
     p.add_argument("--prompt-len", type=int, default=d.prompt_len)
@@ -107,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.server:
         return server_main(args, command)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.draft_checkpoint and args.mode != "spec-acceptance":
+        raise SystemExit("--draft-checkpoint is for --mode spec-acceptance")
     if args.mode == "spec-acceptance":
         return _spec_acceptance(args, command)
     overrides = ["model.text_only=true", "model.compute_dtype=bfloat16", "model.param_dtype=bfloat16",
@@ -163,11 +170,14 @@ def _spec_acceptance(args: argparse.Namespace, command: str) -> int:
         folder = model_folder(args.model)
         ckpt, tokenizer = converted_copy(folder, args.dtype, cache_root()), Tokenizer.from_file(folder)
     cfg, model, tok = load_for_serving(ckpt, tokenizer, overrides=args.overrides, dtype=args.dtype)
+    draft = None
+    if args.draft_checkpoint:  # in the target's dtype
+        _, draft = load_model(args.draft_checkpoint, overrides=("model.text_only=true",), dtype=args.dtype)
     record = bench_spec.run_acceptance(cfg, model, tok, num_tokens=args.spec_k, draft_layers=args.draft_layers,
                                        methods=tuple(args.spec_methods), rounds=args.spec_rounds,
-                                       new_tokens=args.new_tokens)
+                                       new_tokens=args.new_tokens, draft_model=draft)
     out = Path(args.out or f"docs/perf/results/spec/spec-acceptance-{datetime.date.today().isoformat()}.json")
-    _write_record(record, out, command)
+    _write_record(record, out, command, draft_checkpoint=args.draft_checkpoint or None)
     print(bench_spec.acceptance_table(record))
     print(f"wrote {out}")
     if record["warm"]:  # cold wall times include compiles: not speeds

@@ -8,6 +8,8 @@
   `config.json` that `from_pretrained` loads, plus tokenizer files.
 - `export_params(ckpt, out)`: a training checkpoint -> params-only checkpoint (for serving), optional dtype cast.
 - `inspect_checkpoint(ckpt)`: steps, meta and the parameter tree with shapes and dtypes.
+- `save_params_checkpoint(out, params, config)`: in-memory parameters (e.g. a distilled draft model) -> a
+  params-only checkpoint of the form `import_hf` writes.
 
 Hugging Face shards are memory-mapped and read one tensor at a time; exports stream one output shard at
 a time. Only the mmjax params themselves are held in host memory.
@@ -53,7 +55,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
              "float16": np.dtype(np.float16)}
 
-__all__ = ["import_hf", "export_hf", "export_params", "inspect_checkpoint", "save_tokenizer_files", "ConversionError"]
+__all__ = ["import_hf", "export_hf", "export_params", "inspect_checkpoint", "save_params_checkpoint",
+           "save_tokenizer_files", "ConversionError"]
 
 
 def _np_dtype(name: str) -> np.dtype:
@@ -149,15 +152,27 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", ma
 
     config = Config(model=model_cfg)
     validate_model(config)
-    meta = {"format_version": FORMAT_VERSION, "kind": "params", "step": 0, "config": to_dict(config),
-            "towers": sorted(params), "hf": {**info, "source": str(hf_dir.absolute())}, "versions": package_versions()}
-    ckpt = Checkpointer(out, keep=0, async_save=False)
-    ckpt.save_params(0, params, meta)
-    ckpt.close()
-    (out / "model.yaml").write_text(yaml.safe_dump({"model": to_dict(model_cfg)}, sort_keys=False))
+    save_params_checkpoint(out, params, config, hf={**info, "source": str(hf_dir.absolute())})
     copied = _copy_tokenizer(hf_dir, out / "tokenizer")
     log.info("imported %s (%s) into %s; tokenizer files: %s", hf_dir, info["family"], out, copied or "none")
     return out / "0"
+
+
+def save_params_checkpoint(out: str | Path, params: dict, config: Config, *, step: int = 0,
+                           **meta: Any) -> Path:
+    """Write `params` (a nested dict of numpy arrays, as `nnx.to_pure_dict` gives) as a params-only mmjax
+    checkpoint `out/<step>/{params,meta}` with `config` in its meta, plus `out/model.yaml` (the model section to
+    train or serve it with): the form `import_hf` writes and `serving.load` reads. `meta` adds keys to the
+    checkpoint's meta. Returns the step folder."""
+    out = Path(out).absolute()
+    _fresh_dir(out, "output folder")
+    full = {"format_version": FORMAT_VERSION, "kind": "params", "step": step, "config": to_dict(config),
+            "towers": sorted(params), "versions": package_versions(), **meta}
+    ckpt = Checkpointer(out, keep=0, async_save=False)
+    ckpt.save_params(step, params, full)
+    ckpt.close()
+    (out / "model.yaml").write_text(yaml.safe_dump({"model": to_dict(config.model)}, sort_keys=False))
+    return out / str(step)
 
 
 def _import_rule(params: dict, rule: Rule, src: SafetensorsFolder, layers: dict[str, int],
