@@ -154,9 +154,11 @@ def run_spec_bench(cfg: Config, spec: SpecBenchSpec = SpecBenchSpec(), *, params
             text = dataclasses.replace(cfg.model.text, n_layers=spec.draft_layers)
             draft = build_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, text=text)))
         # with dynamic speculation the untimed pass does not compile what the timed one runs (the policy's choices
-        # differ between passes): such an engine compiles every shape first, as a server does at start
+        # differ between passes): such an engine compiles every shape first, as a server does at start; so does
+        # `none` in such a run, so every engine it compares starts alike (an unwarmed engine's large batches have
+        # run slower with the same programs: docs/perf/log/2026-12-07.md)
         engine = Engine(dataclasses.replace(cfg, serve=dataclasses.replace(serve, speculative=sc)), model,
-                        IdTokenizer(), draft_model=draft, warmup=sc.dynamic)
+                        IdTokenizer(), draft_model=draft, warmup=s.speculative.dynamic)
         record["speculation"].extend(bench_speculation(engine, method, spec, rng))
         if method == "none":
             record["beam"] = bench_beam(engine, spec, rng)
@@ -234,12 +236,12 @@ def run_acceptance(cfg: Config, model: Any, tokenizer: Any, *, num_tokens: int =
         draft = None
         if method in ("draft", "draft_device"):
             draft = first_layers_draft(cfg, model, draft_layers) if draft_model is None else draft_model
-        # the config's `dynamic` applies to every speculative method (such an engine warms up first, see
-        # run_spec_bench); its other speculative settings are the benchmark's
+        # the config's `dynamic` applies to every speculative method, and then every engine, `none` too, warms up
+        # first (see run_spec_bench); its other speculative settings are the benchmark's
         dynamic = cfg.serve.speculative.dynamic and method != "none"
         sc = method_config(SpeculativeConfig(), method, num_tokens=num_tokens, rounds=rounds, dynamic=dynamic)
         engine = Engine(dataclasses.replace(cfg, serve=dataclasses.replace(serve, speculative=sc)), model, tokenizer,
-                        draft_model=draft, warmup=dynamic)
+                        draft_model=draft, warmup=cfg.serve.speculative.dynamic)
         for workload, ps in prompts.items():
             if warm:
                 _acceptance_pass(engine, ps, params)
