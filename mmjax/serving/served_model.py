@@ -57,9 +57,9 @@ def model_name_of(ckpt: Path) -> str:
     return ckpt.resolve().name
 
 
-def real_model(model: str) -> tuple[Path, Any, str]:
-    """(mmjax checkpoint converted once into the cache, the folder's tokenizer, served name) of `--model`: a known
-    model's name (fetched and converted once) or a Hugging Face folder."""
+def real_model(model: str, dtype: str = "float32") -> tuple[Path, Any, str]:
+    """(mmjax checkpoint converted once into the cache with `dtype` weights, the folder's tokenizer, served name) of
+    `--model`: a known model's name (fetched and converted once) or a Hugging Face folder."""
     if model in KNOWN_MODELS:
         folder, name = model_folder(model), model
     elif hf_source(model) is not None:
@@ -67,7 +67,7 @@ def real_model(model: str) -> tuple[Path, Any, str]:
         name = folder.name
     else:
         raise _unknown_model(model)
-    return converted_copy(folder, "float32", cache_root()), Tokenizer.from_file(folder), name
+    return converted_copy(folder, dtype, cache_root()), Tokenizer.from_file(folder), name
 
 
 def _unknown_model(model: str) -> CheckpointError:

@@ -36,12 +36,11 @@ from mmjax.bench import spec as bench_spec
 from mmjax.bench.latest import DEFAULT_LATEST, update_latest
 from mmjax.checkpoint.convert import load_params
 from mmjax.checkpoint.convert.hf import text_config_to_hf
-from mmjax.checkpoint.convert.init_from import converted_copy
-from mmjax.checkpoint.known_models import KNOWN_MODELS, cache_root, model_folder
+from mmjax.checkpoint.known_models import KNOWN_MODELS
 from mmjax.config import load_config, parse_cli
-from mmjax.data.tokenizer import Tokenizer
 from mmjax.parallel.distributed import configure_backend
 from mmjax.serving.load import load_for_serving, load_model
+from mmjax.serving.served_model import real_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,8 +166,7 @@ def _spec_acceptance(args: argparse.Namespace, command: str) -> int:
     """Acceptance of speculation with real weights, greedy at batch 1 (bench/spec.py, `run_acceptance`)."""
     ckpt, tokenizer = args.model, None
     if args.model in KNOWN_MODELS:
-        folder = model_folder(args.model)
-        ckpt, tokenizer = converted_copy(folder, args.dtype, cache_root()), Tokenizer.from_file(folder)
+        ckpt, tokenizer, _ = real_model(args.model, args.dtype)
     cfg, model, tok = load_for_serving(ckpt, tokenizer, overrides=args.overrides, dtype=args.dtype)
     draft = None
     if args.draft_checkpoint:  # in the target's dtype

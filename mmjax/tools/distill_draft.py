@@ -33,14 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from mmjax.bench.spec import WORKLOADS
-from mmjax.checkpoint.convert.init_from import converted_copy
-from mmjax.checkpoint.known_models import KNOWN_MODELS, cache_root, model_folder
+from mmjax.checkpoint.known_models import KNOWN_MODELS, model_folder
 from mmjax.config import parse_cli
 from mmjax.data.builtin.instructions import instructions
-from mmjax.data.tokenizer import Tokenizer, render_chat
+from mmjax.data.tokenizer import render_chat
 from mmjax.errors import ConfigError, MmjaxError
 from mmjax.observe.console import setup_console_logging
 from mmjax.serving.load import load_for_serving
+from mmjax.serving.served_model import real_model
 from mmjax.training.distill import DistillSpec, distill, init_draft, save_draft
 from mmjax.training.distill_data import generate_sequences, split_by_prompt
 
@@ -72,10 +72,9 @@ def resolve_target(model: str, dtype: str, overrides: list[str]) -> tuple[Any, A
     checkpoint folder."""
     overrides = ["model.text_only=true", *overrides]
     if model in KNOWN_MODELS:
-        folder = model_folder(model)
-        ckpt = converted_copy(folder, dtype, cache_root())
-        cfg, target, tok = load_for_serving(ckpt, Tokenizer.from_file(folder), overrides=overrides, dtype=dtype)
-        return cfg, target, tok, folder
+        ckpt, tokenizer, _ = real_model(model, dtype)
+        cfg, target, tok = load_for_serving(ckpt, tokenizer, overrides=overrides, dtype=dtype)
+        return cfg, target, tok, model_folder(model)
     path = Path(model).expanduser()
     if not path.exists():
         raise ConfigError(f"--model {model}: neither a known model ({', '.join(KNOWN_MODELS)}) nor an existing mmjax "

@@ -23,11 +23,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from mmjax.checkpoint.convert import save_params_checkpoint, save_tokenizer_files
+from mmjax.checkpoint.convert import NP_DTYPES, save_params_checkpoint, save_tokenizer_files
 from mmjax.config import Config
 from mmjax.errors import ConfigError
 from mmjax.serving.speculative.self_draft import first_layers_draft
 from mmjax.training.distill_data import Sequences
+from mmjax.training.optimizer import make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -64,24 +65,20 @@ def init_draft(cfg: Config, target: Any, num_layers: int) -> tuple[Config, Any]:
 
 
 def optimizer(spec: DistillSpec, params: Any) -> optax.GradientTransformation:
-    """Clipping, then AdamW with warmup + cosine decay; weight decay on matrices only; with
-    `freeze_embeddings` the embedding table gets no update."""
-    warmup = min(spec.warmup, spec.steps - 1)
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=spec.lr / max(warmup, 1), peak_value=spec.lr, warmup_steps=warmup,
-        decay_steps=max(spec.steps, warmup + 1), end_value=spec.lr * spec.min_lr_ratio)
-    decay = jax.tree_util.tree_map_with_path(lambda path, p: p.ndim - ("layers" in _names(path)) >= 2, params)
-    adamw = optax.chain(optax.clip_by_global_norm(spec.clip),
-                        optax.adamw(schedule, weight_decay=spec.weight_decay, mask=decay))
+    """The training runs' optimizer (`make_optimizer`: clipping, AdamW with warmup + cosine decay, weight decay on
+    matrices only) with the spec's settings; with `freeze_embeddings` the embedding table gets no update."""
+    base = Config()
+    optim = dataclasses.replace(base.optim, lr=spec.lr, warmup_steps=min(spec.warmup, spec.steps - 1),
+                                schedule="cosine", min_lr_ratio=spec.min_lr_ratio, weight_decay=spec.weight_decay,
+                                clip_grad_norm=spec.clip, b2=0.999, fused=False)
+    adamw = make_optimizer(dataclasses.replace(base, optim=optim,
+                                               train=dataclasses.replace(base.train, steps=spec.steps)))
     if not spec.freeze_embeddings:
         return adamw
-    labels = jax.tree_util.tree_map_with_path(lambda path, _: "frozen" if "embedding" in _names(path) else "train",
-                                              params)
+    labels = jax.tree_util.tree_map_with_path(
+        lambda path, _: "frozen" if any("embedding" in str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        else "train", params)
     return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
-
-
-def _names(path: tuple) -> list[str]:
-    return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
 
 
 def _inputs(tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -113,10 +110,6 @@ class Distiller:
         self._train = jax.jit(self._train_step, donate_argnums=(0, 1))
         self._eval = jax.jit(self._eval_step)
 
-    def _logits(self, params: Any, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        positions, segments, valid = _inputs(tokens, lengths)
-        return nnx.merge(self.graphdef, params, self.rest)(tokens, positions, segments), positions, valid
-
     def _teacher(self, target_state: Any, tokens: jax.Array, positions: jax.Array, segments: jax.Array) -> jax.Array:
         logits = nnx.merge(self.target_graphdef, target_state)(tokens, positions, segments)
         return jax.lax.stop_gradient(logits)
@@ -135,8 +128,9 @@ class Distiller:
         return optax.apply_updates(params, updates), opt_state, loss
 
     def _eval_step(self, params, target_state, tokens, lengths, generated):
-        student, positions, valid = self._logits(params, tokens, lengths)
-        teacher = self._teacher(target_state, tokens, positions, valid.astype(jnp.int32))
+        positions, segments, valid = _inputs(tokens, lengths)
+        student = nnx.merge(self.graphdef, params, self.rest)(tokens, positions, segments)
+        teacher = self._teacher(target_state, tokens, positions, segments)
         agree = jnp.argmax(student, -1) == jnp.argmax(teacher, -1)
         kl = forward_kl(teacher, student)
         return (jnp.sum(kl * valid), jnp.sum(valid), jnp.sum(agree * generated), jnp.sum(generated),
@@ -218,8 +212,7 @@ def save_draft(out: str | Path, draft_cfg: Config, params: dict, *, dtype: str,
     `out/tokenizer` when given; `meta` adds keys to its meta. Returns the checkpoint folder (what
     `serve.speculative.draft_checkpoint` takes)."""
     model = dataclasses.replace(draft_cfg.model, param_dtype=dtype, text_only=True)
-    cast = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}[dtype]
-    params = jax.tree.map(lambda x: np.asarray(x).astype(cast), params)
+    params = jax.tree.map(lambda x: np.asarray(x).astype(NP_DTYPES[dtype]), params)
     save_params_checkpoint(out, params, Config(model=model), **meta)
     if tokenizer is not None:
         save_tokenizer_files(tokenizer, Path(out) / "tokenizer")

@@ -42,20 +42,11 @@ class Sequences:
     def take(self, rows: np.ndarray) -> Sequences:
         return Sequences(self.tokens[rows], self.lengths[rows], self.prompt_lengths[rows], self.prompt_ids[rows])
 
-    def valid(self) -> np.ndarray:
-        """bool [N, S]: the row's tokens (not padding)."""
-        return np.arange(self.tokens.shape[1])[None] < self.lengths[:, None]
-
     def generated(self) -> np.ndarray:
         """bool [N, S]: positions whose next token is a generated one (the predictions a draft makes when it
         speculates after the prompt)."""
         t = np.arange(self.tokens.shape[1])[None]
         return (t >= self.prompt_lengths[:, None] - 1) & (t < self.lengths[:, None] - 1)
-
-    @staticmethod
-    def concat(parts: Sequence[Sequences]) -> Sequences:
-        return Sequences(*(np.concatenate([getattr(p, f.name) for p in parts])
-                           for f in dataclasses.fields(Sequences)))
 
 
 def pad_rows(rows: Sequence[Sequence[int]], prompt_lengths: Sequence[int], prompt_ids: Sequence[int],
