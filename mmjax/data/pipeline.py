@@ -233,6 +233,9 @@ class EvalSet:
     qtypes: list[str]
     majority_answer: str      # most common training answer (built-in); user data: most common eval answer
     baseline_majority: float  # exact-match accuracy of always answering majority_answer
+    # accuracy of answering each question type's most common eval answer: what a model that reads the question's
+    # type but never looks at the image can reach at best, so a score above it is evidence the image is used
+    baseline_type_majority: float = 0.0
 
     def __len__(self) -> int:
         return len(self.answers)
@@ -288,11 +291,16 @@ def load_eval_examples(cfg: Config, tokenizer: Tokenizer, files: ShapesFiles | D
     train_counts = Counter(stats.get("train_answer_counts") or answers)
     majority = stats.get("majority_answer") or max(sorted(train_counts), key=lambda a: train_counts[a])
     baseline = sum(a == majority for a in answers) / max(1, len(answers))
+    by_type: dict[str, Counter] = {}
+    for answer, qtype in zip(answers, qtypes):
+        by_type.setdefault(qtype, Counter())[answer] += 1
+    type_baseline = sum(max(c.values()) for c in by_type.values()) / max(1, len(answers))
     stacked = {k: np.stack([r[k] for r in rows]) for k in rows[0]} if rows else {}
     return EvalSet(ids=ids, tokens=stacked["tokens"], segment_ids=stacked["segment_ids"],
                    positions=stacked["positions"], prompt_lens=stacked["prompt_len"].astype(np.int32),
                    images=stacked["images"], image_valid=stacked["image_valid"], answers=answers,
-                   qtypes=qtypes, majority_answer=majority, baseline_majority=baseline)
+                   qtypes=qtypes, majority_answer=majority, baseline_majority=baseline,
+                   baseline_type_majority=type_baseline)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -132,4 +132,5 @@ class Evaluator:
         predictions = [self.tokenizer.decode(ids) for ids in self.generate(params)]
         scores = exact_match_scores(predictions, self.eval_set.answers, self.eval_set.qtypes)
         scores["eval/baseline_majority"] = float(self.eval_set.baseline_majority)
+        scores["eval/baseline_type_majority"] = float(self.eval_set.baseline_type_majority)
         return scores, predictions

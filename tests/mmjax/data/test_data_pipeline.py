@@ -162,6 +162,13 @@ def test_eval_examples(cfg, tokenizer, shapes_files):
     assert ev.majority_answer == majority
     assert ev.baseline_majority == pytest.approx(np.mean([a == majority for a in ev.answers]))
     assert ev.baseline_majority <= 0.35
+    # the blind per-type prior: each question type answered with its own most common answer
+    hits = 0
+    for qtype in set(ev.qtypes):
+        typed = [a for a, t in zip(ev.answers, ev.qtypes) if t == qtype]
+        hits += Counter(typed).most_common(1)[0][1]
+    assert ev.baseline_type_majority == pytest.approx(hits / len(ev.answers))
+    assert ev.baseline_majority <= ev.baseline_type_majority < 1.0
     batches = list(ev.batches(16))
     assert [n for _, n in batches] == [16, 16, 8]
     last, _ = batches[-1]

@@ -40,7 +40,8 @@ def test_short_run_lowers_loss_and_writes_files(tmp_path, cache_dir):
     assert train[-1]["train/loss"] < 0.7 * train[0]["train/loss"]
     evals = [r for r in records if "eval/exact_match" in r]
     assert len(evals) == 1 and evals[0]["step"] == 40
-    assert {"eval/baseline_majority", "eval/exact_match/color", "eval/exact_match/count"} <= set(evals[0])
+    assert {"eval/baseline_majority", "eval/baseline_type_majority", "eval/exact_match/color",
+            "eval/exact_match/count"} <= set(evals[0])
     assert result["eval/exact_match"] == evals[0]["eval/exact_match"]
     # the per-example predictions behind that score: one line per held-out example, hits agreeing with it
     rows = read_jsonl(out / "eval" / "step_0000040.jsonl")
