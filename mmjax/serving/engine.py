@@ -22,6 +22,7 @@ from mmjax.config import Config
 from mmjax.data.image import decode_image, preprocess
 from mmjax.errors import DataError
 from mmjax.serving.detokenize import IncrementalDetokenizer
+from mmjax.serving.gc_policy import raise_gc_thresholds
 from mmjax.serving.images import ImageInput, image_hash
 from mmjax.serving.kv_manager import KVCacheManager
 from mmjax.serving.load import load_for_serving
@@ -110,6 +111,7 @@ class Engine:
     def __init__(self, cfg: Config, model: Any, tokenizer: Any, *, mesh: Any = None, sharding: Any = None,
                  warmup: bool = False, draft_model: Any = None) -> None:
         serve = cfg.serve
+        raise_gc_thresholds()  # full collections of a large heap would stall the host loop (gc_policy.py)
         self.tokenizer = tokenizer
         graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
         model_cfg = nnx.merge(graphdef, state).cfg

@@ -17,6 +17,7 @@ from typing import Any
 
 import uvicorn
 
+from mmjax.serving.gc_policy import raise_gc_thresholds
 from mmjax.serving.http.app import build_app
 from mmjax.serving.http.request_log import RequestLog
 from mmjax.serving.http.service import EngineService
@@ -93,6 +94,7 @@ def run_service(service: Any, model_name: str) -> int:
 
 
 def _serve(server: DrainingServer, service: Any) -> int:
+    raise_gc_thresholds()  # the API process streams every token: no full collections of its heap mid-stream
     try:
         server.run()
     finally:
