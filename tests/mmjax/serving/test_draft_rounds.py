@@ -149,3 +149,17 @@ def test_draft_rounds_config(overrides, ok):
         return
     with pytest.raises(ConfigError, match="needs serve.speculative.method=ngram or draft with proposer_on_device"):
         load_config(None, overrides)
+
+
+def test_bench_methods_map_to_valid_speculative_settings():
+    """`bench_serving --spec-methods draft_rounds --spec-rounds R` is the draft model on the device with R rounds
+    per call, as `ngram_rounds` is for the lookup; every benchmark method's settings validate."""
+    from mmjax.bench.spec import DRAFT_METHODS, METHODS, method_config
+    got = {m: method_config(SpeculativeConfig(), m, rounds=8, num_tokens=2) for m in METHODS}
+    for cfg in got.values():
+        cfg.validate()
+    assert {m: (c.method, c.proposer_on_device, c.rounds) for m, c in got.items()} == {
+        "none": ("none", False, 1), "ngram": ("ngram", False, 1), "ngram_device": ("ngram", True, 1),
+        "ngram_rounds": ("ngram", True, 8), "draft": ("draft", False, 1), "draft_device": ("draft", True, 1),
+        "draft_rounds": ("draft", True, 8)}
+    assert set(DRAFT_METHODS) == {m for m, c in got.items() if c.method == "draft"}
