@@ -163,3 +163,29 @@ def test_bench_methods_map_to_valid_speculative_settings():
         "ngram_rounds": ("ngram", True, 8), "draft": ("draft", False, 1), "draft_device": ("draft", True, 1),
         "draft_rounds": ("draft", True, 8)}
     assert set(DRAFT_METHODS) == {m for m, c in got.items() if c.method == "draft"}
+
+
+def test_draft_rounds_through_preemption_on_the_launcher_thread(lm):
+    """A pool too small for every request's reserved rounds at once: requests are preempted (their draft KV
+    dropped with them) and recompute; calls run on the launcher thread (the draft's pools come back with the
+    target's from there). Greedy tokens still equal plain greedy; every page returns."""
+    from mmjax.serving.engine import Engine
+    n, prompts = 16, PROMPTS[:4]
+    want = [lm["ref"].greedy(p, n, stop=()) for p in prompts]
+    serve = ServeConfig(page_size=4, num_pages=16, max_num_batched_tokens=32, max_num_seqs=4, min_token_bucket=32,
+                        min_slot_bucket=4, max_model_len=40, max_logprobs=0, decode_steps=1, launch_thread=True,
+                        speculative=SpeculativeConfig(method="draft", num_tokens=3, proposer_on_device=True,
+                                                      rounds=ROUNDS))
+    eng = Engine(Config(model=lm["model"].cfg, serve=serve), lm["model"], _Ids(), draft_model=lm["draft"])
+    seen = []
+    _watch_rounds(eng, seen)
+    ids = [eng.add_request(p, sampling_params=SamplingParams(max_tokens=n)) for p in prompts]
+    final = {}
+    while eng.has_unfinished():
+        final.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert [final[rid].token_ids for rid in ids] == want
+    assert eng.stats()["num_preemptions"] > 0 and seen and max(seen) > 1
+    eng.kv.check_consistency()
+    assert eng.kv.num_free_pages == eng.kv.num_usable_pages
+    eng.proposer._release_stale()
+    assert eng.proposer.kv.num_free_pages == eng.proposer.kv.num_usable_pages
