@@ -269,7 +269,7 @@ class StepPrograms:
                                           k=k, page_size=draft.page_size, catch_up=r.active)
             return drafts, r.cap, q, (dpools, known)
 
-        def advance(state, r: Round, emitted, count):  # the last CATCH_UP known tokens after the round's
+        def advance(state, r: Round, emitted, count):  # the last CATCH_UP of (known tokens, emitted ones)
             dpools, known = state
             after = jnp.take_along_axis(jnp.concatenate([known, emitted], axis=1), count[:, None] + span, axis=1)
             return dpools, jnp.where(r.active[:, None], after, known)

@@ -7,7 +7,8 @@ the host brings a lagging draft up to there first), which gives draft 1; then k 
 j and draw draft j + 1 (`lax.scan`, the decode layout: slot s's query is token s). Slots past their reserved
 count stop writing (their KV goes to the null page) and their outputs are ignored. Every draw is
 `draw_draft`'s, the unfused `DraftRunner`'s own, with the same key per request and draft position, so both paths
-draw the same drafts.
+draw the same drafts. A call of speculative rounds (`serve.speculative.rounds`, `StepPrograms.draft_rounds_step`)
+runs these steps once per round, from the slot's position in that round.
 """
 
 from __future__ import annotations
