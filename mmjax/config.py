@@ -510,9 +510,10 @@ class SpeculativeConfig:
     # ngram: the lookup, over each speculating request's token history kept there (serving/speculative/
     # device_ngram.py); draft: the draft model's k steps over its own pool (serving/speculative/draft_device.py)
     proposer_on_device: bool = False
-    # ngram with proposer_on_device: speculative rounds per device call (propose, verify, append, advance, R times
-    # in one lax.scan) when every running request speculates; the scheduler reserves KV for rounds x (k + 1) tokens
-    # per request and the host applies the tokens afterwards (serving/step_programs.py, `StepPrograms.spec_rounds_step`)
+    # with proposer_on_device: speculative rounds per device call (propose, verify, advance, R times in one
+    # lax.scan) when every running request speculates; the scheduler reserves KV for rounds x (k + 1) tokens per
+    # request (the draft model's proposer as much draft KV) and the host applies the tokens afterwards
+    # (serving/step_programs.py, `StepPrograms.rounds_scan`: n-gram lookup or the draft model's steps per round)
     rounds: int = 1
     draft_checkpoint: str = ""  # draft: an mmjax checkpoint (same tokenizer), served text-only
     draft_overrides: tuple[str, ...] = ()  # draft: dotted config overrides for loading it
@@ -539,9 +540,10 @@ class SpeculativeConfig:
              "serve.speculative.proposer_on_device=true needs serve.speculative.method=ngram or draft (a proposer "
              "to run on the device)")
         need(1 <= self.rounds <= 64, f"serve.speculative.rounds={self.rounds} must be in [1, 64]")
-        need(self.rounds == 1 or (self.method == "ngram" and self.proposer_on_device),
-             f"serve.speculative.rounds={self.rounds} needs serve.speculative.method=ngram with proposer_on_device="
-             "true (the rounds propose from the token histories kept on the device); use rounds=1 otherwise")
+        need(self.rounds == 1 or (self.method in ("ngram", "draft") and self.proposer_on_device),
+             f"serve.speculative.rounds={self.rounds} needs serve.speculative.method=ngram or draft with "
+             "proposer_on_device=true (the rounds propose on the device, from the token histories kept there or "
+             "with the draft model run there); use rounds=1 otherwise")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,8 @@
 * **Speculation**: greedy tok/s at each batch size with speculation off, n-gram lookup (made on the host, and
   `ngram_device`: made on the device inside the verifying step, `proposer_on_device`; `ngram_rounds`: that with
   `rounds` speculative rounds per device call, `serve.speculative.rounds`) and a draft model (its
-  steps as calls of their own, and `draft_device`: inside the verifying step, `proposer_on_device`), on a
+  steps as calls of their own, `draft_device`: inside the verifying step, `proposer_on_device`; `draft_rounds`:
+  that with `rounds` rounds per device call), on a
   repetitive workload (each prompt is a random block of tokens repeated, as code or extraction prompts that
   quote their input) and a non-repetitive one (random prompt ids), plus the acceptance rate. The draft is the
   target's config with `draft_layers` layers; weights of both are random unless a checkpoint is given, so the
@@ -44,7 +45,7 @@ class SpecBenchSpec:
     prompt_len: int = 512
     new_tokens: int = 128
     num_tokens: int = 4  # k drafts per step
-    rounds: int = 8  # ngram_rounds: speculative rounds per device call
+    rounds: int = 8  # ngram_rounds, draft_rounds: speculative rounds per device call
     draft_layers: int = 2
     repeat_block: int = 32  # the repetitive prompts repeat a block of this many tokens
     num_beams: int = 4
@@ -53,15 +54,17 @@ class SpecBenchSpec:
     repeats: int = 1  # timed passes per (method, workload, batch): the row's rate is their median
 
 
-METHODS = ("none", "ngram", "ngram_device", "ngram_rounds", "draft", "draft_device")
+METHODS = ("none", "ngram", "ngram_device", "ngram_rounds", "draft", "draft_device", "draft_rounds")
+DRAFT_METHODS = ("draft", "draft_device", "draft_rounds")  # the methods that run a draft model
 
 
 def method_config(base: SpeculativeConfig, method: str, *, rounds: int = 8, **kw: Any) -> SpeculativeConfig:
     """The speculative settings of a benchmark method (`METHODS`): `ngram_device` / `draft_device` are `ngram` /
     `draft` with the proposer run on the device, inside the verifying step (`proposer_on_device`);
-    `ngram_rounds` is `ngram_device` with `rounds` speculative rounds per call."""
-    if method == "ngram_rounds":
-        return dataclasses.replace(base, method="ngram", proposer_on_device=True, rounds=rounds, **kw)
+    `ngram_rounds` / `draft_rounds` are `ngram_device` / `draft_device` with `rounds` speculative rounds per call."""
+    if method.endswith("_rounds"):
+        return dataclasses.replace(base, method=method.removesuffix("_rounds"), proposer_on_device=True,
+                                   rounds=rounds, **kw)
     on_device = method.endswith("_device")
     return dataclasses.replace(base, method=method.removesuffix("_device"), proposer_on_device=on_device, rounds=1,
                                **kw)
@@ -150,7 +153,7 @@ def run_spec_bench(cfg: Config, spec: SpecBenchSpec = SpecBenchSpec(), *, params
         sc = method_config(s.speculative, method, num_tokens=spec.num_tokens, rounds=spec.rounds,
                            dynamic=s.speculative.dynamic and method != "none")
         draft = None
-        if method in ("draft", "draft_device"):
+        if method in DRAFT_METHODS:
             text = dataclasses.replace(cfg.model.text, n_layers=spec.draft_layers)
             draft = build_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, text=text)))
         # with dynamic speculation the untimed pass does not compile what the timed one runs (the policy's choices
@@ -234,7 +237,7 @@ def run_acceptance(cfg: Config, model: Any, tokenizer: Any, *, num_tokens: int =
     plain_tok_s: dict[str, float] = {}
     for method in methods:
         draft = None
-        if method in ("draft", "draft_device"):
+        if method in DRAFT_METHODS:
             draft = first_layers_draft(cfg, model, draft_layers) if draft_model is None else draft_model
         # the config's `dynamic` applies to every speculative method, and then every engine, `none` too, warms up
         # first (see run_spec_bench); its other speculative settings are the benchmark's

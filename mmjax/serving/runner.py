@@ -13,7 +13,7 @@ carry (`launch.py`) and the reading of their outputs (`step_outputs.py`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -106,9 +106,9 @@ class ModelRunner(StepShapes, StepInputs, CallLauncher):
         # ... with draft: the verifying step runs the draft model's k steps first (`attach_draft` gives the draft)
         self.fused_draft = on_device and serve.speculative.method == "draft"
         self.draft: ModelRunner | None = None
-        # serve.speculative.rounds: speculative rounds per call when every running request speculates (n-gram on
-        # the device only, the config checks); one round is the verifying step itself
-        self.spec_rounds = serve.speculative.rounds if self.history is not None else 1
+        # serve.speculative.rounds: speculative rounds per call when every running request speculates (the proposer
+        # on the device only, n-gram or draft model; the config checks); one round is the verifying step itself
+        self.spec_rounds = serve.speculative.rounds if on_device else 1
         # dynamic speculation: steps without proposals take the plain fast paths (decode and multi-step calls)
         self.spec_dynamic = bool(self.spec_k) and serve.speculative.dynamic
         self._seed_rng = np.random.default_rng(serve.seed)
@@ -154,7 +154,7 @@ class ModelRunner(StepShapes, StepInputs, CallLauncher):
                                  out_shardings=None if out is None else (*out, rep))
         self._decode = PackedStep(self._traced(self._programs.decode_step), wrap=wrap, put=self._put,
                                   out_shardings=None if out is None else (*out, rep))
-        self._rounds = PackedStep(self._traced(self._programs.spec_rounds_step), wrap=wrap, put=self._put,
+        self._rounds = PackedStep(self._rounds_fn, wrap=wrap, put=self._put,
                                   out_shardings=None if out is None else (rep, carry, rep))
         self._no_last = self._put(jnp.zeros(self.max_slots, jnp.int32))  # an unchained call's "previous tokens"
         # calls fed on the device by the call launched before them, while it ran: chained multi-step calls
@@ -236,6 +236,20 @@ class ModelRunner(StepShapes, StepInputs, CallLauncher):
             pools = (pools, draft_pools)
         return outs, pools, kept
 
+    def _rounds_fn(self, state, carry, batch, sampling):
+        """A call of speculative rounds over what `_rounds` takes: `StepPrograms.spec_rounds_step` (n-gram; `carry`
+        is (pools, token histories)) or, with the draft model on the device, `draft_rounds_step` (`state` is
+        (target leaves, draft leaves) and `carry` (pools, draft pools)). Returns the outputs, the same carry, and
+        each slot's last token [max_num_seqs]."""
+        self.num_compiles += 1  # runs only while tracing
+        if self.draft is None:
+            return self._programs.spec_rounds_step(self._model(state), carry, batch, sampling)
+        (state, draft_state), (pools, draft_pools) = state, carry
+        draft = DeviceDraft(self.draft._model(draft_state), draft_pools, self.draft.page_size)
+        outs, pools, draft_pools, last = self._programs.draft_rounds_step(self._model(state), pools, batch,
+                                                                          sampling, draft)
+        return outs, (pools, draft_pools), last
+
     def _upload_fn(self, history, rows, values):
         """Replace token-history rows (`DeviceHistory.flush`); one shape, compiled by `warmup`."""
         self.num_compiles += 1
@@ -309,7 +323,7 @@ class ModelRunner(StepShapes, StepInputs, CallLauncher):
                 return self._dispatch_mixed(out)
             return self._dispatch_multi(out, chain)
         if out.scheduled and any(e.num_rounds > 1 for e in out.scheduled):
-            return self._dispatch_rounds(out, draft_probs or {})
+            return self._dispatch_rounds(out, draft_probs)
         if not out.scheduled:
             return PendingStep(out, result={})
         if (not self.spec_k or self.spec_dynamic) and all(e.num_tokens == 1 for e in out.scheduled):
@@ -358,12 +372,16 @@ class ModelRunner(StepShapes, StepInputs, CallLauncher):
         self.num_chained += chain is not None
         return PendingStep(out, launched=launched, multi=True)
 
-    def _dispatch_rounds(self, out: SchedulerOutput, first_k: Mapping[str, int]) -> PendingStep:
+    def _dispatch_rounds(self, out: SchedulerOutput, proposals: Any) -> PendingStep:
         """Launch a call of speculative rounds: every entry is a decode token with `num_rounds` > 1 and its
-        reserved draft slots; `first_k` (the proposer's) is the drafts each request's first round may make."""
-        batch, sampling = self._rounds_inputs(out, first_k)
-        return PendingStep(out, launched=self._launch(self._rounds, batch, sampling), packed=self._rounds,
-                           rounds=True)
+        reserved draft slots. `proposals` (the proposer's): the drafts each request's first round may make, a
+        mapping (n-gram), or with the draft model on the device `FusedDrafts` (that, and the draft pages)."""
+        batch, sampling = self._rounds_inputs(out, proposals)
+        launched = self._launch(self._rounds, batch, sampling)
+        if self.draft is not None:  # the rounds write the draft's KV up to the call's last position at most
+            for e in out.scheduled:
+                proposals.ran(e.request_id, e.start + e.emit_limit)
+        return PendingStep(out, launched=launched, packed=self._rounds, rounds=True)
 
     def warmup(self) -> int:
         """Compile every step shape (and the image encoder) with all-padding inputs; returns the number of
@@ -393,9 +411,10 @@ class ModelRunner(StepShapes, StepInputs, CallLauncher):
                                             self._sampler_tensors([], s, history))
         for t, s in self.spec_round_shapes:
             for history in (0, self.max_model_len):
-                _, carry = self._rounds(self._leaves, (self.pools, self.history.tokens), self._rounds_batch(t, s),
+                carry, fused = self._carry(self._rounds)
+                _, carry = self._rounds(self._params(fused), carry, self._rounds_batch(t, s),
                                         self._sampler_tensors([], s, history))
-                self._set_carry(carry, True)
+                self._set_carry(carry, fused)
         if self.history is not None:  # the token histories' row upload
             self.history.warmup(self._upload)
         if self.serve.max_beam_width > 1:  # the beam forks' page copy

@@ -12,7 +12,7 @@ live requests, and keeps the device-resident zero inputs it hands steps without 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -104,9 +104,15 @@ class StepInputs:
 
     def _rounds_batch(self, t: int, s: int) -> dict[str, np.ndarray]:
         i32 = np.int32
-        return dict(tokens=np.zeros(t, i32), start=np.zeros(s, i32), query_start=np.zeros(s, i32),
-                    reserved=np.zeros(s, i32), limit=np.zeros(s, i32), first_k=np.zeros(s, i32),
-                    page_table=np.full((s, self.max_pages), NULL_PAGE, i32), hist_row=np.full(s, -1, i32))
+        batch = dict(tokens=np.zeros(t, i32), start=np.zeros(s, i32), query_start=np.zeros(s, i32),
+                     reserved=np.zeros(s, i32), limit=np.zeros(s, i32), first_k=np.zeros(s, i32),
+                     page_table=np.full((s, self.max_pages), NULL_PAGE, i32))
+        if self.fused_draft:  # each slot's last known tokens (the first round's catch-up) and its draft pages
+            batch.update(draft_tokens=np.zeros((s, CATCH_UP), i32),
+                         draft_table=np.full((s, self.max_pages), NULL_PAGE, i32))
+        else:  # each slot's token-history row
+            batch["hist_row"] = np.full(s, -1, i32)
+        return batch
 
     def _empty_bank(self) -> jax.Array:
         """A zero draft-probability bank of the proposer's shape, for steps without drafts and warm-up."""
@@ -285,14 +291,18 @@ class StepInputs:
                 sampling.step[i] += produced
         return batch, sampling
 
-    def _rounds_inputs(self, out: SchedulerOutput, first_k: Mapping[str, int]) -> tuple[dict[str, np.ndarray],
-                                                                                         SamplingTensors]:
-        """A call of speculative rounds (`StepPrograms.spec_rounds_step`): its batch and sampler's; `first_k` is
-        the drafts each request's first round may make."""
+    def _rounds_inputs(self, out: SchedulerOutput, proposals: Any) -> tuple[dict[str, np.ndarray], SamplingTensors]:
+        """A call of speculative rounds (`StepPrograms.spec_rounds_step` or `draft_rounds_step`): its batch and
+        sampler's. `proposals`: the drafts each request's first round may make (n-gram), or `FusedDrafts` (that
+        as `first_k`, and each request's draft pages; the proposer made its draft KV valid before its last
+        `CATCH_UP` tokens)."""
         t, s = self.step_shape(out.num_scheduled_tokens, len(out.scheduled))
         batch = self._rounds_batch(t, s)
-        history = self.history
-        history.discard_pending()
+        history, first_k = self.history, proposals or {}
+        if self.fused_draft:
+            first_k = proposals.first_k
+        if history is not None:
+            history.discard_pending()
         step = {e.request_id for e in out.scheduled}
         off = 0
         for i, entry in enumerate(out.scheduled):
@@ -304,6 +314,14 @@ class StepInputs:
             batch["reserved"][i], batch["limit"][i] = entry.num_draft, entry.emit_limit
             batch["first_k"][i] = first_k.get(rid, self.spec_k)  # (the reserved slots cap each round's drafts)
             batch["page_table"][i, :len(entry.page_ids)] = entry.page_ids
-            batch["hist_row"][i] = history.row(rid, known, functools.partial(request.token_ids, 0, known), step)
+            if self.fused_draft:
+                if rid not in proposals.tables:
+                    raise ValueError(f"request {rid!r}: speculative rounds with the draft model need its draft pages "
+                                     "(the proposer reserves them for each request it drafts for)")
+                table = proposals.tables[rid]
+                batch["draft_tokens"][i] = request.token_ids(known - CATCH_UP, known)
+                batch["draft_table"][i, :len(table)] = table
+            else:
+                batch["hist_row"][i] = history.row(rid, known, functools.partial(request.token_ids, 0, known), step)
             off += entry.num_tokens
         return batch, self._sampling([self._requests[e.request_id].request for e in out.scheduled], s)

@@ -73,9 +73,10 @@ def multi_step_tokens(outputs: Sequence[np.ndarray], scheduled: Sequence[Schedul
 
 
 def rounds_tokens(outputs: Sequence[Any], scheduled: Sequence[ScheduledRequest], requests: Mapping[str, RequestState],
-                  history: DeviceHistory, num_rounds: int) -> dict[str, SampledToken]:
+                  history: DeviceHistory | None, num_rounds: int) -> dict[str, SampledToken]:
     """The tokens of a call of `num_rounds` speculative rounds: each entry's tokens of every round that ran for
-    it, and each round's (drafts found, tokens emitted); `history` is told how far each row is now written."""
+    it, and each round's (drafts made, tokens emitted); `history` (n-gram rounds) is told how far each row is now
+    written."""
     emitted, count, lps, found = (x.tolist() for x in outputs)
     result = {}
     for i, entry in enumerate(scheduled):
@@ -92,7 +93,8 @@ def rounds_tokens(outputs: Sequence[Any], scheduled: Sequence[ScheduledRequest],
             tokens += emitted[r][i][:c]
             logprobs += lps[r][i][:c]
             sizes.append((found[r][i], c))
-        history.wrote(rid, entry.start + 1 + len(tokens))
+        if history is not None:
+            history.wrote(rid, entry.start + 1 + len(tokens))
         result[rid] = SampledToken(tokens[0], logprobs[0], tokens=tuple(tokens), token_logprobs=tuple(logprobs),
                                    num_draft=sum(d for d, _ in sizes), rounds=tuple(sizes))
     return result

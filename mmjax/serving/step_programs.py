@@ -19,9 +19,19 @@ from mmjax.serving.buckets import pick_bucket
 from mmjax.serving.kv_manager import NULL_PAGE
 from mmjax.serving.sampling import sample
 from mmjax.serving.speculative.device_ngram import append_tokens, place_drafts, propose_drafts
-from mmjax.serving.speculative.draft_device import run_draft
+from mmjax.serving.speculative.draft_device import CATCH_UP, run_draft
 from mmjax.serving.speculative.length import next_draft_length
 from mmjax.serving.speculative.verify import verify
+
+
+class Round(NamedTuple):
+    """What a round of `StepPrograms.rounds_scan` tells its proposer of each slot: the position of its last known
+    token, whether it still runs, the most drafts it may make and the sampler's tensors with this round's keys."""
+
+    pos: jax.Array
+    active: jax.Array
+    cap: jax.Array
+    sampling: Any
 
 
 class DeviceDraft(NamedTuple):
@@ -225,33 +235,79 @@ class StepPrograms:
         return outs, pools, jnp.zeros(self.max_slots, jnp.int32).at[:s].set(last)
 
     def spec_rounds_step(self, model, carry, batch, sampling):
-        """`spec_rounds` speculative rounds in one call (n-gram lookup on the device); `carry` is (pools, token
-        histories). Slot i owns the flat tokens [query_start[i], query_start[i] + 1 + reserved[i]) in every round;
-        at its position p (start[i] in the first round) a round looks up at most min(reserved, its adaptive k,
-        tokens left - 1) drafts in its history row's first p + 1 tokens, runs the target over its last token and
-        the drafts found (positions p .., KV slots from its page table; the other tokens of its range write the
-        null page and are no query), verifies them with the keys of a speculative step at its outputs so far,
-        appends what it emits to the row and advances p by that count. A slot stops once it has emitted `limit`
-        tokens (the KV room the scheduler reserved). Attention reads each slot's positions below p + 1 + drafts
-        only, so the KV a rejected draft left past that is never read and a later round overwrites it. Returns
-        per-round [R, S] results (tokens [R, S, k + 1], counts, logprobs, drafts found), (pools, histories) and
-        each slot's last token."""
+        """`spec_rounds` rounds of n-gram speculation in one call (`rounds_scan`); `carry` is (pools, token
+        histories). Each round looks its drafts up in the slot's history row's first p + 1 tokens and appends what
+        it emits to the row. Returns per-round [R, S] results, (pools, histories) and each slot's last token."""
         pools, history = carry
+        rows = batch["hist_row"]
+
+        def propose(history, r: Round):
+            drafts, found = propose_drafts(history, jnp.where(r.active, rows, -1), r.pos + 1, r.cap, **self.ngram)
+            return drafts, found, None, history
+
+        def advance(history, r: Round, emitted, count):
+            return append_tokens(history, jnp.where(r.active, rows, -1), r.pos + 1, emitted, count)
+
+        outs, pools, history, last = self.rounds_scan(model, pools, batch, sampling, history, propose, advance)
+        return outs, (pools, history), last
+
+    def draft_rounds_step(self, model, pools, batch, sampling, draft: DeviceDraft):
+        """`spec_rounds` rounds of draft-model speculation in one call (`rounds_scan`). Each round runs the draft
+        (`run_draft`, its pools in the scan's carry) over the slot's last `CATCH_UP` known tokens, which end at its
+        position p, and its drafts' k - 1 single-token steps; the target verifies them against the draws'
+        probabilities. The draft's KV below p - CATCH_UP + 1 is valid in every round: the first round's by the
+        host (`FusedDraftProposer` brings a lagging draft up to there), a later round's because the drafts its
+        round before accepted were fed at their positions. A slot with no drafts left to make (its limit is one
+        token away) still runs its known tokens through the draft, so its draft KV stays valid up to its last
+        token. Returns per-round [R, S] results, the pools, the draft's pools and each slot's last token."""
+        table, k = batch["draft_table"], self.spec_k
+        span = jnp.arange(CATCH_UP, dtype=jnp.int32)[None, :]
+
+        def propose(state, r: Round):
+            dpools, known = state
+            drafts, q, dpools = run_draft(draft.model, dpools, r.sampling, known, r.pos - CATCH_UP + 1, table, r.cap,
+                                          k=k, page_size=draft.page_size, catch_up=r.active)
+            return drafts, r.cap, q, (dpools, known)
+
+        def advance(state, r: Round, emitted, count):  # the last CATCH_UP of (known tokens, emitted ones)
+            dpools, known = state
+            after = jnp.take_along_axis(jnp.concatenate([known, emitted], axis=1), count[:, None] + span, axis=1)
+            return dpools, jnp.where(r.active[:, None], after, known)
+
+        outs, pools, (draft_pools, _), last = self.rounds_scan(model, pools, batch, sampling,
+                                                               (draft.pools, batch["draft_tokens"]), propose, advance)
+        return outs, pools, draft_pools, last
+
+    def rounds_scan(self, model, pools, batch, sampling, state, propose, advance):
+        """`spec_rounds` speculative rounds in one call, over a proposer: `propose(state, Round)` gives each slot's
+        drafts i32[S, k], how many it made (at most the round's cap), their probabilities f32[S, k, V] (None:
+        one-hot guesses) and its state; `advance(state, Round, emitted, count)` takes the round's emitted tokens.
+        Slot i owns the flat tokens [query_start[i], query_start[i] + 1 + reserved[i]) in every round; at its
+        position p (start[i] in the first round) a round proposes at most min(reserved, its adaptive k, tokens
+        left - 1) drafts, runs the target over its last token and the drafts (positions p .., KV slots from its
+        page table; the other tokens of its range write the null page and are no query), verifies them with the
+        keys of a speculative step at its outputs so far (`Round.sampling`, which the proposer draws with too) and
+        advances p by what it emits. A slot stops once it has emitted `limit` tokens (the KV room the scheduler
+        reserved). Attention reads each slot's positions below p + 1 + drafts only, so the KV a rejected draft
+        left past that is never read and a later round overwrites it. Returns per-round [R, S] results (tokens
+        [R, S, k + 1], counts, logprobs, drafts made), the pools, the proposer's state and each slot's last
+        token [max_num_seqs]."""
         i32, ps, k = jnp.int32, self.page_size, self.spec_k
         s, t = batch["start"].shape[0], batch["tokens"].shape[0]
-        table, qs, rows, limit = batch["page_table"], batch["query_start"], batch["hist_row"], batch["limit"]
+        table, qs, limit = batch["page_table"], batch["query_start"], batch["limit"]
         j = jnp.arange(k + 1, dtype=i32)[None, :]
         slots = jnp.arange(s, dtype=i32)
         pad_slots = NULL_PAGE * ps + jnp.arange(t, dtype=i32) % ps  # unused tokens write the null page
         adaptive = self.adaptive
 
         def one(carry, _):
-            pools, history, pos, done, k_now, last = carry
+            pools, state, pos, done, k_now, last = carry
             left = limit - done
             active = left > 0
             cap = jnp.where(active, jnp.minimum(jnp.minimum(batch["reserved"], k_now), left - 1), 0)
-            live = jnp.where(active, rows, -1)
-            drafts, found = propose_drafts(history, live, pos + 1, cap, **self.ngram)
+            now = sampling.replace(step=sampling.step + done)  # the keys of a speculative step at this output
+            r = Round(pos, active, cap, now)
+            drafts, found, q, state = propose(state, r)
             used = active[:, None] & (j <= found[:, None])  # [S, k + 1]: the last token, then the drafts found
             idx = jnp.where(used, qs[:, None] + j, t)  # unused: past the end, dropped
             at = pos[:, None] + j
@@ -264,19 +320,18 @@ class StepPrograms:
                              jnp.where(active, pos + 1 + found, 0), logits_at)
             logits, pools = model.forward_paged(tokens[None], positions[None], pools, meta)
             logits = logits.reshape(s, k + 1, -1)
-            now = sampling.replace(step=sampling.step + done)  # the keys of a speculative step at this output
-            emitted, count, lps = verify(logits, now, drafts, found, None)
-            r = sample(logits[slots, found], now.replace(top_logprobs=0))  # rounds return no top logprobs
+            emitted, count, lps = verify(logits, now, drafts, found, q)
+            r_plain = sample(logits[slots, found], now.replace(top_logprobs=0))  # rounds return no top logprobs
             none = found == 0  # nothing proposed: the plain sampler's token, as a step without drafts
-            emitted = emitted.at[:, 0].set(jnp.where(none, r.tokens, emitted[:, 0]))
-            lps = lps.at[:, 0].set(jnp.where(none, r.logprobs, lps[:, 0]))
+            emitted = emitted.at[:, 0].set(jnp.where(none, r_plain.tokens, emitted[:, 0]))
+            lps = lps.at[:, 0].set(jnp.where(none, r_plain.logprobs, lps[:, 0]))
             count = jnp.where(active, count, 0)
-            history = append_tokens(history, live, pos + 1, emitted, count)
+            state = advance(state, r, emitted, count)
             last = jnp.where(active, emitted[slots, jnp.maximum(count - 1, 0)], last)
             if adaptive:
                 k_now = jnp.where(active, next_draft_length(k_now, found, count - 1, k), k_now)
-            return (pools, history, pos + count, done + count, k_now, last), (emitted, count, lps, found)
+            return (pools, state, pos + count, done + count, k_now, last), (emitted, count, lps, found)
 
-        init = (pools, history, batch["start"], jnp.zeros(s, i32), batch["first_k"], batch["tokens"][qs])
-        (pools, history, *_, last), outs = jax.lax.scan(one, init, None, length=self.spec_rounds)
-        return outs, (pools, history), jnp.zeros(self.max_slots, i32).at[:s].set(last)
+        init = (pools, state, batch["start"], jnp.zeros(s, i32), batch["first_k"], batch["tokens"][qs])
+        (pools, state, *_, last), outs = jax.lax.scan(one, init, None, length=self.spec_rounds)
+        return outs, pools, state, jnp.zeros(self.max_slots, i32).at[:s].set(last)

@@ -58,12 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes")
     p.add_argument("--spec-k", type=int, default=4, help="speculative mode: tokens proposed per step")
     p.add_argument("--spec-rounds", type=int, default=8,
-                   help="speculative mode, method ngram_rounds: speculative rounds per device call")
+                   help="speculative and spec-acceptance modes, methods ngram_rounds and draft_rounds: speculative "
+                        "rounds per device call")
     p.add_argument("--spec-methods", nargs="+", choices=bench_spec.METHODS, default=list(bench_spec.METHODS),
                    help="speculative and spec-acceptance modes: the methods measured (ngram_device: the n-gram "
                         "lookup made on the device, serve.speculative.proposer_on_device; ngram_rounds: that with "
                         "--spec-rounds rounds per call, serve.speculative.rounds; draft_device: the draft "
-                        "model's steps inside the verifying step, the same setting)")
+                        "model's steps inside the verifying step, the same setting; draft_rounds: that with "
+                        "--spec-rounds rounds per call)")
     p.add_argument("--spec-repeats", type=int, default=1,
                    help="speculative mode: timed passes per row, the median rate kept (short passes are noisy)")
     p.add_argument("--draft-layers", type=int, default=2,

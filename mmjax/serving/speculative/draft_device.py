@@ -7,7 +7,8 @@ the host brings a lagging draft up to there first), which gives draft 1; then k 
 j and draw draft j + 1 (`lax.scan`, the decode layout: slot s's query is token s). Slots past their reserved
 count stop writing (their KV goes to the null page) and their outputs are ignored. Every draw is
 `draw_draft`'s, the unfused `DraftRunner`'s own, with the same key per request and draft position, so both paths
-draw the same drafts.
+draw the same drafts. A call of speculative rounds (`serve.speculative.rounds`, `StepPrograms.draft_rounds_step`)
+runs these steps once per round, from the slot's position in that round.
 """
 
 from __future__ import annotations
@@ -48,16 +49,18 @@ def _slots(table: jax.Array, pos: jax.Array, active: jax.Array, page_size: int) 
 
 
 def run_draft(model: Any, pools: Any, sampling: SamplingTensors, tokens: jax.Array, start: jax.Array,
-              table: jax.Array, num_draft: jax.Array, *, k: int, page_size: int
-              ) -> tuple[jax.Array, jax.Array, Any]:
+              table: jax.Array, num_draft: jax.Array, *, k: int, page_size: int,
+              catch_up: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Any]:
     """The draft's k steps for S slots: `tokens` i32[S, CATCH_UP] are each slot's last known tokens, at positions
     start[s].. (the draft's KV before them is valid), `table` i32[S, P] its draft pages, `num_draft` i32[S] the
-    drafts it reserved (0: the slot does not draft). Returns (drafts i32[S, k], probabilities f32[S, k, V],
-    pools); entries past a slot's count are unused."""
+    drafts it reserved (0: the slot does not draft). `catch_up` bool[S]: the slots whose known tokens go through
+    the draft (default: the drafting ones; a call of rounds also keeps a slot's draft KV current in a round
+    that drafts nothing). Returns (drafts i32[S, k], probabilities f32[S, k, V], pools); entries past a slot's
+    count are unused."""
     s = tokens.shape[0]
     i32 = jnp.int32
     slots = jnp.arange(s, dtype=i32)
-    active = num_draft > 0
+    active = num_draft > 0 if catch_up is None else catch_up
     # the catch-up: CATCH_UP tokens per slot, slot s's at rows s * CATCH_UP.., its logits at the last one
     pos = start[:, None] + jnp.arange(CATCH_UP, dtype=i32)[None, :]
     meta = PagedMeta(_slots(table, pos, active, page_size).reshape(-1), table, slots * CATCH_UP,

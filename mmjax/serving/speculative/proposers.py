@@ -10,7 +10,8 @@
   request, sampling each with the request's own settings, and hands their probabilities to the verifier.
   Its KV is kept between steps up to the tokens the target accepted; the rest is overwritten.
 * `FusedDraftProposer` (`proposer_on_device` with `draft`): the same draft model, run by the target's verifying
-  step itself (`draft_device.py`); on the host it reserves the draft slots and keeps the draft's pages.
+  step itself (`draft_device.py`), or with `rounds` > 1 by each round of a call of speculative rounds; on the
+  host it reserves the draft slots and keeps the draft's pages.
 """
 
 from __future__ import annotations
@@ -231,6 +232,7 @@ class _DraftModel:
 
     def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int, seeds: Mapping[str, int]) -> None:
         self.k = serve.speculative.num_tokens
+        self.rounds = serve.speculative.rounds  # > 1 only with the draft on the device (the config checks)
         self.length = DraftLength(serve.speculative)
         self.limit = self.k  # most proposals per request this step (the engine's speculation policy sets it)
         # the draft runs its steps in line with the proposer: no launcher thread of its own
@@ -252,7 +254,9 @@ class _DraftModel:
 
     def _reserve(self, requests: Sequence[Request]) -> dict[str, int]:
         """The decoding requests that draft this step and their draft counts, with draft KV allocated for their
-        tokens and k - 1 fed drafts (a request the draft pool cannot hold this step drafts nothing)."""
+        tokens and k - 1 fed drafts, or with `rounds` for every position a call of rounds may write (the
+        scheduler's emit limit at most); a request the draft pool cannot hold this step drafts nothing. Draft
+        pages past the valid KV are released first."""
         self._release_stale()
         self.length.keep_only({r.request_id for r in requests})
         ks: dict[str, int] = {}  # drafts per request: what the scheduler could still verify
@@ -270,7 +274,12 @@ class _DraftModel:
             # draft KV stays valid up to what the target accepted (the drafts it kept are the draft's own)
             seq.num_computed_tokens = min(seq.num_computed_tokens, r.num_computed_tokens)
             seq.num_tokens = r.num_tokens
-            need = r.num_tokens + k - 1 - seq.num_computed_tokens  # catch up, then k - 1 fed drafts
+            self.kv.trim(r.request_id, seq.num_computed_tokens)
+            most = k  # catch up, then k - 1 fed drafts; a call of rounds: up to the last position it may reach
+            if self.rounds > 1:
+                most = max(k, min(self.rounds * (self.k + 1), self.max_model_len - r.num_tokens,
+                                  r.sampling_params.max_tokens - len(r.output_token_ids)))
+            need = r.num_tokens + most - 1 - seq.num_computed_tokens
             if self.kv.allocate_slots(seq, need) is None:
                 continue  # the draft pool is full: no proposal this step
             ks[r.request_id] = k
@@ -363,14 +372,17 @@ class DraftProposer(_DraftModel):
 @dataclasses.dataclass
 class FusedDrafts:
     """A step's drafting requests for the verifying step that runs the draft model itself: each one's draft page
-    table; the runner reports back (`ran`) how far each call leaves the draft's KV valid."""
+    table and the drafts its first round may make (a call of speculative rounds adapts k from there); the runner
+    reports back (`ran`) how far each call leaves the draft's KV valid."""
 
     tables: dict[str, list[int]]
     seqs: dict[str, _Seq]
+    first_k: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def ran(self, request_id: str, valid: int) -> None:
         """The launched step wrote the request's draft KV of its first `valid` tokens (its known tokens and the
-        drafts it fed); what the target rejects of them is cut at the next `propose`."""
+        drafts it fed; a call of rounds: at most its last position); what the target rejects of them is cut at
+        the next `propose`."""
         self.seqs[request_id].num_computed_tokens = valid
 
 
@@ -381,7 +393,12 @@ class FusedDraftProposer(_DraftModel):
     slots and verifies them in the same call (`draft_device.run_draft`). A request whose draft KV lags more than
     `CATCH_UP` tokens behind (its first speculative step, or after plain steps or a preemption) is first
     brought up to them by the draft's own step, in chunks within the token budget; in steady state the step
-    that speculates is the only call. `attach(target)` hands the draft to the target's runner."""
+    that speculates is the only call. `attach(target)` hands the draft to the target's runner.
+
+    With `rounds` > 1 (`serve.speculative.rounds`) a call may run several speculative rounds, each the draft's
+    steps and the target's verification (`StepPrograms.draft_rounds_step`): the draft pages then cover every
+    position the call may reach, and `observe` replays the rounds' adaptive k on the host, as
+    `DeviceNgramProposer` does."""
 
     def __init__(self, model: Any, serve: ServeConfig, *, max_model_len: int, seeds: Mapping[str, int]) -> None:
         super().__init__(model, serve, max_model_len=max_model_len, seeds=seeds)
@@ -407,7 +424,13 @@ class FusedDraftProposer(_DraftModel):
         for r in todo:
             r.spec_token_ids = [PLACEHOLDER_TOKEN] * ks[r.request_id]
         return FusedDrafts({r.request_id: list(self.kv.block_table(r.request_id)) for r in todo},
-                           {r.request_id: self._seqs[r.request_id] for r in todo})
+                           {r.request_id: self._seqs[r.request_id] for r in todo}, ks)
+
+    def observe(self, sampled: Mapping[str, Any]) -> None:
+        """After a call of speculative rounds: each request's k as its last round left it (`SampledToken.rounds`)."""
+        for rid, s in sampled.items():
+            if getattr(s, "rounds", ()):
+                self.length.replay(rid, s.rounds)
 
     def _catch_up(self, requests: Sequence[Request]) -> None:
         """Run the draft over each request's tokens it has not seen, up to the last `CATCH_UP` (the verifying

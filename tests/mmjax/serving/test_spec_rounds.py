@@ -156,9 +156,10 @@ def test_reserved_draft_slots_of_a_single_round_and_of_a_call_of_rounds():
 @pytest.mark.parametrize("overrides, message", [
     (["serve.speculative.method=ngram", "serve.speculative.proposer_on_device=true", "serve.speculative.rounds=0"],
      "must be in"),
-    (["serve.speculative.method=ngram", "serve.speculative.rounds=2"], "needs serve.speculative.method=ngram with"),
-    (["serve.speculative.method=draft", "serve.speculative.proposer_on_device=true", "serve.speculative.rounds=2"],
-     "needs serve.speculative.method=ngram with")])
+    (["serve.speculative.method=ngram", "serve.speculative.rounds=2"],
+     "needs serve.speculative.method=ngram or draft with proposer_on_device"),
+    (["serve.speculative.method=none", "serve.speculative.rounds=2"],
+     "needs serve.speculative.method=ngram or draft with proposer_on_device")])
 def test_rounds_config_is_validated(overrides, message):
     from mmjax.config import load_config
     from mmjax.errors import ConfigError
