@@ -35,6 +35,7 @@ from mmjax.bench.kernels import PEAK_GBPS
 from mmjax.bench.peer_process import run_peer_process
 from mmjax.checkpoint.orbax_state import package_versions
 from mmjax.config import Config, ServeConfig
+from mmjax.observe.gc_time import GcTime
 from mmjax.observe.profile import summarize_trace
 from mmjax.quant import weight_bytes as quant_weight_bytes
 from mmjax.serving.engine import Engine, RequestOutput
@@ -254,27 +255,29 @@ def decode_window(engine: Engine, batch: int, spec: BenchSpec, rng: np.random.Ge
     timed; a call counts when every request got tokens from it. The requests are aborted afterwards. Measuring
     inside one pass instead would find no such call at large batches, where the first requests finish before
     the last ones are prefilled. Returns the counted calls, tokens, seconds, the requests' mean context over
-    them and the compiles while timing."""
+    them, the compiles and the garbage collector's collections and time while timing."""
     k = max(engine.runner.decode_steps, 1)
     generated = start_decoding(engine, batch, spec.prompt_len, DECODE_WINDOW_BUDGET * spec.new_tokens, rng)
     compiles = engine.runner.num_compiles
     calls, tokens, seconds, contexts = 0, 0, 0.0, []
-    for _ in range(-(-spec.new_tokens // k)):
-        before = np.mean(list(generated.values()))
-        t0 = time.perf_counter()
-        outputs = engine.step()
-        dt = time.perf_counter() - t0
-        for o in outputs:
-            generated[o.request_id] += len(o.new_token_ids)
-        if len(outputs) == batch and all(o.new_token_ids for o in outputs):
-            calls, seconds = calls + 1, seconds + dt
-            tokens += sum(len(o.new_token_ids) for o in outputs)
-            # the call's steps attend over prompt + before .. prompt + after - 1 tokens
-            contexts.append(spec.prompt_len + (before + np.mean(list(generated.values())) - 1) / 2)
+    with GcTime() as gc_time:
+        for _ in range(-(-spec.new_tokens // k)):
+            before = np.mean(list(generated.values()))
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            dt = time.perf_counter() - t0
+            for o in outputs:
+                generated[o.request_id] += len(o.new_token_ids)
+            if len(outputs) == batch and all(o.new_token_ids for o in outputs):
+                calls, seconds = calls + 1, seconds + dt
+                tokens += sum(len(o.new_token_ids) for o in outputs)
+                # the call's steps attend over prompt + before .. prompt + after - 1 tokens
+                contexts.append(spec.prompt_len + (before + np.mean(list(generated.values())) - 1) / 2)
     compiles = engine.runner.num_compiles - compiles
     stop_decoding(engine, generated)
     return {"calls": calls, "tokens": tokens, "seconds": seconds,
-            "mean_context": float(np.mean(contexts)) if contexts else None, "compiles": compiles}
+            "mean_context": float(np.mean(contexts)) if contexts else None, "compiles": compiles,
+            **gc_time.summary()}
 
 
 def bench_decode(engine: Engine, batch: int, spec: BenchSpec, weight_bytes: int, rng: np.random.Generator) -> dict:
@@ -292,7 +295,16 @@ def bench_decode(engine: Engine, batch: int, spec: BenchSpec, weight_bytes: int,
             "decode_steps_per_call": engine.runner.decode_steps,
             "e2e_tok_s": batch * spec.new_tokens / run.total_s, "e2e_s": run.total_s, "steps": len(run.step_s),
             "roofline": roof, "fraction_of_roofline": None if tok_s is None else tok_s / roof["tok_s"],
-            "compiles_during_timing": run.compiles + w["compiles"]}
+            "compiles_during_timing": run.compiles + w["compiles"],
+            # the collector's share of the window (host time the device may have waited for)
+            "gc_full_collections": w["gc_full_collections"], "gc_ms": w["gc_ms"]}
+
+
+def _gc(row: dict) -> str:
+    """A decode row's full collections while timed and their milliseconds ("" for rows recorded without them)."""
+    if row.get("gc_full_collections") is None:
+        return ""
+    return f"{row['gc_full_collections']} ({row['gc_ms'][2]:.0f})"
 
 
 def bench_ttft(engine: Engine, prompt_len: int, repeats: int, rng: np.random.Generator) -> dict:
@@ -422,15 +434,15 @@ def table(r: dict) -> str:
              "(step ms: per token of each request).",
              "",
              "| batch | decode tok/s | step ms | roofline tok/s | of roofline | e2e tok/s | HF decode tok/s "
-             "| HF e2e tok/s | compiles while timed |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| HF e2e tok/s | compiles while timed | full GCs (ms) while timed |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for d in r["decode"]:
         h = hf_rows.get(d["batch"], {})
         frac = "" if d["fraction_of_roofline"] is None else f"{100 * d['fraction_of_roofline']:.0f}%"
         lines.append(f"| {d['batch']} | {_f(d['decode_tok_s'], ',.0f')} | {_f(d['decode_step_ms'], '.2f')} | "
                      f"{d['roofline']['tok_s']:,.0f} | {frac} | {d['e2e_tok_s']:,.0f} | "
                      f"{_f(h.get('decode_tok_s'), ',.0f')} | {_f(h.get('e2e_tok_s'), ',.0f')} | "
-                     f"{d['compiles_during_timing']} |")
+                     f"{d['compiles_during_timing']} | {_gc(d)} |")
     if hf.get("skipped"):
         lines.append(f"\nHF peer skipped: {' '.join(str(hf['skipped']).split())}")
     elif hf:

@@ -30,6 +30,7 @@ import numpy as np
 
 from mmjax.bench.serving import BenchSpec, IdTokenizer, serving_config
 from mmjax.config import load_config, parse_cli
+from mmjax.observe.gc_time import GcTime
 from mmjax.serving import transfer
 from mmjax.serving.engine import Engine
 from mmjax.serving.load import build_model
@@ -116,7 +117,7 @@ def measure(engine: Engine, batch: int, steps: int, rng: np.random.Generator, pr
     started: set[str] = set()
     while len(started) < batch:
         started.update(o.request_id for o in engine.step() if o.new_token_ids)
-    with Phases(engine) as phases:
+    with Phases(engine) as phases, GcTime() as gc_time:
         n, tokens, t0 = 0, 0, time.perf_counter()
         while tokens < batch * steps and engine.has_unfinished():
             # tokens, not steps: a multi-step call (serve.decode_steps > 1) reports several tokens per request
@@ -130,7 +131,8 @@ def measure(engine: Engine, batch: int, steps: int, rng: np.random.Generator, pr
     ms = {k: 1e3 * v / n for k, v in phases.seconds.items()}
     ms["other"] = 1e3 * wall / n - sum(ms[p] for p in PHASES)
     return {"batch": batch, "steps": n, "tokens": tokens, "wall_ms": 1e3 * wall / n, "tok_s": tokens / wall,
-            "host_ms": 1e3 * wall / n - ms["device_wait"], **{f"{k}_ms": v for k, v in ms.items()}}
+            "host_ms": 1e3 * wall / n - ms["device_wait"], **{f"{k}_ms": v for k, v in ms.items()},
+            **gc_time.summary()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             r = measure(engine, batch, args.steps, rng, args.prompt_len)
             print(f"batch {batch}: {r['steps']} steps, {r['tok_s']:.0f} tok/s, wall {r['wall_ms']:.3f} ms/step = "
                   + " + ".join(f"{k} {r[k + '_ms']:.3f}" for k in (*PHASES, "other"))
-                  + (f" (launcher thread {r['launch_async_ms']:.3f})" if r["launch_async_ms"] else ""), flush=True)
+                  + (f" (launcher thread {r['launch_async_ms']:.3f})" if r["launch_async_ms"] else "")
+                  + f"; gc: {r['gc_full_collections']} full collections, {sum(r['gc_ms']):.1f} ms in all", flush=True)
         rows.append({**r, "overrides": args.overrides, "full": args.full})
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

@@ -56,6 +56,7 @@ def test_record(record, tmp_path):
     assert [r["batch"] for r in record["decode"]] == [1, 4]
     for r in record["decode"]:
         assert r["compiles_during_timing"] == 0
+        assert r["gc_full_collections"] >= 0 and len(r["gc_ms"]) == 3 and min(r["gc_ms"]) >= 0
         # the decode window: every request decodes in each of new_tokens calls (one token per call on the CPU),
         # after the prefill (batch 4: two calls of the 32-token budget, the first two requests decoding in the
         # second) and two untimed calls
