@@ -73,6 +73,16 @@ class PlainReference:
 
 
 @pytest.fixture(scope="session")
+def draft_lm(tiny):
+    """A tiny text-only target and a draft that agrees with it often but not always (its weights with noise)."""
+    model = tiny["model"](tiny["config"](text_only=True), seed=3)
+    rng = np.random.default_rng(0)
+    graphdef, state = nnx.split(model)
+    draft = (graphdef, jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype), state))
+    return dict(model=model, draft=draft, ref=tiny["reference"](model, size=40))
+
+
+@pytest.fixture(scope="session")
 def tiny():
     return dict(config=tiny_config, model=random_model, reference=PlainReference, image_token=IMAGE_TOKEN,
                 serve=ServeConfig)

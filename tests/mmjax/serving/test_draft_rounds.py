@@ -6,35 +6,21 @@ the same draft keys per round) and greedy tokens equal plain greedy decoding; ca
 nothing compiles after warm-up; every page of the target and the draft returns; the draft pages cover every
 position a call may write."""
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
+from spec_cases import SPEC_PROMPTS, IdsTokenizer  # this folder's shared cases (pytest puts it on the path)
 
 from mmjax.config import Config, ServeConfig, SpeculativeConfig
 from mmjax.serving.request import SamplingParams
 
 ROUNDS = 4
-PROMPTS = [[1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 20, 21, 22, 20, 21, 22, 20], [1, 9, 9, 9, 9, 9],
-           [1, 30, 31, 30, 31, 30, 31, 30, 31, 30, 31], [1, 2, 3, 4, 2, 3, 4], [1, 44, 13, 50]]
-
-
-class _Ids:
-    eos_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
+PROMPTS = SPEC_PROMPTS
 
 
 @pytest.fixture(scope="module")
-def lm(tiny):
-    """A tiny text-only target, a draft that agrees with it often but not always (its weights with noise), and
-    the target's plain greedy reference."""
-    model = tiny["model"](tiny["config"](text_only=True), seed=3)
-    rng = np.random.default_rng(0)
-    graphdef, state = nnx.split(model)
-    draft = (graphdef, jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype), state))
-    return dict(model=model, draft=draft, ref=tiny["reference"](model, size=40))
+def lm(draft_lm):
+    """The shared target and noisy draft (conftest), with the target's plain greedy reference."""
+    return draft_lm
 
 
 def _engine(lm, rounds, adaptive=True, warmup=True):
@@ -43,7 +29,7 @@ def _engine(lm, rounds, adaptive=True, warmup=True):
                         min_slot_bucket=4, max_model_len=40, max_logprobs=0, decode_steps=1,
                         speculative=SpeculativeConfig(method="draft", num_tokens=3, adaptive=adaptive,
                                                       proposer_on_device=True, rounds=rounds))
-    return Engine(Config(model=lm["model"].cfg, serve=serve), lm["model"], _Ids(), warmup=warmup,
+    return Engine(Config(model=lm["model"].cfg, serve=serve), lm["model"], IdsTokenizer(), warmup=warmup,
                   draft_model=lm["draft"])
 
 
@@ -176,7 +162,7 @@ def test_draft_rounds_through_preemption_on_the_launcher_thread(lm):
                         min_slot_bucket=4, max_model_len=40, max_logprobs=0, decode_steps=1, launch_thread=True,
                         speculative=SpeculativeConfig(method="draft", num_tokens=3, proposer_on_device=True,
                                                       rounds=ROUNDS))
-    eng = Engine(Config(model=lm["model"].cfg, serve=serve), lm["model"], _Ids(), draft_model=lm["draft"])
+    eng = Engine(Config(model=lm["model"].cfg, serve=serve), lm["model"], IdsTokenizer(), draft_model=lm["draft"])
     seen = []
     _watch_rounds(eng, seen)
     ids = [eng.add_request(p, sampling_params=SamplingParams(max_tokens=n)) for p in prompts]

@@ -7,38 +7,24 @@ the draft has caught up; bad settings are refused."""
 
 import itertools
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
+from spec_cases import SPEC_PROMPTS, IdsTokenizer  # this folder's shared cases (pytest puts it on the path)
 
 from mmjax.config import Config, ServeConfig, SpeculativeConfig
 from mmjax.serving.engine import Engine
 from mmjax.serving.request import SamplingParams
 from mmjax.serving.speculative.proposers import DraftProposer, FusedDraftProposer
 
-PROMPTS = [[1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 20, 21, 22, 20, 21, 22, 20], [1, 9, 9, 9, 9, 9],
-           [1, 30, 31, 30, 31, 30, 31, 30, 31, 30, 31], [1, 2, 3, 4, 2, 3, 4], [1, 44, 13, 50]]
+PROMPTS = SPEC_PROMPTS
 MAX_TOKENS = 14
 
 
-class _Ids:
-    eos_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
-
 
 @pytest.fixture(scope="module")
-def lm(tiny):
-    """A tiny text-only target, a draft that agrees with it often but not always (its weights with noise), and
-    the target's greedy outputs of PROMPTS (the plain forward, token by token)."""
-    model = tiny["model"](tiny["config"](text_only=True), seed=3)
-    rng = np.random.default_rng(0)
-    graphdef, state = nnx.split(model)
-    draft = (graphdef, jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype), state))
-    ref = tiny["reference"](model, size=40)
-    return dict(model=model, draft=draft, want=[ref.greedy(p, MAX_TOKENS, stop=()) for p in PROMPTS])
+def lm(draft_lm):
+    """The shared target and noisy draft, and the target's greedy outputs of PROMPTS (the plain forward)."""
+    return dict(draft_lm, want=[draft_lm["ref"].greedy(p, MAX_TOKENS, stop=()) for p in PROMPTS])
 
 
 def _engine(lm, fused, warmup=True, num_pages=80, max_num_seqs=8, launch_thread=False, **spec):
@@ -46,7 +32,7 @@ def _engine(lm, fused, warmup=True, num_pages=80, max_num_seqs=8, launch_thread=
                         min_token_bucket=32, min_slot_bucket=max_num_seqs, max_model_len=40, max_logprobs=0,
                         launch_thread=launch_thread,
                         speculative=SpeculativeConfig(method="draft", num_tokens=3, proposer_on_device=fused, **spec))
-    return Engine(Config(model=lm["model"].cfg, serve=serve), lm["model"], _Ids(), warmup=warmup,
+    return Engine(Config(model=lm["model"].cfg, serve=serve), lm["model"], IdsTokenizer(), warmup=warmup,
                   draft_model=lm["draft"])
 
 
