@@ -6,19 +6,12 @@ adaptive k and preemption in a small pool; nothing compiles after warm-up; bad s
 
 import numpy as np
 import pytest
+from spec_cases import SPEC_PROMPTS, IdsTokenizer  # this folder's shared cases (pytest puts it on the path)
 
 from mmjax.config import Config, ServeConfig, SpeculativeConfig
 
 ROUNDS = 4
-REPETITIVE = [[1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 20, 21, 22, 20, 21, 22, 20], [1, 9, 9, 9, 9, 9],
-              [1, 30, 31, 30, 31, 30, 31, 30, 31, 30, 31], [1, 2, 3, 4, 2, 3, 4], [1, 44, 13, 50]]
-
-
-class _Ids:
-    eos_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
+REPETITIVE = SPEC_PROMPTS
 
 
 def _run(engine, prompts, params):
@@ -39,7 +32,7 @@ def _engine(model, rounds, *, num_pages=80, max_num_seqs=8, adaptive=True):
                         min_token_bucket=32, min_slot_bucket=max_num_seqs, max_model_len=40, max_logprobs=0,
                         decode_steps=1, speculative=SpeculativeConfig(
                             method="ngram", num_tokens=3, adaptive=adaptive, proposer_on_device=True, rounds=rounds))
-    return Engine(Config(model=model.cfg, serve=serve), model, _Ids(), warmup=True)
+    return Engine(Config(model=model.cfg, serve=serve), model, IdsTokenizer(), warmup=True)
 
 
 def _watch_rounds(engine, seen):
@@ -182,7 +175,7 @@ def test_dynamic_speculation_prices_a_call_of_rounds_per_round(lm):
                         min_slot_bucket=4, max_model_len=40, max_logprobs=0, decode_steps=1,
                         speculative=SpeculativeConfig(method="ngram", num_tokens=3, proposer_on_device=True,
                                                       rounds=ROUNDS, dynamic=True, dynamic_probe_every=4))
-    eng = Engine(Config(model=lm["model"].cfg, serve=serve), lm["model"], _Ids(), warmup=True)
+    eng = Engine(Config(model=lm["model"].cfg, serve=serve), lm["model"], IdsTokenizer(), warmup=True)
     compiles, seen, spec = eng.runner.num_compiles, [], []
     _watch_rounds(eng, seen)
     record_spec, record_acceptance = eng.policy.record_spec, eng.policy.record_acceptance
