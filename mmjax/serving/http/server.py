@@ -94,7 +94,7 @@ def run_service(service: Any, model_name: str) -> int:
 
 
 def _serve(server: DrainingServer, service: Any) -> int:
-    raise_gc_thresholds()  # the API process streams every token: no full collections of its heap mid-stream
+    raise_gc_thresholds()  # the API process streams every token: full collections of its heap become rare
     try:
         server.run()
     finally:
