@@ -6,9 +6,10 @@ the same draft keys per round) and greedy tokens equal plain greedy decoding; ca
 nothing compiles after warm-up; every page of the target and the draft returns; the draft pages cover every
 position a call may write."""
 
-import numpy as np
 import pytest
-from spec_cases import SPEC_PROMPTS, IdsTokenizer  # this folder's shared cases (pytest puts it on the path)
+
+# this folder's shared cases (pytest puts the folder on the path)
+from spec_cases import SPEC_PROMPTS, IdsTokenizer, assert_rounds_equal_one_round, rounds_stream
 
 from mmjax.config import Config, ServeConfig, SpeculativeConfig
 from mmjax.serving.request import SamplingParams
@@ -60,27 +61,13 @@ def _watch_rounds(engine, seen):
     engine.runner.collect = watched
 
 
-def _first_new(tokens, start):
-    """An index >= start whose token does not occur before it (a stop token that ends the output there)."""
-    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
-
-
 def test_draft_rounds_equal_one_round_per_call_and_plain_greedy(lm):
     """Four sequence slots for eight requests (and one arriving later): while requests wait, steps run a single
     round; once none waits, calls of four rounds. Greedy tokens equal plain greedy; every request's tokens (the
     sampled ones too), logprobs and counts equal `draft_device`'s one round per call."""
     ref = lm["ref"]
-    greedy = [ref.greedy(p, 14, stop=()) for p in PROMPTS]
-    stop_at = _first_new(greedy[1], 5)  # the stop token comes mid-call
-    limits = (14, 14, 7, 14, 9, 5)  # max_tokens; some end mid-call
-    prompts = [[1, 9, 9], [1, 30, 31, 30, 31], *PROMPTS]
-    params = [SamplingParams(max_tokens=12, temperature=0.9, seed=3),
-              SamplingParams(max_tokens=10, temperature=1.1, top_k=5, seed=11)] + \
-        [SamplingParams(max_tokens=n, stop_token_ids=[greedy[1][stop_at]] if i == 1 else [])
-         for i, n in enumerate(limits)]
+    prompts, params, want = rounds_stream([ref.greedy(p, 14, stop=()) for p in PROMPTS])
     late = ([1, 7, 8, 7, 8, 7], SamplingParams(max_tokens=64))  # to the model's length, mid-call
-    want = [g[:n] for g, n in zip(greedy, limits)]
-    want[1] = greedy[1][:stop_at + 1]
     outs, lps = {}, {}
     for rounds in (1, ROUNDS):
         eng = _engine(lm, rounds)
@@ -94,17 +81,10 @@ def test_draft_rounds_equal_one_round_per_call_and_plain_greedy(lm):
         assert eng.proposer.kv.num_free_pages == eng.proposer.kv.num_usable_pages
         if rounds > 1:
             assert seen and max(seen) == ROUNDS  # calls that ran every round for some request
-    one, many = outs[1], outs[ROUNDS]
+    many = outs[ROUNDS]
     assert [o.token_ids for o in many[2:8]] == want
     assert many[-1].token_ids == ref.greedy(late[0], 64, stop=())
-    assert [o.finish_reason for o in many] == [*["length"] * 3, "stop", *["length"] * 5]
-    assert [o.token_ids for o in many] == [o.token_ids for o in one]  # the sampled requests too
-    assert len(many[0].token_ids) == 12 and len(many[1].token_ids) == 10
-    for a, b in zip(lps[1], lps[ROUNDS]):
-        np.testing.assert_allclose(b, a, atol=1e-4)
-    counts = lambda outs: [(o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens) for o in outs]  # noqa: E731
-    assert counts(many) == counts(one)
-    assert sum(a for _, a in counts(many)) > 0 and any(d > a for d, a in counts(many))
+    assert_rounds_equal_one_round(outs[1], many, lps[1], lps[ROUNDS])
 
 
 def test_draft_pages_cover_a_call_of_rounds(lm):

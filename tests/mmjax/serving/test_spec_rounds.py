@@ -4,9 +4,10 @@ verifying step) and greedy tokens equal plain greedy decoding, with a stop token
 length reached in the middle of a call, sampled requests (their keys are those of separate speculative steps),
 adaptive k and preemption in a small pool; nothing compiles after warm-up; bad settings are refused."""
 
-import numpy as np
 import pytest
-from spec_cases import SPEC_PROMPTS, IdsTokenizer  # this folder's shared cases (pytest puts it on the path)
+
+# this folder's shared cases (pytest puts the folder on the path)
+from spec_cases import SPEC_PROMPTS, IdsTokenizer, assert_rounds_equal_one_round, rounds_stream
 
 from mmjax.config import Config, ServeConfig, SpeculativeConfig
 
@@ -53,26 +54,13 @@ def lm(tiny):
     return dict(model=model, ref=tiny["reference"](model, size=40))
 
 
-def _first_new(tokens, start):
-    """An index >= start whose token does not occur before it (a stop token that ends the output there)."""
-    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
-
-
 def test_rounds_equal_one_round_and_plain_greedy(lm):
     """Four sequence slots for nine requests: while requests wait, steps run a single round (with each request's
     adaptive k, which the sampled requests, arriving first, lower), then calls of rounds once none waits."""
     from mmjax.serving.request import SamplingParams
     ref = lm["ref"]
-    greedy = [ref.greedy(p, 14, stop=()) for p in REPETITIVE]
-    stop_at = _first_new(greedy[1], 5)  # the stop token comes mid-call
-    limits = (14, 14, 7, 14, 9, 5)  # max_tokens; some end mid-call
-    prompts = [[1, 9, 9], [1, 30, 31, 30, 31], *REPETITIVE, [1, 9, 9, 9, 9, 9]]
-    params = [SamplingParams(max_tokens=12, temperature=0.9, seed=3),
-              SamplingParams(max_tokens=10, temperature=1.1, top_k=5, seed=11)] + \
-        [SamplingParams(max_tokens=n, stop_token_ids=[greedy[1][stop_at]] if i == 1 else [])
-         for i, n in enumerate(limits)] + [SamplingParams(max_tokens=64)]  # to the model's length, mid-call
-    want = [g[:n] for g, n in zip(greedy, limits)]
-    want[1] = greedy[1][:stop_at + 1]
+    prompts, params, want = rounds_stream([ref.greedy(p, 14, stop=()) for p in REPETITIVE])
+    prompts, params = [*prompts, [1, 9, 9, 9, 9, 9]], [*params, SamplingParams(max_tokens=64)]  # to the length
     want_last = ref.greedy(prompts[-1], 64, stop=())
     outs, lps = {}, {}
     for rounds in (1, ROUNDS):
@@ -86,16 +74,9 @@ def test_rounds_equal_one_round_and_plain_greedy(lm):
         if rounds > 1:
             assert seen and max(seen) == ROUNDS  # calls that ran every round for some request
             assert eng.runner.history.num_uploads == len(prompts)  # each row went up once
-    one, many = outs[1], outs[ROUNDS]
+    many = outs[ROUNDS]
     assert [o.token_ids for o in many[2:8]] == want and many[-1].token_ids == want_last
-    assert [o.finish_reason for o in many] == [*["length"] * 3, "stop", *["length"] * 5]
-    assert [o.token_ids for o in many] == [o.token_ids for o in one]  # the sampled requests too
-    assert len(many[0].token_ids) == 12 and len(many[1].token_ids) == 10
-    for a, b in zip(lps[1], lps[ROUNDS]):
-        np.testing.assert_allclose(b, a, atol=1e-4)
-    counts = lambda outs: [(o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens) for o in outs]  # noqa: E731
-    assert counts(many) == counts(one)
-    assert sum(a for _, a in counts(many)) > 0 and any(d > a for d, a in counts(many))
+    assert_rounds_equal_one_round(outs[1], many, lps[1], lps[ROUNDS])
 
 
 def test_rounds_without_adaptive_k_through_preemption(lm):
