@@ -52,3 +52,15 @@ def assert_rounds_equal_one_round(one, many, lps_one, lps_many):
     counts = [(o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens) for o in many]
     assert counts == [(o.metrics.num_draft_tokens, o.metrics.num_accepted_tokens) for o in one]
     assert sum(a for _, a in counts) > 0 and any(d > a for d, a in counts)
+
+
+def watch_rounds(engine, seen):
+    """Record in `seen`, per call of speculative rounds, the most rounds any request ran in it."""
+    collect = engine.runner.collect
+
+    def watched(pending):
+        sampled = collect(pending)
+        if pending.rounds:
+            seen.append(max((len(s.rounds) for s in sampled.values()), default=0))
+        return sampled
+    engine.runner.collect = watched

@@ -9,7 +9,7 @@ position a call may write."""
 import pytest
 
 # this folder's shared cases (pytest puts the folder on the path)
-from spec_cases import SPEC_PROMPTS, IdsTokenizer, assert_rounds_equal_one_round, rounds_stream
+from spec_cases import SPEC_PROMPTS, IdsTokenizer, assert_rounds_equal_one_round, rounds_stream, watch_rounds
 
 from mmjax.config import Config, ServeConfig, SpeculativeConfig
 from mmjax.serving.request import SamplingParams
@@ -49,18 +49,6 @@ def _run(engine, prompts, params, late):
     return [(final[rid], logprobs[rid]) for rid in ids]
 
 
-def _watch_rounds(engine, seen):
-    """Record, per call of speculative rounds, the most rounds any request ran in it."""
-    collect = engine.runner.collect
-
-    def watched(pending):
-        sampled = collect(pending)
-        if pending.rounds:
-            seen.append(max((len(s.rounds) for s in sampled.values()), default=0))
-        return sampled
-    engine.runner.collect = watched
-
-
 def test_draft_rounds_equal_one_round_per_call_and_plain_greedy(lm):
     """Four sequence slots for eight requests (and one arriving later): while requests wait, steps run a single
     round; once none waits, calls of four rounds. Greedy tokens equal plain greedy; every request's tokens (the
@@ -72,7 +60,7 @@ def test_draft_rounds_equal_one_round_per_call_and_plain_greedy(lm):
     for rounds in (1, ROUNDS):
         eng = _engine(lm, rounds)
         compiles, draft_compiles, seen = eng.runner.num_compiles, eng.proposer.runner.num_compiles, []
-        _watch_rounds(eng, seen)
+        watch_rounds(eng, seen)
         outs[rounds], lps[rounds] = zip(*_run(eng, prompts, params, late))
         assert eng.runner.num_compiles == compiles and eng.proposer.runner.num_compiles == draft_compiles
         eng.kv.check_consistency()
@@ -144,7 +132,7 @@ def test_draft_rounds_through_preemption_on_the_launcher_thread(lm):
                                                       rounds=ROUNDS))
     eng = Engine(Config(model=lm["model"].cfg, serve=serve), lm["model"], IdsTokenizer(), draft_model=lm["draft"])
     seen = []
-    _watch_rounds(eng, seen)
+    watch_rounds(eng, seen)
     ids = [eng.add_request(p, sampling_params=SamplingParams(max_tokens=n)) for p in prompts]
     final = {}
     while eng.has_unfinished():

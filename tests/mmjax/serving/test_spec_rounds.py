@@ -7,7 +7,7 @@ adaptive k and preemption in a small pool; nothing compiles after warm-up; bad s
 import pytest
 
 # this folder's shared cases (pytest puts the folder on the path)
-from spec_cases import SPEC_PROMPTS, IdsTokenizer, assert_rounds_equal_one_round, rounds_stream
+from spec_cases import SPEC_PROMPTS, IdsTokenizer, assert_rounds_equal_one_round, rounds_stream, watch_rounds
 
 from mmjax.config import Config, ServeConfig, SpeculativeConfig
 
@@ -36,18 +36,6 @@ def _engine(model, rounds, *, num_pages=80, max_num_seqs=8, adaptive=True):
     return Engine(Config(model=model.cfg, serve=serve), model, IdsTokenizer(), warmup=True)
 
 
-def _watch_rounds(engine, seen):
-    """Record, per call of speculative rounds, the most rounds any request ran in it."""
-    collect = engine.runner.collect
-
-    def watched(pending):
-        sampled = collect(pending)
-        if pending.rounds:
-            seen.append(max((len(s.rounds) for s in sampled.values()), default=0))
-        return sampled
-    engine.runner.collect = watched
-
-
 @pytest.fixture(scope="module")
 def lm(tiny):
     model = tiny["model"](tiny["config"](text_only=True), seed=3)
@@ -66,7 +54,7 @@ def test_rounds_equal_one_round_and_plain_greedy(lm):
     for rounds in (1, ROUNDS):
         eng = _engine(lm["model"], rounds, max_num_seqs=4)
         compiles, seen = eng.runner.num_compiles, []
-        _watch_rounds(eng, seen)
+        watch_rounds(eng, seen)
         outs[rounds], lps[rounds] = zip(*_run(eng, prompts, params))
         assert eng.runner.num_compiles == compiles
         eng.kv.check_consistency()
@@ -87,7 +75,7 @@ def test_rounds_without_adaptive_k_through_preemption(lm):
     want = [lm["ref"].greedy(p, n, stop=()) for p in REPETITIVE]
     eng = _engine(lm["model"], ROUNDS, num_pages=24, max_num_seqs=4, adaptive=False)
     compiles, seen = eng.runner.num_compiles, []
-    _watch_rounds(eng, seen)
+    watch_rounds(eng, seen)
     outs = _run(eng, REPETITIVE, [SamplingParams(max_tokens=n)] * len(REPETITIVE))
     assert [o.token_ids for o, _ in outs] == want
     assert eng.stats()["num_preemptions"] > 0 and seen and max(seen) > 1
@@ -158,7 +146,7 @@ def test_dynamic_speculation_prices_a_call_of_rounds_per_round(lm):
                                                       rounds=ROUNDS, dynamic=True, dynamic_probe_every=4))
     eng = Engine(Config(model=lm["model"].cfg, serve=serve), lm["model"], IdsTokenizer(), warmup=True)
     compiles, seen, spec = eng.runner.num_compiles, [], []
-    _watch_rounds(eng, seen)
+    watch_rounds(eng, seen)
     record_spec, record_acceptance = eng.policy.record_spec, eng.policy.record_acceptance
     eng.policy.record_spec = lambda n, k, s: (spec.append(s), record_spec(n, k, s))
     tries = []
