@@ -3,8 +3,7 @@
 A process that has imported JAX and Flax and built a model holds a very large heap of tracked objects. The
 engine's host loop allocates small objects every step, so with CPython's default thresholds (700, 10, 10) full
 collections keep coming, and each one traverses the whole heap while the device waits for its next call; the
-loss grows with what the process has done before (a batch-64 decode after a batch-1 phase ran at about half the
-speed of the same batch in a fresh process, and at full speed with the thresholds below: docs/perf). Raising the
+loss grows with what the process has done before (measured in docs/perf/log/2026-12-07.md). Raising the
 thresholds makes collections rarer without turning them off, so cyclic garbage is still reclaimed.
 """
 
