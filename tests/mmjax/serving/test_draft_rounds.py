@@ -18,20 +18,14 @@ ROUNDS = 4
 PROMPTS = SPEC_PROMPTS
 
 
-@pytest.fixture(scope="module")
-def lm(draft_lm):
-    """The shared target and noisy draft (conftest), with the target's plain greedy reference."""
-    return draft_lm
-
-
-def _engine(lm, rounds, adaptive=True, warmup=True):
+def _engine(draft_lm, rounds, adaptive=True, warmup=True):
     from mmjax.serving.engine import Engine
     serve = ServeConfig(page_size=4, num_pages=80, max_num_batched_tokens=32, max_num_seqs=4, min_token_bucket=32,
                         min_slot_bucket=4, max_model_len=40, max_logprobs=0, decode_steps=1,
                         speculative=SpeculativeConfig(method="draft", num_tokens=3, adaptive=adaptive,
                                                       proposer_on_device=True, rounds=rounds))
-    return Engine(Config(model=lm["model"].cfg, serve=serve), lm["model"], IdsTokenizer(), warmup=warmup,
-                  draft_model=lm["draft"])
+    return Engine(Config(model=draft_lm["model"].cfg, serve=serve), draft_lm["model"], IdsTokenizer(), warmup=warmup,
+                  draft_model=draft_lm["draft"])
 
 
 def _run(engine, prompts, params, late):
@@ -49,16 +43,16 @@ def _run(engine, prompts, params, late):
     return [(final[rid], logprobs[rid]) for rid in ids]
 
 
-def test_draft_rounds_equal_one_round_per_call_and_plain_greedy(lm):
+def test_draft_rounds_equal_one_round_per_call_and_plain_greedy(draft_lm):
     """Four sequence slots for eight requests (and one arriving later): while requests wait, steps run a single
     round; once none waits, calls of four rounds. Greedy tokens equal plain greedy; every request's tokens (the
     sampled ones too), logprobs and counts equal `draft_device`'s one round per call."""
-    ref = lm["ref"]
+    ref = draft_lm["ref"]
     prompts, params, want = rounds_stream([ref.greedy(p, 14, stop=()) for p in PROMPTS])
     late = ([1, 7, 8, 7, 8, 7], SamplingParams(max_tokens=64))  # to the model's length, mid-call
     outs, lps = {}, {}
     for rounds in (1, ROUNDS):
-        eng = _engine(lm, rounds)
+        eng = _engine(draft_lm, rounds)
         compiles, draft_compiles, seen = eng.runner.num_compiles, eng.proposer.runner.num_compiles, []
         watch_rounds(eng, seen)
         outs[rounds], lps[rounds] = zip(*_run(eng, prompts, params, late))
@@ -75,11 +69,11 @@ def test_draft_rounds_equal_one_round_per_call_and_plain_greedy(lm):
     assert_rounds_equal_one_round(outs[1], many, lps[1], lps[ROUNDS])
 
 
-def test_draft_pages_cover_a_call_of_rounds(lm):
+def test_draft_pages_cover_a_call_of_rounds(draft_lm):
     """With rounds the proposer's draft pages reach every position a call of rounds may write (up to its last
     known position + rounds x (k + 1) - 1, within max_tokens and the model's length), and it passes each
     request's k for the first round."""
-    eng = _engine(lm, ROUNDS, warmup=False)
+    eng = _engine(draft_lm, ROUNDS, warmup=False)
     for prompt, n in (([1, 5, 6, 7], 30), ([1, 2, 3], 6)):
         eng.add_request(prompt, sampling_params=SamplingParams(max_tokens=n))
     eng.step()  # the prompts
@@ -119,18 +113,18 @@ def test_bench_methods_map_to_valid_speculative_settings():
     assert set(DRAFT_METHODS) == {m for m, c in got.items() if c.method == "draft"}
 
 
-def test_draft_rounds_through_preemption_on_the_launcher_thread(lm):
+def test_draft_rounds_through_preemption_on_the_launcher_thread(draft_lm):
     """A pool too small for every request's reserved rounds at once: requests are preempted (their draft KV
     dropped with them) and recompute; calls run on the launcher thread (the draft's pools come back with the
     target's from there). Greedy tokens still equal plain greedy; every page returns."""
     from mmjax.serving.engine import Engine
     n, prompts = 16, PROMPTS[:4]
-    want = [lm["ref"].greedy(p, n, stop=()) for p in prompts]
+    want = [draft_lm["ref"].greedy(p, n, stop=()) for p in prompts]
     serve = ServeConfig(page_size=4, num_pages=16, max_num_batched_tokens=32, max_num_seqs=4, min_token_bucket=32,
                         min_slot_bucket=4, max_model_len=40, max_logprobs=0, decode_steps=1, launch_thread=True,
                         speculative=SpeculativeConfig(method="draft", num_tokens=3, proposer_on_device=True,
                                                       rounds=ROUNDS))
-    eng = Engine(Config(model=lm["model"].cfg, serve=serve), lm["model"], IdsTokenizer(), draft_model=lm["draft"])
+    eng = Engine(Config(model=draft_lm["model"].cfg, serve=serve), draft_lm["model"], IdsTokenizer(), draft_model=draft_lm["draft"])
     seen = []
     watch_rounds(eng, seen)
     ids = [eng.add_request(p, sampling_params=SamplingParams(max_tokens=n)) for p in prompts]
