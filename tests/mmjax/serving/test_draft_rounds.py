@@ -124,7 +124,8 @@ def test_draft_rounds_through_preemption_on_the_launcher_thread(draft_lm):
                         min_slot_bucket=4, max_model_len=40, max_logprobs=0, decode_steps=1, launch_thread=True,
                         speculative=SpeculativeConfig(method="draft", num_tokens=3, proposer_on_device=True,
                                                       rounds=ROUNDS))
-    eng = Engine(Config(model=draft_lm["model"].cfg, serve=serve), draft_lm["model"], IdsTokenizer(), draft_model=draft_lm["draft"])
+    eng = Engine(Config(model=draft_lm["model"].cfg, serve=serve), draft_lm["model"], IdsTokenizer(),
+                 draft_model=draft_lm["draft"])
     seen = []
     watch_rounds(eng, seen)
     ids = [eng.add_request(p, sampling_params=SamplingParams(max_tokens=n)) for p in prompts]
