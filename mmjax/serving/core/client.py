@@ -34,7 +34,7 @@ from mmjax.serving.detokenize import IncrementalDetokenizer
 from mmjax.serving.engine import Engine, RequestMetrics, RequestOutput
 from mmjax.serving.http.admission import Decision
 from mmjax.serving.http.health import Health
-from mmjax.serving.http.service import EngineFailed, Stream, deliver
+from mmjax.serving.http.service import EngineFailed, Stream, deliver, deliver_all
 from mmjax.serving.request import RequestError, SamplingParams
 from mmjax.serving.served_model import ModelSource
 from mmjax.serving.step_types import SampledToken
@@ -246,8 +246,10 @@ class EngineCoreClient:
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, M.StepOutputs):
             now = time.monotonic()
+            ready: list[tuple[Stream, Any]] = []
             for o in msg.outputs:
-                self._output(o, now)
+                self._output(o, now, ready)
+            deliver_all(ready)
             self.snapshot = {**msg.stats, "ready": int(self.ready.is_set())}
         elif isinstance(msg, M.Reply):
             pending = self._pending.get(msg.ticket)
@@ -264,7 +266,8 @@ class EngineCoreClient:
             self.cause = msg.cause
             self.health.fail(msg.reason)
 
-    def _output(self, o: M.CoreOutput, now: float) -> None:
+    def _output(self, o: M.CoreOutput, now: float, ready: list[tuple[Stream, Any]]) -> None:
+        """Turn one request's new ids into its `RequestOutput` and append it, with its stream, to `ready`."""
         rid = o.request_id
         tracked, stream = self._tracked.get(rid), self._streams.get(rid)
         if tracked is None or stream is None:  # closed by its handler, or ended here by a stop string
@@ -280,7 +283,7 @@ class EngineCoreClient:
             stream.error = o.stream_error
             if not o.finished:  # a stop string ended it here: the core still runs it
                 self._send(M.Abort([rid]))
-        deliver(stream, (out, stream))
+        ready.append((stream, (out, stream)))
 
     def _core_exited(self) -> None:
         self._process.join(1.0)

@@ -568,8 +568,11 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + _dumps(obj).encode() + b"\n\n"
 
 
+_COMPACT = json.JSONEncoder(separators=(",", ":"))  # built once: json.dumps builds an encoder per call with options
+
+
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
+    return _COMPACT.encode(obj)
 
 
 def _chunk_maker(envelope: dict[str, Any]) -> Callable[..., bytes]:

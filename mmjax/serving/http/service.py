@@ -235,6 +235,7 @@ class EngineService:
             return
         self.admission.observe_step(time.perf_counter() - t0)
         now = time.monotonic()
+        ready: list[tuple[Stream, Any]] = []
         for out in outputs:
             s = self._streams.get(out.request_id)
             if s is None:
@@ -245,7 +246,8 @@ class EngineService:
                 s.last_token_time = now
             if out.finished:
                 self._streams.pop(out.request_id, None)
-            deliver(s, (out, s))
+            ready.append((s, (out, s)))
+        deliver_all(ready)
 
     def _refresh(self) -> None:
         sched = self.engine.scheduler
@@ -262,7 +264,22 @@ class EngineService:
 
 def deliver(stream: Stream, item: Any) -> None:
     """Hand an output to the stream's handler on its event loop; a closed loop (server shut down) drops it."""
-    try:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-    except RuntimeError:
-        pass
+    deliver_all([(stream, item)])
+
+
+def deliver_all(items: list[tuple[Stream, Any]]) -> None:
+    """`deliver` for a step's outputs at once: one wake-up of each event loop (one thread-safe call, one write to
+    its self-pipe) for all of them, not one per request."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Any]]] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:
+            pass
+
+
+def _put_all(batch: list[tuple[Stream, Any]]) -> None:
+    for stream, item in batch:
+        stream.queue.put_nowait(item)

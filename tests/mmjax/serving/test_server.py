@@ -199,12 +199,12 @@ def hold_on_first_output(client: EngineCoreClient) -> _Resume:
     resume.frozen = threading.Event()
     output = client._output
 
-    def freeze_then_output(o, now):
+    def freeze_then_output(o, now, ready):
         if not resume.frozen.is_set() and o.new_token_ids:
             os.kill(client.pid, signal.SIGSTOP)
             resume.frozen.set()
             client._output = output
-        output(o, now)
+        output(o, now, ready)
 
     client._output = freeze_then_output
     return resume
