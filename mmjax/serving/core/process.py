@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from mmjax.parallel.distributed import configure_backend
 from mmjax.serving.core import protocol as M
 from mmjax.serving.engine import Engine, RequestMetrics, RequestOutput
 from mmjax.serving.engine_loop import expire_waiting, step_or_abort_on_oom
@@ -220,6 +221,9 @@ def run_core(source: ModelSource, inbox_addr: str, outbox_addr: str) -> None:
     outbox.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow reader (a gone one is seen by the parent check)
     code = 0
     try:
+        # a spawned interpreter starts with jax's defaults: the persistent compilation cache (a jax setting, not
+        # the environment the flags and memory share travel in) must be turned on here, or every start compiles
+        configure_backend(source.cfg)
         engine, tokenizer, _ = source.engine(IdsOnlyTokenizer)
         EngineCore(engine, tokenizer, source.cfg.serve, inbox, outbox).run()
     except BaseException as e:  # noqa: BLE001 - reported to the API process, which fails its Health and exits 1

@@ -835,9 +835,10 @@ def test_cli_model_takes_a_known_name_or_a_hugging_face_folder(hf_llama_dir, tmp
     assert "neither a known model (smollm2-135m-instruct) nor a Hugging Face folder" in capsys.readouterr().err
 
 
-def test_engine_core_killed_mid_stream_fails_in_flight_requests_and_exits_1(run_dir, spare, monkeypatch):
+def test_engine_core_killed_mid_stream_fails_in_flight_requests_and_exits_1(run_dir, spare, monkeypatch, tmp_path):
     """serve.engine_process: the engine-core process dies (SIGKILL) with a stream and a plain request in flight;
-    both end with a 500 naming the cause, /health turns 503 and the server returns 1."""
+    both end with a 500 naming the cause, /health turns 503 and the server returns 1. Before that, the core (a
+    fresh interpreter) compiled into the configured persistent cache, so a restart does not compile again."""
     from fastapi.testclient import TestClient
 
     from mmjax.serving.http import server as server_module
@@ -845,7 +846,10 @@ def test_engine_core_killed_mid_stream_fails_in_flight_requests_and_exits_1(run_
     _, _, cfg = spare
     port = free_port()
     serve = dataclasses.replace(cfg.serve, port=port, drain_timeout_s=600, engine_process=True)
-    client = EngineCoreClient(ModelSource(dataclasses.replace(cfg, serve=serve),
+    xla_cache = tmp_path / "xla"
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # inherited by the core: keep every program
+    parallel = dataclasses.replace(cfg.parallel, compilation_cache_dir=str(xla_cache))
+    client = EngineCoreClient(ModelSource(dataclasses.replace(cfg, serve=serve, parallel=parallel),
                                            checkpoint=str(run_dir / "checkpoints")), serve)
     made = {}
     make = server_module.serve_service
@@ -856,6 +860,7 @@ def test_engine_core_killed_mid_stream_fails_in_flight_requests_and_exits_1(run_
     thread.start()
     base = f"http://127.0.0.1:{port}"
     wait_ready(base, lambda: "" if thread.is_alive() else "server exited")
+    assert any(xla_cache.iterdir()), "the engine core compiled without the configured persistent compilation cache"
     srv, _ = made["server"]
     # 16 choices x 55 tokens each on 4 sequence slots: far from done when the core dies
     body = {"model": MODEL, "messages": user("w7 w8"), "max_tokens": 55, "n": 16, "ignore_eos": True}
