@@ -9,6 +9,9 @@ inter-token latency (ITL) and end-to-end latency are measured on the client from
 goodput counts the requests that met the SLA (TTFT and mean ITL). A request's mean ITL is its time per output
 token after the first, (E2E - TTFT) / (output tokens - 1): a server that streams several tokens per event
 (multi-step decode, speculative decoding) is measured per token; `chunk_gap_s` keeps the gaps between events.
+Around each rate the server's /metrics tell how busy its processes were (`processes`: CPU cores in use, CPU
+microseconds per output token, garbage collections) for the HTTP API process and, when the engine runs in its
+own process, the engine core's.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from mmjax.bench.serving import LengthDistribution
 
@@ -153,6 +157,7 @@ async def run_rate(base: str, rate: float, requests: list[tuple[str, dict]], spe
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base.rstrip("/"), timeout=spec.timeout_s, limits=limits,
                                  headers=auth_headers(api_key)) as client:
+        load0 = await server_load(client)
         t0 = time.perf_counter()
         tasks = []
         at = 0.0
@@ -164,7 +169,46 @@ async def run_rate(base: str, rate: float, requests: list[tuple[str, dict]], spe
             tasks.append(asyncio.create_task(_one(client, path, body)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
-    return summarize(rate, results, duration, spec)
+        load1 = await server_load(client)
+    row = summarize(rate, results, duration, spec)
+    row["processes"] = process_busy(load0, load1, duration, sum(r.output_tokens for r in results if r.ok))
+    return row
+
+
+PROCESS_COUNTERS = ("cpu_seconds", "gc_seconds", "gc_full_collections")
+
+
+async def server_load(client: httpx.AsyncClient) -> dict[str, dict[str, float]]:
+    """{"api": {...}, "engine": {...}}: the server's process counters (`mmjax:{api,engine}_process_*` of
+    /metrics); empty when /metrics is not there (another server) or the engine has no process of its own."""
+    try:
+        r = await client.get("/metrics")
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    load: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(r.text):
+        for who in ("api", "engine"):
+            prefix = f"mmjax:{who}_process_"
+            if family.name.startswith(prefix) and family.name[len(prefix):] in PROCESS_COUNTERS:
+                load.setdefault(who, {})[family.name[len(prefix):]] = family.samples[0].value
+    return load
+
+
+def process_busy(before: dict, after: dict, duration: float, output_tokens: int) -> dict[str, dict[str, float]]:
+    """Per process, over a rate: CPU cores in use (1.0 = one core all the time), CPU microseconds per output
+    token, and the collector's work (full collections, seconds)."""
+    busy = {}
+    for who in after:
+        if who not in before:
+            continue
+        d = {k: after[who][k] - before[who][k] for k in PROCESS_COUNTERS if k in after[who] and k in before[who]}
+        if "cpu_seconds" not in d:
+            continue
+        busy[who] = {"cpu_cores": d["cpu_seconds"] / duration,
+                     "cpu_us_per_output_token": 1e6 * d["cpu_seconds"] / max(output_tokens, 1),
+                     "gc_full_collections": d.get("gc_full_collections", 0.0), "gc_s": d.get("gc_seconds", 0.0)}
+    return busy
 
 
 def summarize(rate: float, results: list[Result], duration: float, spec: LoadSpec) -> dict[str, Any]:

@@ -44,3 +44,17 @@ class GcTime:
         """What a result row records: collections and milliseconds per generation, and the full ones apart."""
         return {"gc_collections": list(self.collections), "gc_ms": [round(1e3 * s, 3) for s in self.seconds],
                 "gc_full_collections": self.collections[2], "gc_full_ms": round(1e3 * self.seconds[2], 3)}
+
+
+_PROCESS_GC: GcTime | None = None  # this process's collector hook, installed by the first `process_load()`
+
+
+def process_load() -> dict[str, float]:
+    """This process's CPU seconds (all threads) and its collector's work since the first call, which installs a
+    hook for the rest of the process's life: the counters a server exports so a load test can tell which process
+    (the HTTP one or the engine's) is saturated, and whether full collections stalled it."""
+    global _PROCESS_GC
+    if _PROCESS_GC is None:
+        _PROCESS_GC = GcTime().__enter__()
+    g = _PROCESS_GC
+    return {"cpu_s": time.process_time(), "gc_s": sum(g.seconds), "gc_full_collections": float(g.collections[2])}

@@ -254,6 +254,9 @@ def server_main(args: argparse.Namespace, command: str) -> int:
         print(f"rate {row['rate']:g}/s: {row['completed']}/{row['requests']} done, {row['rejected_429']} refused; "
               f"TTFT ms {fmt(t)}; ITL ms {fmt(i)}; E2E ms {fmt(e)}; {row['output_tok_s']:.1f} out tok/s; "
               f"goodput {row['goodput_req_s']:.2f} req/s")
+        for who, b in row.get("processes", {}).items():
+            print(f"  {who} process: {b['cpu_cores']:.2f} cores busy, {b['cpu_us_per_output_token']:.0f} CPU us per "
+                  f"output token, {b['gc_full_collections']:.0f} full GCs, {b['gc_s'] * 1e3:.0f} ms in the collector")
     print(f"p90 TTFT crosses {args.slo_ttft * 1e3:g} ms at: {record['ttft_p90_crossing']}")
     print(f"wrote {out} and {plot}")
     return 0

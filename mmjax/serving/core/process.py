@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from mmjax.observe.gc_time import process_load
 from mmjax.parallel.distributed import configure_backend
 from mmjax.serving.core import protocol as M
 from mmjax.serving.engine import Engine, RequestMetrics, RequestOutput
@@ -194,7 +195,8 @@ class EngineCore:
                 per[key][self.sla.get(r.request_id, CLASSES[0])] += 1
         return {**self.engine.stats(), **per, "oom_events": self.oom_events,
                 "free_pages": self.engine.kv.num_free_pages,
-                "compiles_after_warmup": self.engine.runner.num_compiles - self.compiles_at_ready}
+                "compiles_after_warmup": self.engine.runner.num_compiles - self.compiles_at_ready,
+                "engine_process": process_load()}
 
     def _parent_alive(self, force: bool) -> bool:
         now = time.monotonic()
@@ -219,6 +221,7 @@ def run_core(source: ModelSource, inbox_addr: str, outbox_addr: str) -> None:
     outbox.connect(outbox_addr)
     outbox.setsockopt(zmq.LINGER, 2000)  # a failure report gets out before the process exits
     outbox.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow reader (a gone one is seen by the parent check)
+    process_load()  # counts this process's collections from here on (/metrics: mmjax:engine_process_*)
     code = 0
     try:
         # a spawned interpreter starts with jax's defaults: the persistent compilation cache (a jax setting, not

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from mmjax.observe.gc_time import process_load
 from mmjax.serving.http.admission import CLASSES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -52,6 +53,18 @@ class _EngineCollector(Collector):
                 ("oom_events", "oom_events", "Engine steps that failed for lack of device memory."),
                 ("num_steps", "engine_steps", "Engine steps run.")):
             yield CounterMetricFamily(f"mmjax:{name}", doc, value=s.get(key, 0))
+        # which process a load saturates: this (HTTP) one, or the engine-core process (absent when the engine
+        # runs on a thread of this one, whose numbers then include it)
+        loads = [("api_process", "The HTTP API process", process_load())]
+        if "engine_process" in s:
+            loads.append(("engine_process", "The engine-core process", s["engine_process"]))
+        for prefix, who, load in loads:
+            yield CounterMetricFamily(f"mmjax:{prefix}_cpu_seconds", f"{who}'s CPU time (all its threads).",
+                                      value=load["cpu_s"])
+            yield CounterMetricFamily(f"mmjax:{prefix}_gc_seconds", f"{who}'s time in Python's garbage collector.",
+                                      value=load["gc_s"])
+            yield CounterMetricFamily(f"mmjax:{prefix}_gc_full_collections", f"{who}'s full (generation 2) "
+                                      "garbage collections.", value=load["gc_full_collections"])
 
 
 class ServerMetrics:
@@ -77,6 +90,7 @@ class ServerMetrics:
         self.rejected = Counter("mmjax:request_rejected", "Requests refused by admission control or while "
                                 "draining, by reason.", ["reason", "sla_class"], registry=r)
         r.register(_EngineCollector(snapshot))
+        process_load()  # the API process's collections count from here on
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -548,6 +548,11 @@ def test_bench_serving_server_mode(server, tmp_path):
         assert row["ttft_s"]["p50"] <= row["ttft_s"]["p90"] <= row["ttft_s"]["p99"] <= row["e2e_s"]["p99"]
         assert row["output_tok_s"] > 0 and 0 <= row["goodput_req_s"] <= row["throughput_req_s"]
         assert row["itl_s"]["p90"] <= row["e2e_s"]["p99"] and row["chunk_gap_s"]["p50"] is not None
+        # which process was busy: the API one always, the engine core's when it has its own process
+        busy = row["processes"]
+        assert set(busy) == ({"api", "engine"} if server["mode"] == "process" else {"api"}), busy
+        for b in busy.values():
+            assert b["cpu_cores"] > 0 and b["cpu_us_per_output_token"] > 0 and b["gc_full_collections"] >= 0
 
 
 def test_cli_errors(tmp_path, capsys):
