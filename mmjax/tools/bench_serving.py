@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--slo-ttft", type=float, default=0.2, help="goodput: TTFT target (s)")
     server.add_argument("--slo-itl", type=float, default=0.05, help="goodput: mean inter-token latency target (s)")
     server.add_argument("--sla-class", default="interactive", choices=["interactive", "batch"])
+    server.add_argument("--no-logprobs", action="store_true",
+                        help="do not ask for each token's logprob (lighter chunks, as most chat clients; a token "
+                             "whose text is empty or held back then has no chunk, so TTFT may be late)")
     server.add_argument("--prompt-mu", type=float, default=None, help="log-normal mu of prompt lengths")
     server.add_argument("--output-mu", type=float, default=None, help="log-normal mu of output lengths")
     server.add_argument("--plot", default="", help="latency-vs-rate PNG (default: the JSON path with .png)")
@@ -242,7 +245,7 @@ def server_main(args: argparse.Namespace, command: str) -> int:
                                                                 ("output_mu", args.output_mu)) if v is not None})
     spec = loadgen.LoadSpec(rates=tuple(args.rates), num_requests=args.num_requests, lengths=lengths,
                             image_every=args.image_every, slo_ttft_s=args.slo_ttft, slo_itl_s=args.slo_itl,
-                            sla_class=args.sla_class, seed=args.seed)
+                            sla_class=args.sla_class, seed=args.seed, logprobs=not args.no_logprobs)
     record = loadgen.run_sweep(args.server, spec, api_key=args.api_key)
     out = Path(args.out or f"docs/perf/results/serving/serving-server-{datetime.date.today().isoformat()}.json")
     _write_record(record, out, command)
