@@ -25,7 +25,8 @@ FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.1
 
 
 class _EngineCollector(Collector):
-    """Engine counters and gauges from `snapshot()` (a dict the engine thread refreshes after every step)."""
+    """Engine counters and gauges from `snapshot()` (a dict the engine refreshes after every step), and the CPU
+    and collector counters of this process and of the engine-core process (from the same snapshot)."""
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.snapshot = snapshot
