@@ -191,10 +191,27 @@ def hold(service):
     return thaw
 
 
-def hold_on_first_output(client: EngineCoreClient) -> _Resume:
-    """Freeze an engine-core process (SIGSTOP) from the client's receiver thread as soon as a token arrives, so the
-    core cannot run far ahead of the test (polling /metrics on a loaded machine can miss a whole request);
-    `.frozen` is set once it is frozen, `.set()` lets it go on."""
+def hold_on_first_output(service):
+    """Stop the engine as soon as a step produced a token, so it cannot run far ahead of the test (polling /metrics
+    on a loaded machine can miss a whole request): an engine-core process is frozen (SIGSTOP) from the client's
+    receiver thread, an engine thread blocks after that step (before its outputs are handed over). `.frozen` is
+    set once it is held, `.set()` lets it go on."""
+    if not isinstance(service, EngineCoreClient):
+        engine, thaw = service.engine, threading.Event()
+        thaw.frozen = threading.Event()
+        step = engine.step  # the bound method; the instance attribute set below is the wrapper until the hold
+
+        def step_then_hold():
+            outputs = step()
+            if any(o.new_token_ids for o in outputs):
+                del engine.step
+                thaw.frozen.set()
+                thaw.wait(30)
+            return outputs
+
+        engine.step = step_then_hold
+        return thaw
+    client = service
     resume = _Resume(client.pid)
     resume.frozen = threading.Event()
     output = client._output
@@ -651,19 +668,13 @@ def test_abandoned_plain_request_stops_at_once_and_frees_its_pages(server):
     logged = len(log.read_text().splitlines())
     body = json.dumps({"model": MODEL, "messages": user("w7 w9"), "max_tokens": 55, "n": 8,
                        "ignore_eos": True}).encode()
+    thaw = hold_on_first_output(service)  # the client goes away before the running choices can finish
     sock = raw_request(base, b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                              b"Content-Length: %d" % len(body), body)
     running = "mmjax:num_requests_running{sla_class=interactive}"
     waiting = "mmjax:num_requests_waiting{sla_class=interactive}"
     deadline = time.monotonic() + 30
-    if isinstance(service, EngineCoreClient):  # the core runs on freely: freeze it on the first token it sends
-        thaw = hold_on_first_output(service)
-        assert thaw.frozen.wait(30)
-    else:
-        while metrics(base)[running] < 1:  # its choices decode
-            assert time.monotonic() < deadline
-            time.sleep(0.002)
-        thaw = hold(service)  # the client goes away before the running choices can finish
+    assert thaw.frozen.wait(30)
     steps = metrics(base)["mmjax:engine_steps_total"]
     sock.close()
     time.sleep(0.2)  # the handler's watcher sees the disconnect and aborts every choice (queued behind the hold)
